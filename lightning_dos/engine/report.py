@@ -1,0 +1,85 @@
+"""What one optimizer step did: bytes moved, time taken, and (when timing is on) a span per operation.
+
+The engine fills a :class:`StepReport` every step. The performance model refines its rates from it,
+the monitor callback logs it, and the timeline writer turns its spans into a Chrome trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lightning_dos.engine.plan import Plan
+
+#: The lanes of the update pipeline, one per kind of operation.
+LANES = ("host_adam", "upload", "device_adam", "cast", "download")
+
+
+@dataclass(frozen=True)
+class Span:
+    """One operation on one sub-group.
+
+    Attributes:
+        lane: one of :data:`LANES`.
+        sub_group: index of the sub-group it worked on.
+        start_s: start, in seconds since the start of the step's update phase.
+        end_s: end, same clock.
+        nbytes: bytes moved (transfers) or elements processed times 4 (kernels).
+    """
+
+    lane: str
+    sub_group: int
+    start_s: float
+    end_s: float
+    nbytes: int = 0
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass
+class StepReport:
+    """The engine's account of one optimizer step.
+
+    Attributes:
+        step: the global optimizer step this report belongs to (1-based; skipped steps included).
+        plan: the placement that was executed (after any fallback to the host).
+        sizes: element count of every sub-group.
+        skipped: True when the step was skipped (fp16 loss-scale overflow); nothing was updated.
+        update_s: wall time of the engine's update loop, from its first launch to the last byte home.
+        predicted_s: the performance model's prediction for this plan, when one was made.
+        h2d_bytes: bytes copied host-to-device during the update.
+        d2h_bytes: bytes copied device-to-host during the update.
+        host_elements: elements updated by host Adam.
+        device_elements: elements updated by device Adam.
+        device_staging_bytes: device bytes held by staging buffers during the update (peak).
+        pinned_bytes: host bytes held by the engine's buffer pool (pinned when pinning works).
+        fallback_host: sub-groups the plan put on the device but that ran on the host because device
+            staging could not be allocated.
+        spans: one :class:`Span` per operation, only when timing is enabled.
+    """
+
+    step: int
+    plan: Plan
+    sizes: tuple[int, ...]
+    skipped: bool = False
+    update_s: float = 0.0
+    predicted_s: float | None = None
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    host_elements: int = 0
+    device_elements: int = 0
+    device_staging_bytes: int = 0
+    pinned_bytes: int = 0
+    fallback_host: list[int] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
+
+    @property
+    def device_share(self) -> float:
+        """Share of elements updated on the device this step."""
+        total = self.host_elements + self.device_elements
+        return self.device_elements / total if total else 0.0
+
+    def lane_seconds(self, lane: str) -> float:
+        """Total busy time of one lane (needs timing enabled)."""
+        return sum(s.duration_s for s in self.spans if s.lane == lane)

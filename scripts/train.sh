@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up .venv, then train the default recipe (recipes/gpt-tiny.yaml) on whatever hardware is here.
+# Extra arguments go to `lightning-dos fit`, e.g. `--trainer.max_steps 50`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export DS_ACCELERATOR=${DS_ACCELERATOR:-$(.venv/bin/python -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")}
+.venv/bin/lightning-dos fit --config recipes/gpt-tiny.yaml "$@"
