@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 
 from lightning_dos.engine.plan import Plan
 
-#: The lanes of the update pipeline, one per kind of operation.
-LANES = ("host_adam", "upload", "device_adam", "cast", "download")
+#: The lanes of the update pipeline, one per kind of operation. ``host_adam`` covers a host
+#: sub-group's Adam and its cast into 16-bit staging; ``upload`` carries device sub-groups' fp32
+#: state up; ``lp_upload`` carries host sub-groups' 16-bit parameters up on a stream of its own.
+LANES = ("host_adam", "upload", "device_adam", "cast", "download", "lp_upload")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,228 @@
+"""The one place that touches DeepSpeed's private ZeRO-3 optimizer attributes.
+
+DeepSpeed's ``DeepSpeedZeroOptimizer_Stage3.step`` runs a prologue (partition parameters, overflow
+check, gradient norm, loss-scale update), then updates sub-groups one after another on the CPU with a
+blocking cast and copy each, then an epilogue. The adapter keeps DeepSpeed's prologue and epilogue
+and replaces the loop in between with the engine. It also moves the fp32 master weights and the Adam
+moments into the engine's pinned slabs, as views that DeepSpeed's own checkpointing still finds in
+their usual places, so a DeepSpeed checkpoint holds the engine's state and reloads into it.
+
+Everything here is checked at start-up: a DeepSpeed release that renamed any of it fails with an
+error naming the version, before the first step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lightning_dos.engine.loop import InterleavedAdam, StepInputs
+from lightning_dos.engine.plan import Plan
+from lightning_dos.engine.report import StepReport
+from lightning_dos.optimizers import check_optimizer, hyper_of, uses_tensor_step
+
+#: The private attributes and methods of DeepSpeed's ZeRO-3 optimizer the adapter relies on.
+REQUIRED_ATTRIBUTES = (
+    "optimizer",
+    "fp16_groups",
+    "fp16_partitioned_groups_flat",
+    "fp32_partitioned_groups_flat",
+    "sub_group_to_group_id",
+    "offload_optimizer",
+    "swap_optimizer",
+    "partial_offload",
+    "loss_scale",
+    "clip_grad",
+    "overflow",
+    "timers",
+    "_pre_step",
+    "_partition_all_parameters",
+    "_overflow_check_and_loss_scale_update",
+    "_loss_scale_update_and_overflow_cleanup",
+    "_get_norm_groups",
+    "_unflatten_partitioned_parameters",
+    "_post_step",
+)
+TESTED_DEEPSPEED = "0.19.5 to 0.19.8"
+
+#: Planner signature: given the step about to run, return its plan and the predicted update time.
+Planner = Callable[[int], tuple[Plan, float | None]]
+
+
+class DeepSpeedIncompatibleError(RuntimeError):
+    """The installed DeepSpeed lacks something the engine needs."""
+
+
+def _deepspeed_version() -> str:
+    import deepspeed
+
+    return deepspeed.__version__
+
+
+def check_zero3_optimizer(zero_optimizer: object) -> None:
+    """Fail with a clear message unless ``zero_optimizer`` is a ZeRO-3 optimizer the adapter understands."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    version = _deepspeed_version()
+    if not isinstance(zero_optimizer, DeepSpeedZeroOptimizer_Stage3):
+        raise DeepSpeedIncompatibleError(
+            f"DeepOptimizerStatesStrategy needs DeepSpeed's ZeRO stage 3 optimizer, got "
+            f"{type(zero_optimizer).__name__} (DeepSpeed {version})"
+        )
+    missing = [name for name in REQUIRED_ATTRIBUTES if not hasattr(zero_optimizer, name)]
+    if missing:
+        raise DeepSpeedIncompatibleError(
+            f"DeepSpeed {version}'s ZeRO-3 optimizer lacks {', '.join(missing)}, which lightning-dos needs; "
+            f"it is tested with DeepSpeed {TESTED_DEEPSPEED}. Install a tested version."
+        )
+    z = zero_optimizer
+    if not z.offload_optimizer or z.swap_optimizer:
+        raise DeepSpeedIncompatibleError(
+            "DeepOptimizerStatesStrategy needs the optimizer offloaded to CPU memory "
+            "(zero_optimization.offload_optimizer.device='cpu'); NVMe or no offload is not supported"
+        )
+    if getattr(z, "use_muon", False) or getattr(z, "zenflow", False) or getattr(z, "torch_autocast_gradscaler", None):
+        raise DeepSpeedIncompatibleError(
+            "DeepOptimizerStatesStrategy does not combine with DeepSpeed's Muon, ZenFlow or torch-autocast modes"
+        )
+    if z.partial_offload != 1.0:
+        raise DeepSpeedIncompatibleError(
+            f"zero_optimization.offload_optimizer.ratio={z.partial_offload} (TwinFlow) conflicts with "
+            "DeepOptimizerStatesStrategy, which places sub-groups itself; leave ratio at 1.0"
+        )
+    if any(flat is None for flat in z.fp16_partitioned_groups_flat):
+        raise DeepSpeedIncompatibleError("parameters offloaded to NVMe are not supported; use offload to 'cpu'")
+    check_optimizer(z.optimizer)
+
+
+class ZeRO3Adapter:
+    """Hands DeepSpeed's ZeRO-3 update phase to an :class:`InterleavedAdam` engine.
+
+    Args:
+        zero_optimizer: ``deepspeed_engine.optimizer`` after ``deepspeed.initialize``.
+        sub_group_size: largest number of elements per engine sub-group.
+        gpu_memory_budget: device bytes the update may use (None: derived from free memory).
+        pin: pin the engine's host slabs.
+    """
+
+    def __init__(
+        self,
+        zero_optimizer: object,
+        sub_group_size: int,
+        gpu_memory_budget: int | None = None,
+        pin: bool = True,
+    ) -> None:
+        check_zero3_optimizer(zero_optimizer)
+        self.zero = z = zero_optimizer
+        self.inner = z.optimizer
+        self.flats: list[torch.Tensor] = list(z.fp32_partitioned_groups_flat)
+        lp = z.fp16_partitioned_groups_flat
+        self.engine = InterleavedAdam(
+            flat_numels=[f.numel() for f in self.flats],
+            flat_param_groups=[z.sub_group_to_group_id[i] for i in range(len(self.flats))],
+            sub_group_size=sub_group_size,
+            device=lp[0].device,
+            lp_dtype=lp[0].dtype,
+            pin=pin,
+            gpu_memory_budget=gpu_memory_budget,
+        )
+        for i in range(len(self.flats)):
+            self._adopt_master(i)
+        #: Chooses each step's plan; the strategy installs the scheduler here.
+        self.planner: Planner | None = None
+        # Shadow the bound method on this instance only: DeepSpeed's engine calls optimizer.step().
+        z.step = self.step
+
+    # -- keeping DeepSpeed's tensors as views of the engine's slabs -------------------------------
+
+    def _adopt_master(self, i: int) -> None:
+        """Point DeepSpeed's fp32 partition ``i`` at the engine's slab (copying its values in)."""
+        view, flat = self.engine.param_view(i), self.flats[i]
+        if flat.data.data_ptr() != view.data_ptr():
+            view.copy_(flat.data.reshape(-1))
+            flat.data = view
+
+    def _adopt_state(self, i: int) -> int:
+        """Make the inner optimizer's state for partition ``i`` views of the slabs; return its step count.
+
+        Checked every step because loading a checkpoint replaces these tensors with new ones.
+        """
+        self._adopt_master(i)
+        state = self.inner.state[self.flats[i]]
+        for key, view in (("exp_avg", self.engine.exp_avg_view(i)), ("exp_avg_sq", self.engine.exp_avg_sq_view(i))):
+            current = state.get(key)
+            if current is None:
+                view.zero_()
+                state[key] = view
+            elif current.data_ptr() != view.data_ptr():
+                view.copy_(current.reshape(-1))
+                state[key] = view
+        return int(state.get("step", 0))
+
+    def _store_step(self, i: int, step: int) -> None:
+        state = self.inner.state[self.flats[i]]
+        state["step"] = torch.tensor(float(step)) if uses_tensor_step(self.inner) else step
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def _inverse_grad_scale(self, scaled_norm: torch.Tensor | float) -> float:
+        """DeepSpeed's ``unscale_and_clip_grads`` factor, as one float for both sides of the loop."""
+        z = self.zero
+        combined_scale = z.loss_scale
+        if z.clip_grad > 0.0:
+            clip = ((scaled_norm / z.loss_scale) + 1e-6) / z.clip_grad
+            clip = torch.clamp(torch.as_tensor(clip), min=1.0)
+            combined_scale = clip * z.loss_scale
+        return float(1.0 / combined_scale)
+
+    def next_plan(self) -> tuple[Plan, float | None]:
+        if self.planner is None:
+            from lightning_dos.engine.plan import all_host
+
+            return all_host(len(self.engine.sub_groups)), None
+        return self.planner(self.engine.steps_taken + 1)
+
+    def step(self, closure: object = None) -> None:
+        """DeepSpeed 0.19's ZeRO-3 ``step`` with the sub-group loop replaced by the engine."""
+        from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
+        from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
+
+        z = self.zero
+        z._pre_step()
+        z._partition_all_parameters()
+        z._overflow_check_and_loss_scale_update(update_scale=False)
+        scaled_norm = None
+        if not z.overflow:
+            scaled_norm = combine_grad_norm_groups(z._get_norm_groups())
+            if is_invalid_grad_norm(scaled_norm):
+                z.overflow = True
+        plan, predicted = self.next_plan()
+        if z._loss_scale_update_and_overflow_cleanup():
+            # fp16 overflow: the step is skipped on every sub-group and no state is touched.
+            self.engine.skip(plan)
+            return
+        z._global_grad_norm = scaled_norm / z.loss_scale
+
+        timer_names = {OPTIMIZER_STEP_TIMER}
+        z.timers(OPTIMIZER_STEP_TIMER).start()
+        steps = [self._adopt_state(i) + 1 for i in range(len(self.flats))]
+        inputs = StepInputs(
+            grads=[flat.grad for flat in self.flats],
+            lp_targets=list(z.fp16_partitioned_groups_flat),
+            hypers=[hyper_of(self.inner, group) for group in self.inner.param_groups],
+            steps=steps,
+            inv_grad_scale=self._inverse_grad_scale(scaled_norm),
+            predicted_s=predicted,
+        )
+        self.engine.step(plan, inputs)
+        for i, step in enumerate(steps):
+            self._store_step(i, step)
+            # The 16-bit partitions were written in place; re-point the parameters' views as DeepSpeed does.
+            z._unflatten_partitioned_parameters(i)
+        z.timers(OPTIMIZER_STEP_TIMER).stop()
+        z._post_step(timer_names)
+
+    @property
+    def last_report(self) -> StepReport | None:
+        return self.engine.last_report

@@ -1,0 +1,338 @@
+"""The interleaved update loop: device sub-groups stream through the accelerator while the CPU updates the rest.
+
+One optimizer step, given a :class:`~lightning_dos.engine.plan.Plan`:
+
+1. Device sub-groups are launched first, all of them, because on an accelerator every launch is
+   asynchronous: for each one the ``h2d`` stream uploads fp32 param, moments and gradient into a
+   staging buffer, the compute stream runs Adam and casts the result into DeepSpeed's 16-bit
+   partition, and the ``d2h`` stream brings param and moments home. Events chain these so no copy
+   races a kernel, and a staging buffer is reused only once its previous download has finished.
+2. While that pipeline runs, the CPU works through the host sub-groups: Adam on the pinned slabs,
+   a cast into pinned 16-bit staging, and an asynchronous upload on the ``lp_h2d`` stream.
+3. The step ends when every download and upload has landed, so the host slabs are consistent
+   (checkpoints read them) and all 16-bit parameters are in place before the next forward.
+
+This module knows nothing of Lightning or DeepSpeed: the adapter hands it flat tensors.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lightning_dos.engine.kernels import AdamHyper, adam_update, step_tensor
+from lightning_dos.engine.plan import Place, Plan, SubGroup, split_into_sub_groups
+from lightning_dos.engine.pool import STAGING_BYTES_PER_ELEMENT, BufferPool, DeviceBuffer
+from lightning_dos.engine.report import Span, StepReport
+from lightning_dos.engine.streams import Streams
+
+FP32_BYTES = 4
+#: fp32 bytes a streamed sub-group moves each way besides its gradient: param, exp_avg, exp_avg_sq.
+STATE_BYTES_PER_ELEMENT = 3 * FP32_BYTES
+#: Device memory kept free for the caching allocator's fragmentation when the budget is derived.
+FREE_MEMORY_MARGIN = 0.10
+
+
+@dataclass
+class StepInputs:
+    """What one step needs from the framework, per DeepSpeed flat partition.
+
+    Attributes:
+        grads: fp32 gradient of each flat partition, in host memory (DeepSpeed's offload buffers).
+        lp_targets: the model's 16-bit (or fp32) partition of each flat, where the updated parameters go.
+        hypers: hyperparameters of each optimizer param group.
+        steps: the step number to apply to each flat partition (1 for its first update).
+        inv_grad_scale: factor that unscales and clips gradients (1 / DeepSpeed's combined scale).
+        predicted_s: the performance model's prediction for this step's plan, if any.
+    """
+
+    grads: Sequence[torch.Tensor]
+    lp_targets: Sequence[torch.Tensor]
+    hypers: Sequence[AdamHyper]
+    steps: Sequence[int]
+    inv_grad_scale: float = 1.0
+    predicted_s: float | None = None
+
+
+class _Timeline:
+    """Collects spans: host spans from the wall clock, device spans from stream events (timing only)."""
+
+    def __init__(self, streams: Streams, enabled: bool) -> None:
+        self.enabled = enabled
+        self.streams = streams
+        self.t0 = time.perf_counter()
+        self.origin = streams.record(streams.compute) if enabled else None
+        self.spans: list[Span] = []
+        self._pending: list[tuple[str, int, object, object, int]] = []
+
+    def now(self) -> object:
+        return time.perf_counter()
+
+    def mark(self, stream: torch.cuda.Stream | None) -> object:
+        """A point on ``stream``: an event on an accelerator, the wall clock on CPU (where work is done)."""
+        return self.streams.record(stream) if stream is not None else time.perf_counter()
+
+    def add(self, lane: str, sub_group: int, start: object, end: object, nbytes: int) -> None:
+        if self.enabled:
+            self._pending.append((lane, sub_group, start, end, nbytes))
+
+    def resolve(self) -> list[Span]:
+        """Turn marks into seconds; call after the step's final wait, so no event is still pending."""
+        for lane, sub_group, start, end, nbytes in self._pending:
+            self.spans.append(Span(lane, sub_group, self._seconds(start), self._seconds(end), nbytes))
+        return sorted(self.spans, key=lambda s: (s.lane, s.start_s))
+
+    def _seconds(self, mark: object) -> float:
+        if isinstance(mark, float):
+            return mark - self.t0
+        return self.origin.elapsed_time(mark) / 1000.0  # type: ignore[union-attr]
+
+
+class InterleavedAdam:
+    """Runs Adam over the rank's fp32 partition, sub-group by sub-group, on host and device at once.
+
+    Args:
+        flat_numels: element count of each DeepSpeed flat partition, in order.
+        flat_param_groups: optimizer param group of each flat partition.
+        sub_group_size: largest number of elements per sub-group.
+        device: where the model's 16-bit parameters live (``cuda:N``, or ``cpu`` with no GPU).
+        lp_dtype: dtype of the model's parameters.
+        pin: pin host memory when CUDA is available.
+        gpu_memory_budget: bytes of device memory the update may use for staging; None derives it from
+            the memory free at the start of each update, less a 10% margin.
+    """
+
+    def __init__(
+        self,
+        flat_numels: Sequence[int],
+        flat_param_groups: Sequence[int],
+        sub_group_size: int,
+        device: torch.device,
+        lp_dtype: torch.dtype,
+        pin: bool = True,
+        gpu_memory_budget: int | None = None,
+    ) -> None:
+        self.sub_groups: list[SubGroup] = split_into_sub_groups(flat_numels, flat_param_groups, sub_group_size)
+        self.sizes = tuple(sg.numel for sg in self.sub_groups)
+        self.flat_offsets = [0]
+        for numel in flat_numels:
+            self.flat_offsets.append(self.flat_offsets[-1] + numel)
+        self.device = device
+        self.lp_dtype = lp_dtype
+        self.lp_bytes = torch.empty((), dtype=lp_dtype).element_size()
+        self.pool = BufferPool(self.flat_offsets[-1], lp_dtype, device, pin)
+        self.gpu_memory_budget = gpu_memory_budget
+        #: Record a span per operation (the monitor turns this on; off costs nothing).
+        self.timing = False
+        self.last_report: StepReport | None = None
+        self.steps_taken = 0
+        self._warned_fallback = False
+
+    # Views into the slabs, one per DeepSpeed flat partition: the adapter points DeepSpeed's fp32
+    # partitions and the inner optimizer's state at these, so DeepSpeed's checkpoints see our state.
+    def _flat(self, slab: torch.Tensor, flat: int) -> torch.Tensor:
+        return slab[self.flat_offsets[flat] : self.flat_offsets[flat + 1]]
+
+    def param_view(self, flat: int) -> torch.Tensor:
+        return self._flat(self.pool.param, flat)
+
+    def exp_avg_view(self, flat: int) -> torch.Tensor:
+        return self._flat(self.pool.exp_avg, flat)
+
+    def exp_avg_sq_view(self, flat: int) -> torch.Tensor:
+        return self._flat(self.pool.exp_avg_sq, flat)
+
+    def device_budget(self) -> int | None:
+        """Bytes the update may use on the device now; None means no limit (a CPU device)."""
+        if self.gpu_memory_budget is not None:
+            return self.gpu_memory_budget
+        if self.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        # Memory the caching allocator holds but no tensor uses is free for our staging too.
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return int((free + cached) * (1.0 - FREE_MEMORY_MARGIN))
+
+    def fit_to_budget(self, plan: Plan, budget: int | None) -> Plan:
+        """Shrink the plan's device side until its staging fits ``budget``: fewer buffers first, then
+        the largest device sub-groups go to the host."""
+        device_ids = plan.device_indices
+        if budget is None or not device_ids:
+            return plan
+        buffers = min(plan.device_buffers, len(device_ids))
+        while device_ids:
+            need = buffers * max(self.sizes[i] for i in device_ids) * STAGING_BYTES_PER_ELEMENT
+            if need <= budget:
+                break
+            if buffers > 1:
+                buffers -= 1
+                continue
+            device_ids = sorted(device_ids, key=lambda i: self.sizes[i])[:-1]
+        moved = [i for i in plan.device_indices if i not in set(device_ids)]
+        return Plan(plan.with_host(moved).places, max(buffers, 1))
+
+    def skip(self, plan: Plan) -> StepReport:
+        """Record a skipped step (fp16 overflow): nothing is touched."""
+        self.steps_taken += 1
+        self.last_report = StepReport(self.steps_taken, plan, self.sizes, skipped=True)
+        return self.last_report
+
+    def step(self, plan: Plan, inputs: StepInputs) -> StepReport:
+        """Update every sub-group once, placed as ``plan`` says, and return what happened."""
+        if len(plan.places) != len(self.sub_groups):
+            raise ValueError(f"plan has {len(plan.places)} places for {len(self.sub_groups)} sub-groups")
+        self.steps_taken += 1
+        streams = Streams(self.device, timing=self.timing)
+        # DeepSpeed copies gradients to the host buffers with non-blocking copies on its own side
+        # streams during backward. We cannot name those streams' events, so one device-wide wait marks
+        # them complete before any host Adam reads a gradient or any upload re-reads one.
+        streams.device_synchronize()
+        timeline = _Timeline(streams, self.timing)
+        wall_start = time.perf_counter()
+
+        requested = plan
+        plan = self.fit_to_budget(plan, self.device_budget())
+        buffers = self._allocate(plan)
+        if buffers is None:
+            plan = plan.with_host(plan.device_indices)
+            buffers = []
+        report = StepReport(self.steps_taken, plan, self.sizes, predicted_s=inputs.predicted_s)
+        report.fallback_host = [i for i in requested.device_indices if plan.places[i] == Place.HOST]
+        report.device_staging_bytes = self.pool.device_bytes_in_use
+        report.pinned_bytes = self.pool.host_bytes
+
+        tails = self._launch_device_side(plan, buffers, inputs, streams, timeline, report)
+        tails += self._run_host_side(plan, inputs, streams, timeline, report)
+
+        # The update ends when the last byte is home: host slabs consistent for checkpoints, every
+        # 16-bit parameter in place for the next forward.
+        for event in tails:
+            streams.host_wait(event)
+        del buffers
+        self.pool.release_device()
+        report.update_s = time.perf_counter() - wall_start
+        report.spans = timeline.resolve() if self.timing else []
+        self.last_report = report
+        return report
+
+    def _allocate(self, plan: Plan) -> list[DeviceBuffer] | None:
+        """Device staging for the plan; None (after one warning) when the device is out of memory."""
+        device_ids = plan.device_indices
+        if not device_ids:
+            return []
+        count = min(plan.device_buffers, len(device_ids))
+        try:
+            return self.pool.allocate_device(count, max(self.sizes[i] for i in device_ids))
+        except torch.OutOfMemoryError:
+            if not self._warned_fallback:
+                warnings.warn(
+                    "lightning-dos: device staging for the optimizer update could not be allocated "
+                    "(out of memory); those sub-groups are updated on the host this step. The result is "
+                    "the same, only slower. Lower gpu_fraction or set gpu_memory_budget to avoid this.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                self._warned_fallback = True
+            return None
+
+    def _slices(self, sg: SubGroup, inputs: StepInputs) -> tuple[torch.Tensor, ...]:
+        span = slice(sg.slab_offset, sg.slab_offset + sg.numel)
+        local = slice(sg.ds_offset, sg.ds_offset + sg.numel)
+        return (
+            self.pool.param[span],
+            self.pool.exp_avg[span],
+            self.pool.exp_avg_sq[span],
+            inputs.grads[sg.ds_group][local],
+            inputs.lp_targets[sg.ds_group][local],
+        )
+
+    def _launch_device_side(
+        self,
+        plan: Plan,
+        buffers: list[DeviceBuffer],
+        inputs: StepInputs,
+        streams: Streams,
+        tl: _Timeline,
+        report: StepReport,
+    ) -> list:
+        """Queue upload -> Adam + cast -> download for every device sub-group; return the tail events."""
+        step_tensors: dict[int, torch.Tensor] = {}
+        slot_free: list = [None] * len(buffers)
+        for j, index in enumerate(plan.device_indices):
+            sg = self.sub_groups[index]
+            n, slot = sg.numel, j % len(buffers)
+            buf = buffers[slot]
+            param, exp_avg, exp_avg_sq, grad, lp = self._slices(sg, inputs)
+            d_param, d_avg, d_avg_sq, d_grad = (t[:n] for t in (buf.param, buf.exp_avg, buf.exp_avg_sq, buf.grad))
+            with streams.on(streams.h2d):
+                # Reuse the slot only after the download of its previous sub-group has finished.
+                streams.wait(streams.h2d, slot_free[slot])
+                start = tl.mark(streams.h2d)
+                for dst, src in ((d_param, param), (d_avg, exp_avg), (d_avg_sq, exp_avg_sq), (d_grad, grad)):
+                    dst.copy_(src, non_blocking=True)
+                uploaded = streams.record(streams.h2d)
+                tl.add("upload", index, start, tl.mark(streams.h2d), 4 * FP32_BYTES * n)
+            with streams.on(streams.compute):
+                # Adam reads what the upload wrote.
+                streams.wait(streams.compute, uploaded)
+                start = tl.mark(streams.compute)
+                if inputs.inv_grad_scale != 1.0:
+                    d_grad.mul_(inputs.inv_grad_scale)
+                if sg.ds_group not in step_tensors:
+                    step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], self.device)
+                adam_update(d_param, d_grad, d_avg, d_avg_sq, step_tensors[sg.ds_group], inputs.hypers[sg.param_group])
+                mid = tl.mark(streams.compute)
+                # Cast on the device, straight into DeepSpeed's 16-bit partition: no 16-bit upload needed.
+                lp.copy_(d_param)
+                computed = streams.record(streams.compute)
+                end = tl.mark(streams.compute)
+                tl.add("device_adam", index, start, mid, FP32_BYTES * n)
+                tl.add("cast", index, mid, end, self.lp_bytes * n)
+            with streams.on(streams.d2h):
+                # The download must not start before Adam and the cast have finished with the buffer.
+                streams.wait(streams.d2h, computed)
+                start = tl.mark(streams.d2h)
+                for dst, src in ((param, d_param), (exp_avg, d_avg), (exp_avg_sq, d_avg_sq)):
+                    dst.copy_(src, non_blocking=True)
+                slot_free[slot] = streams.record(streams.d2h)
+                tl.add("download", index, start, tl.mark(streams.d2h), STATE_BYTES_PER_ELEMENT * n)
+            report.h2d_bytes += 4 * FP32_BYTES * n
+            report.d2h_bytes += STATE_BYTES_PER_ELEMENT * n
+            report.device_elements += n
+        return [e for e in slot_free if e is not None]
+
+    def _run_host_side(
+        self, plan: Plan, inputs: StepInputs, streams: Streams, tl: _Timeline, report: StepReport
+    ) -> list:
+        """Adam on the CPU for every host sub-group, each followed by an asynchronous 16-bit upload."""
+        step_tensors: dict[int, torch.Tensor] = {}
+        last_upload = None
+        for index in plan.host_indices:
+            sg = self.sub_groups[index]
+            param, exp_avg, exp_avg_sq, grad, lp = self._slices(sg, inputs)
+            start = tl.now()
+            if inputs.inv_grad_scale != 1.0:
+                grad.mul_(inputs.inv_grad_scale)
+            if sg.ds_group not in step_tensors:
+                step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], torch.device("cpu"))
+            adam_update(param, grad, exp_avg, exp_avg_sq, step_tensors[sg.ds_group], inputs.hypers[sg.param_group])
+            report.host_elements += sg.numel
+            if self.pool.lp_staging is None:
+                # The 16-bit partition is in host memory already: cast straight into it.
+                lp.copy_(param)
+                tl.add("host_adam", index, start, tl.now(), FP32_BYTES * sg.numel)
+                continue
+            staging = self.pool.lp_staging[sg.slab_offset : sg.slab_offset + sg.numel]
+            staging.copy_(param)
+            tl.add("host_adam", index, start, tl.now(), FP32_BYTES * sg.numel)
+            with streams.on(streams.lp_h2d):
+                start = tl.mark(streams.lp_h2d)
+                lp.copy_(staging, non_blocking=True)
+                last_upload = streams.record(streams.lp_h2d)
+                tl.add("lp_upload", index, start, tl.mark(streams.lp_h2d), self.lp_bytes * sg.numel)
+            report.h2d_bytes += self.lp_bytes * sg.numel
+        return [last_upload] if last_upload is not None else []

@@ -1,0 +1,336 @@
+"""``DeepOptimizerStatesStrategy``: Lightning's DeepSpeed strategy with the Deep Optimizer States engine.
+
+It always runs ZeRO stage 3 with the optimizer offloaded to pinned host memory, and after
+``deepspeed.initialize`` hands the update phase to the engine (through :mod:`lightning_dos.adapter`).
+Unlike Lightning's stock strategy it also runs on ``accelerator="cpu"``: the engine's device side then
+runs on the CPU device, slower but computing exactly the same thing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
+from lightning.pytorch.plugins.environments import ClusterEnvironment
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+from lightning_dos.adapter import ZeRO3Adapter
+from lightning_dos.engine.plan import FractionSpec, all_host, parse_gpu_fraction
+from lightning_dos.optimizers import check_optimizer
+
+if TYPE_CHECKING:
+    from lightning.pytorch.core.optimizer import LRSchedulerConfig
+    from torch.optim import Optimizer
+
+    from lightning_dos.engine.loop import InterleavedAdam
+
+DEFAULT_SUB_GROUP_SIZE = 100_000_000
+
+
+class DOSConfigError(ValueError):
+    """A setting of :class:`DeepOptimizerStatesStrategy` (or its DeepSpeed config) cannot be honoured."""
+
+
+def _refuse(setting: str, value: Any, valid: str) -> DOSConfigError:
+    return DOSConfigError(f"{setting}={value!r} is not valid for DeepOptimizerStatesStrategy; {valid}")
+
+
+def merge_required_config(config: dict[str, Any], sub_group_size: int) -> dict[str, Any]:
+    """Return ``config`` with what the engine requires filled in; refuse keys that conflict with it.
+
+    Required: ZeRO stage 3, optimizer offload to ``cpu`` with pinned memory, TwinFlow's ``ratio`` left at
+    1.0 (the engine places sub-groups itself), and ``zero_force_ds_cpu_optimizer`` off so that
+    ``torch.optim.Adam``/``AdamW`` from ``configure_optimizers`` are accepted.
+    """
+    config = copy.deepcopy(config)
+    zero = config.setdefault("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise _refuse("config['zero_optimization']", zero, "it must be a mapping with 'stage': 3")
+    stage = zero.setdefault("stage", 3)
+    if stage != 3:
+        raise _refuse("zero_optimization.stage", stage, "the engine works on ZeRO stage 3 only: use 3")
+    offload = zero.get("offload_optimizer")
+    if offload is None:
+        offload = zero["offload_optimizer"] = {}
+    if not isinstance(offload, dict):
+        raise _refuse("zero_optimization.offload_optimizer", offload, "use a mapping with device 'cpu'")
+    device = str(offload.setdefault("device", "cpu")).lower()
+    if device != "cpu":
+        raise _refuse(
+            "zero_optimization.offload_optimizer.device",
+            offload["device"],
+            "the optimizer state must be offloaded to 'cpu'",
+        )
+    ratio = offload.get("ratio", 1.0)
+    if ratio != 1.0:
+        raise _refuse(
+            "zero_optimization.offload_optimizer.ratio",
+            ratio,
+            "TwinFlow's fixed ratio conflicts with the engine; use 1.0 and gpu_fraction instead",
+        )
+    offload["pin_memory"] = True
+    zero.setdefault("sub_group_size", sub_group_size)
+    param_device = str((zero.get("offload_param") or {}).get("device", "none")).lower()
+    if param_device == "nvme":
+        raise _refuse("zero_optimization.offload_param.device", "nvme", "use 'cpu' or 'none'")
+    if config.get("zero_force_ds_cpu_optimizer", False):
+        raise _refuse("zero_force_ds_cpu_optimizer", True, "leave it false: the engine runs torch Adam/AdamW itself")
+    config["zero_force_ds_cpu_optimizer"] = False
+    config.setdefault("zero_allow_untested_optimizer", True)
+    return config
+
+
+class DeepSpeedCPUStrategy(DeepSpeedStrategy):
+    """Lightning's :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`, able to run on CPU as well.
+
+    Stock DeepSpeed behaviour otherwise (it is the baseline the benchmarks compare against). Lightning's
+    strategy refuses non-CUDA accelerators; three changes lift that: skip the CUDA check in
+    ``setup_environment``, skip CUDA device-index validation in ``setup_distributed``, and give
+    ``deepspeed.initialize`` the local rank as ``device_rank`` where the device has no index.
+    Arguments are those of ``DeepSpeedStrategy``.
+    """
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.root_device.type == "cpu"
+
+    # -- running without CUDA: the three changes Lightning's strategy needs ----------------------
+
+    def setup_environment(self) -> None:
+        if isinstance(self.accelerator, CUDAAccelerator):
+            super().setup_environment()
+            return
+        _check_deepspeed_accelerator_is_cpu()
+        # Lightning's DeepSpeedStrategy refuses non-CUDA accelerators here; skip to DDP's setup.
+        DDPStrategy.setup_environment(self)
+
+    def setup_distributed(self) -> None:
+        if isinstance(self.accelerator, CUDAAccelerator):
+            super().setup_distributed()
+            return
+        # Lightning validates CUDA device indices here, which CPU devices do not have.
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    @property
+    def _device_rank(self) -> int:
+        # `root_device.index` is None on CPU; DeepSpeed wants an int.
+        index = self.root_device.index
+        return index if index is not None else self.local_rank
+
+    # -- the seam where the engine attaches ----------------------------------------------------------
+
+    def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:
+        import deepspeed
+
+        model_parameters = filter(lambda p: p.requires_grad, model.parameters())
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self._device_rank),
+            config=self.config,
+            model=model,
+            model_parameters=model_parameters,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        if ds_optimizer is not None:
+            self._on_optimizer_ready(ds_optimizer)
+        return engine, ds_optimizer
+
+    def _on_optimizer_ready(self, ds_optimizer: Any) -> None:
+        """Called right after ``deepspeed.initialize`` built the ZeRO optimizer (subclasses attach here)."""
+
+    def _initialize_deepspeed_inference(self, model: Any) -> None:
+        import deepspeed
+        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+        assert isinstance(self.config, dict)
+        inference_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+        for key in ("fp16", "bf16"):
+            if key in self.config:
+                inference_config[key] = self.config[key]
+        inference_config["zero_allow_untested_optimizer"] = self.config["zero_allow_untested_optimizer"]
+        inference_config["zero_optimization"] = self.config["zero_optimization"]
+        remove_module_hooks(model)
+        self.model, _, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self._device_rank),
+            config=inference_config,
+            model=model,
+            optimizer=None,
+            lr_scheduler=None,
+            model_parameters=[],
+            dist_init_required=False,
+        )
+
+
+class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
+    """ZeRO-3 with the optimizer offloaded to host memory, updated on CPU and accelerator at once.
+
+    Every iteration, a share of the optimizer's sub-groups streams to the accelerator and is updated
+    there while the CPU updates the rest (Deep Optimizer States, Maurya et al. 2024). The result is
+    the same as plain Adam whatever the placement.
+
+    Args:
+        gpu_fraction: share of sub-groups updated on the accelerator each iteration: ``"auto"`` (the
+            performance model chooses; everything on the host when there is no accelerator), a number
+            in [0, 1] (that share, spread evenly), or ``"stride:K"`` (the paper's rule: sub-group x on
+            the accelerator when (x + 1) % K == 0).
+        sub_group_size: elements per optimizer sub-group (the unit of placement and of streaming).
+        gpu_memory_budget: bytes of accelerator memory the update phase may use for staging; None
+            derives it from the memory free after backward, less a 10% margin.
+        accelerator: the accelerator, usually chosen by the Trainer.
+        stage: ZeRO stage; only 3 is valid (kept so that configs written for DeepSpeedStrategy parse).
+        offload_optimizer: must stay True: the optimizer state lives in host memory.
+        offload_optimizer_device: must be ``"cpu"``.
+        offload_parameters: also offload the 16-bit parameters to host memory (ZeRO-Infinity style).
+        offload_params_device: ``"cpu"`` when ``offload_parameters`` is set (NVMe is not supported).
+        config: a DeepSpeed config dict or JSON path; merged with what the engine requires (ZeRO-3, CPU
+            optimizer offload, pinned memory), conflicting keys are refused. When given, DeepSpeed
+            settings among these arguments are ignored, as in Lightning.
+        logging_level: DeepSpeed's log level.
+        parallel_devices: devices to run on, usually set by the Trainer.
+        cluster_environment: the cluster environment, usually set by the Trainer.
+        precision_plugin: precision plugin, usually set by the Trainer.
+        process_group_backend: ``"nccl"`` on GPUs, ``"gloo"`` on CPU, by default.
+        timeout: collective-operation timeout.
+        **kwargs: any other argument of Lightning's :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`.
+    """
+
+    strategy_name = "dos"
+
+    def __init__(
+        self,
+        gpu_fraction: float | str = "auto",
+        sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
+        gpu_memory_budget: int | None = None,
+        accelerator: Accelerator | None = None,
+        stage: int = 3,
+        offload_optimizer: bool = True,
+        offload_optimizer_device: str = "cpu",
+        offload_parameters: bool = False,
+        offload_params_device: str = "cpu",
+        config: str | Path | dict[str, Any] | None = None,
+        logging_level: int = logging.WARN,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        self.fraction: FractionSpec = _validated_fraction(gpu_fraction)
+        if isinstance(sub_group_size, bool) or not isinstance(sub_group_size, int) or sub_group_size <= 0:
+            raise _refuse("sub_group_size", sub_group_size, "use a positive integer number of elements")
+        if gpu_memory_budget is not None and (
+            isinstance(gpu_memory_budget, bool) or not isinstance(gpu_memory_budget, int) or gpu_memory_budget < 0
+        ):
+            raise _refuse("gpu_memory_budget", gpu_memory_budget, "use None or a non-negative number of bytes")
+        if stage != 3:
+            raise _refuse("stage", stage, "the engine works on ZeRO stage 3 only: use 3")
+        if not offload_optimizer:
+            raise _refuse("offload_optimizer", offload_optimizer, "the optimizer state is always offloaded: use True")
+        if offload_optimizer_device != "cpu":
+            raise _refuse("offload_optimizer_device", offload_optimizer_device, "use 'cpu' (NVMe is not supported)")
+        if offload_parameters and offload_params_device != "cpu":
+            raise _refuse("offload_params_device", offload_params_device, "use 'cpu' (NVMe is not supported)")
+        for key in ("zero_optimization", "remote_device"):
+            if key in kwargs and kwargs[key] not in (True, None):
+                raise _refuse(
+                    key, kwargs[key], "ZeRO-3 with CPU optimizer offload is always on; leave it at its default"
+                )
+        self.sub_group_size = sub_group_size
+        self.gpu_memory_budget = gpu_memory_budget
+        user_config = DeepSpeedStrategy._load_config(self, config)  # resolves a JSON path or the env var
+        super().__init__(
+            accelerator=accelerator,
+            stage=3,
+            offload_optimizer=True,
+            offload_optimizer_device="cpu",
+            offload_parameters=offload_parameters,
+            offload_params_device=offload_params_device,
+            pin_memory=True,
+            sub_group_size=sub_group_size,
+            config=user_config,
+            logging_level=logging_level,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            **kwargs,
+        )
+        self.config = merge_required_config(self.config, sub_group_size)
+        self.dos_adapter: ZeRO3Adapter | None = None
+
+    # -- public handles ---------------------------------------------------------------------------
+
+    @property
+    def dos_engine(self) -> InterleavedAdam | None:
+        """The engine, once ``fit`` has set the strategy up (None before, and outside fitting)."""
+        return self.dos_adapter.engine if self.dos_adapter is not None else None
+
+    def _init_optimizers(self) -> tuple[Optimizer, LRSchedulerConfig | None]:
+        from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+        assert self.lightning_module is not None
+        optimizers, schedulers = _init_optimizers_and_lr_schedulers(self.lightning_module)
+        if len(optimizers) != 1:
+            raise DOSConfigError(
+                f"configure_optimizers returned {len(optimizers)} optimizers; DeepOptimizerStatesStrategy "
+                "runs exactly one (torch.optim.Adam, torch.optim.AdamW or DeepSpeedCPUAdam)"
+            )
+        if len(schedulers) > 1:
+            raise DOSConfigError(f"configure_optimizers returned {len(schedulers)} LR schedulers; use at most one")
+        check_optimizer(optimizers[0])
+        return optimizers[0], schedulers[0] if schedulers else None
+
+    def _on_optimizer_ready(self, ds_optimizer: Any) -> None:
+        self.dos_adapter = ZeRO3Adapter(
+            ds_optimizer,
+            sub_group_size=int(self.config["zero_optimization"]["sub_group_size"]),
+            gpu_memory_budget=self.gpu_memory_budget,
+        )
+        self.dos_adapter.planner = self._make_planner(self.dos_adapter.engine)
+
+    def _make_planner(self, engine: InterleavedAdam) -> Any:
+        """A fixed plan for a number or a stride; everything on the host for ``"auto"`` for now."""
+        n = len(engine.sub_groups)
+        plan = all_host(n) if self.fraction.mode == "auto" else self.fraction.plan(n)
+        return lambda step: (plan, None)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "dos", cls, description="Deep Optimizer States: ZeRO-3 offload with interleaved CPU/GPU updates"
+        )
+
+
+def _validated_fraction(value: float | str) -> FractionSpec:
+    try:
+        return parse_gpu_fraction(value)
+    except ValueError as error:
+        raise DOSConfigError(str(error)) from None
+
+
+def _check_deepspeed_accelerator_is_cpu() -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    name = get_accelerator()._name
+    if name != "cpu":
+        raise DOSConfigError(
+            f"accelerator='cpu' was chosen but DeepSpeed selected its {name!r} accelerator; "
+            "set the environment variable DS_ACCELERATOR=cpu before starting Python"
+        )
+
+
+__all__ = ["DOSConfigError", "DeepOptimizerStatesStrategy", "DeepSpeedCPUStrategy", "merge_required_config"]

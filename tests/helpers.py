@@ -1,0 +1,147 @@
+"""Small models and run helpers shared by the tests (real Lightning, real DeepSpeed, on CPU)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dos.engine.plan import random_plan
+
+VOCAB = 61
+
+
+class TinyLM(L.LightningModule):
+    """A small causal-LM-shaped model with several sub-groups' worth of parameters and two param groups.
+
+    The embedding and the norm get no weight decay and a different learning rate; the rest decays.
+    LR warms up linearly over ``warmup`` steps.
+    """
+
+    def __init__(self, width: int = 32, seq: int = 8, warmup: int = 5, optimizer: str = "adamw") -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.norm = torch.nn.LayerNorm(width)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(width, 2 * width), torch.nn.GELU(), torch.nn.Linear(2 * width, width)
+        )
+        self.head = torch.nn.Linear(width, VOCAB)
+        self.warmup = warmup
+        self.optimizer_name = optimizer
+        self.losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        h = h + self.mlp(self.norm(h))
+        return self.head(h)
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        loss = self.loss(batch)
+        self.losses.append(float(loss.detach()))
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):  # noqa: ANN001
+        self.log("val/loss", self.loss(batch))
+
+    def test_step(self, batch, batch_idx):  # noqa: ANN001
+        self.log("test/loss", self.loss(batch))
+
+    def predict_step(self, batch, batch_idx):  # noqa: ANN001
+        return self(batch[0]).argmax(-1)
+
+    def configure_optimizers(self):  # noqa: ANN201
+        no_decay = [self.embed.weight, self.norm.weight, self.norm.bias]
+        ids = {id(p) for p in no_decay}
+        decay = [p for p in self.parameters() if id(p) not in ids]
+        groups = [
+            {"params": decay, "weight_decay": 0.1, "lr": 3e-3},
+            {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3},
+        ]
+        if self.optimizer_name == "adam":
+            opt = torch.optim.Adam(groups, betas=(0.9, 0.95), eps=1e-8)
+        else:
+            opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), eps=1e-8)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / self.warmup))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def lm_data(n: int = 320, seq: int = 8, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    # A learnable pattern: the next token is a fixed function of the current one, plus noise.
+    x = torch.randint(0, VOCAB, (n, seq), generator=g)
+    y = (x * 7 + 3) % VOCAB
+    noise = torch.rand(n, seq, generator=g) < 0.1
+    y = torch.where(noise, torch.randint(0, VOCAB, (n, seq), generator=g), y)
+    return TensorDataset(x, y)
+
+
+def loader(batch_size: int = 16, seed: int = 0) -> DataLoader:
+    return DataLoader(lm_data(seed=seed), batch_size=batch_size, shuffle=False)
+
+
+class RandomPlacement(L.Callback):
+    """Replace the engine's planner with a fresh random plan every step (placement must not matter)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+        self.plans: list = []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        adapter = trainer.strategy.dos_adapter
+        n = len(adapter.engine.sub_groups)
+        adapter.planner = lambda step: (random_plan(n, self.rng), None)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.plans.append(trainer.strategy.dos_engine.last_report.plan)
+
+
+def trainer(
+    strategy, steps: int = 20, precision: str = "32-true", clip: float | None = 0.5, callbacks=(), **kw
+) -> L.Trainer:  # noqa: ANN001
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        precision=precision,
+        gradient_clip_val=clip,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,  # same batches in the same order as the plain reference
+        callbacks=list(callbacks),
+        **kw,
+    )
+
+
+def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gathered to full size (ZeRO-3 keeps only partitions between steps), as fp32."""
+    params = dict(model.named_parameters())
+    if any(hasattr(p, "ds_id") for p in params.values()):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            return {k: p.detach().float().clone() for k, p in params.items()}
+    return {k: p.detach().float().clone() for k, p in params.items()}
+
+
+def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    worst = 0.0
+    for key in b:
+        denom = b[key].abs().clamp_min(1e-3)
+        worst = max(worst, float(((a[key] - b[key]).abs() / denom).max()))
+    return worst
+
+
+LN_VOCAB = math.log(VOCAB)
