@@ -283,12 +283,15 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 
         assert self.lightning_module is not None
-        optimizers, schedulers = _init_optimizers_and_lr_schedulers(self.lightning_module)
+        one = "DeepOptimizerStatesStrategy runs exactly one (torch.optim.Adam, torch.optim.AdamW or DeepSpeedCPUAdam)"
+        try:
+            optimizers, schedulers = _init_optimizers_and_lr_schedulers(self.lightning_module)
+        except RuntimeError as error:
+            if "multiple optimizers" not in str(error):
+                raise
+            raise DOSConfigError(f"configure_optimizers returned several optimizers; {one}") from error
         if len(optimizers) != 1:
-            raise DOSConfigError(
-                f"configure_optimizers returned {len(optimizers)} optimizers; DeepOptimizerStatesStrategy "
-                "runs exactly one (torch.optim.Adam, torch.optim.AdamW or DeepSpeedCPUAdam)"
-            )
+            raise DOSConfigError(f"configure_optimizers returned {len(optimizers)} optimizers; {one}")
         if len(schedulers) > 1:
             raise DOSConfigError(f"configure_optimizers returned {len(schedulers)} LR schedulers; use at most one")
         check_optimizer(optimizers[0])

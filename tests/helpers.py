@@ -107,7 +107,7 @@ class RandomPlacement(L.Callback):
 def trainer(
     strategy, steps: int = 20, precision: str = "32-true", clip: float | None = 0.5, callbacks=(), **kw
 ) -> L.Trainer:  # noqa: ANN001
-    return L.Trainer(
+    settings = dict(
         strategy=strategy,
         accelerator="cpu",
         devices=1,
@@ -121,8 +121,9 @@ def trainer(
         num_sanity_val_steps=0,
         use_distributed_sampler=False,  # same batches in the same order as the plain reference
         callbacks=list(callbacks),
-        **kw,
     )
+    settings.update(kw)
+    return L.Trainer(**settings)
 
 
 def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -202,6 +202,8 @@ class InterleavedAdam:
             buffers = []
         report = StepReport(self.steps_taken, plan, self.sizes, predicted_s=inputs.predicted_s)
         report.fallback_host = [i for i in requested.device_indices if plan.places[i] == Place.HOST]
+        if report.fallback_host:
+            self._warn_fallback(f"{len(report.fallback_host)} sub-group(s) did not fit the device memory budget")
         report.device_staging_bytes = self.pool.device_bytes_in_use
         report.pinned_bytes = self.pool.host_bytes
 
@@ -228,16 +230,19 @@ class InterleavedAdam:
         try:
             return self.pool.allocate_device(count, max(self.sizes[i] for i in device_ids))
         except torch.OutOfMemoryError:
-            if not self._warned_fallback:
-                warnings.warn(
-                    "lightning-dos: device staging for the optimizer update could not be allocated "
-                    "(out of memory); those sub-groups are updated on the host this step. The result is "
-                    "the same, only slower. Lower gpu_fraction or set gpu_memory_budget to avoid this.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                self._warned_fallback = True
+            self._warn_fallback("device staging could not be allocated (out of memory)")
             return None
+
+    def _warn_fallback(self, why: str) -> None:
+        """Warn once per engine that device sub-groups ran on the host (same result, slower)."""
+        if not self._warned_fallback:
+            warnings.warn(
+                f"lightning-dos: {why}; those sub-groups are updated on the host instead. The result is "
+                "the same, only slower. Lower gpu_fraction or raise gpu_memory_budget to avoid this.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._warned_fallback = True
 
     def _slices(self, sg: SubGroup, inputs: StepInputs) -> tuple[torch.Tensor, ...]:
         span = slice(sg.slab_offset, sg.slab_offset + sg.numel)

@@ -1,0 +1,173 @@
+"""The engine keeps DeepSpeed's semantics: overflow skips, checkpoints, accumulation, memory limits.
+
+Real Lightning Trainer, real DeepSpeed ZeRO-3 with CPU optimizer offload, on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_dos import DeepOptimizerStatesStrategy
+from lightning_dos.engine.plan import Place
+from lightning_dos.strategy import DeepSpeedCPUStrategy
+from tests.helpers import TinyLM, full_parameters, loader, max_relative_error, trainer
+from tests.test_equivalence import stock_offload_config
+
+SUB_GROUP = 700
+
+
+def dos(fraction: float | str = 0.5, **kw) -> DeepOptimizerStatesStrategy:
+    return DeepOptimizerStatesStrategy(gpu_fraction=fraction, sub_group_size=SUB_GROUP, **kw)
+
+
+class OverflowAt(TinyLM):
+    """Returns an infinite loss at one step, so the fp16 gradients overflow there."""
+
+    def __init__(self, bad_step: int) -> None:
+        super().__init__()
+        self.bad_step = bad_step
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        loss = super().training_step(batch, batch_idx)
+        return loss * math.inf if self.trainer.global_step == self.bad_step else loss
+
+
+class Probe(L.Callback):
+    """Records, around every optimizer step, the parameters, the loss scale and the engine's report."""
+
+    def __init__(self) -> None:
+        self.before: list[dict[str, torch.Tensor]] = []
+        self.after: list[dict[str, torch.Tensor]] = []
+        self.scales: list[float] = []
+        self.reports: list = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
+        self.before.append(full_parameters(pl_module))
+        self.scales.append(float(trainer.strategy.deepspeed_engine.optimizer.loss_scale))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.after.append(full_parameters(pl_module))
+        self.reports.append(trainer.strategy.dos_engine.last_report)
+
+
+def test_fp16_overflow_skips_the_step_on_every_sub_group_and_training_continues() -> None:
+    L.seed_everything(0, verbose=False)
+    model, probe = OverflowAt(bad_step=4), Probe()
+    strategy = dos(0.5, initial_scale_power=8, hysteresis=1)  # back off on the first overflow
+    trainer(strategy, steps=10, precision="16-mixed", clip=None, callbacks=[probe]).fit(model, loader())
+    skipped = [i for i, r in enumerate(probe.reports) if r.skipped]
+    assert 4 in skipped, "the forced overflow must skip its step"
+    # Nothing moved on the skipped step, on host and device sub-groups alike.
+    for key, value in probe.before[4].items():
+        assert torch.equal(value, probe.after[4][key]), key
+    assert probe.scales[5] < probe.scales[4], "the loss scale must back off after an overflow"
+    assert not all(r.skipped for r in probe.reports[5:]), "training must continue after the overflow"
+    assert torch.isfinite(strategy.dos_engine.pool.param).all()
+    assert torch.isfinite(strategy.dos_engine.pool.exp_avg_sq).all()
+    assert probe.reports[-1].plan.device_indices and probe.reports[-1].plan.host_indices
+
+
+def test_gradient_accumulation_keeps_deepspeed_semantics() -> None:
+    """Accumulating over 3 micro-batches: the engine equals stock DeepSpeed offload to float precision.
+
+    Stock DeepSpeed itself differs from plain Lightning accumulation in the summation order of the
+    micro-batch gradients; Adam's first step turns that rounding into +-lr on elements whose gradient is
+    ~0. So parameters are held to stock DeepSpeed, and the loss curve to plain AdamW.
+    """
+
+    def run(strategy) -> TinyLM:  # noqa: ANN001
+        L.seed_everything(0, verbose=False)
+        model = TinyLM()
+        trainer(strategy, steps=6, accumulate_grad_batches=3).fit(model, loader(batch_size=8))
+        return model
+
+    ours, stock, plain = run(dos(0.5)), run(DeepSpeedCPUStrategy(config=stock_offload_config())), run("auto")
+    assert max_relative_error(full_parameters(ours), full_parameters(stock)) < 1e-5
+    assert ours.losses == pytest.approx(plain.losses, rel=1e-4)
+
+
+def test_checkpoint_written_mid_run_reloads_with_another_placement(tmp_path) -> None:  # noqa: ANN001
+    """A DeepSpeed checkpoint holds the engine's state; resuming (even with another gpu_fraction) continues
+    exactly as the uninterrupted run."""
+
+    def run(strategy, steps: int, ckpt_path=None, save=False):  # noqa: ANN001, ANN202
+        L.seed_everything(0, verbose=False)
+        model = TinyLM()
+        callbacks = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1)] if save else []
+        t = trainer(strategy, steps=steps, callbacks=callbacks, limit_train_batches=5, enable_checkpointing=save)
+        t.fit(model, loader(), ckpt_path=ckpt_path)
+        return full_parameters(model), model.losses
+
+    straight, straight_losses = run(dos(0.5), steps=10, save=True)
+    checkpoint = next(tmp_path.glob("*step=5*"))
+    assert checkpoint.is_dir(), "DeepSpeed writes a checkpoint directory"
+    resumed, resumed_losses = run(dos(0.25), steps=10, ckpt_path=str(checkpoint))
+    assert resumed_losses == straight_losses[5:]
+    for key, value in straight.items():
+        assert torch.equal(resumed[key], value), key
+
+
+def test_zero_memory_budget_puts_every_sub_group_on_the_host_with_one_warning() -> None:
+    L.seed_everything(0, verbose=False)
+    model, probe = TinyLM(), Probe()
+    with pytest.warns(RuntimeWarning, match="did not fit the device memory budget") as caught:
+        trainer(dos(1.0, gpu_memory_budget=0), steps=4, callbacks=[probe]).fit(model, loader())
+    assert sum("lightning-dos" in str(w.message) for w in caught) == 1
+    assert all(set(r.plan.places) == {Place.HOST} for r in probe.reports)
+    assert all(r.fallback_host and r.device_staging_bytes == 0 for r in probe.reports)
+
+
+def test_budget_limits_device_staging() -> None:
+    """A budget for one staging buffer of the largest sub-group: one buffer, never more bytes than allowed."""
+    budget = 16 * SUB_GROUP
+    L.seed_everything(0, verbose=False)
+    probe = Probe()
+    trainer(dos(0.5, gpu_memory_budget=budget), steps=3, callbacks=[probe]).fit(TinyLM(), loader())
+    for report in probe.reports:
+        assert 0 < report.device_staging_bytes <= budget
+        assert report.plan.device_buffers == 1
+
+
+def test_out_of_memory_falls_back_to_host_with_identical_result(monkeypatch) -> None:  # noqa: ANN001
+    """Injected allocation failure: the step runs on the host, warns once, and the result is unchanged."""
+
+    def reference() -> dict[str, torch.Tensor]:
+        L.seed_everything(0, verbose=False)
+        model = TinyLM()
+        trainer("auto", steps=5).fit(model, loader())
+        return full_parameters(model)
+
+    from lightning_dos.engine.pool import BufferPool
+
+    calls = {"n": 0}
+    real = BufferPool.allocate_device
+
+    def flaky(self, count: int, capacity: int):  # noqa: ANN001, ANN202
+        calls["n"] += 1
+        if calls["n"] in (2, 3):
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+        return real(self, count, capacity)
+
+    monkeypatch.setattr(BufferPool, "allocate_device", flaky)
+    L.seed_everything(0, verbose=False)
+    model, probe = TinyLM(), Probe()
+    with pytest.warns(RuntimeWarning, match="out of memory"):
+        trainer(dos(0.5), steps=5, callbacks=[probe]).fit(model, loader())
+    assert [bool(r.fallback_host) for r in probe.reports] == [False, True, True, False, False]
+    assert max_relative_error(full_parameters(model), reference()) < 1e-5
+
+
+def test_validate_test_and_predict_run() -> None:
+    L.seed_everything(0, verbose=False)
+    model = TinyLM()
+    t = trainer(dos(0.5), steps=3, limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2)
+    t.fit(model, loader(), loader())
+    assert "val/loss" in t.validate(model, loader(), verbose=False)[0]
+    assert "test/loss" in t.test(model, loader(), verbose=False)[0]
+    predictions = t.predict(model, loader())
+    assert len(predictions) == 2 and predictions[0].shape == (16, 8)
