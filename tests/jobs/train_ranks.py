@@ -1,0 +1,52 @@
+"""Train TinyLM with the dos strategy on N CPU processes (gloo) and save the gathered parameters.
+
+Run by tests/test_reliability.py as a script, because Lightning launches the extra ranks by re-running
+the command line. Usage: python tests/jobs/train_ranks.py DEVICES OUT.pt
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+from torch.utils.data.distributed import DistributedSampler  # noqa: E402
+
+from lightning_dos import DeepOptimizerStatesStrategy  # noqa: E402
+from tests.helpers import TinyLM, full_parameters, lm_data, trainer  # noqa: E402
+
+GLOBAL_BATCH = 16
+
+
+class RecordPartition(L.Callback):
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.partition_numel = trainer.strategy.dos_engine.pool.param.numel()
+
+
+def main(devices: int, out: str) -> None:
+    L.seed_everything(0, verbose=False)
+    model = TinyLM()
+    t = trainer(
+        DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=700),
+        steps=8,
+        devices=devices,
+        callbacks=[RecordPartition()],
+    )
+    # The same 16 samples make each global batch whatever the process count: rank r takes every
+    # devices-th sample, in order.
+    data = lm_data()
+    rank = int(__import__("os").environ.get("LOCAL_RANK", 0))
+    sampler = DistributedSampler(data, num_replicas=devices, rank=rank, shuffle=False)
+    t.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH // devices, sampler=sampler))
+    params = full_parameters(model)
+    if t.is_global_zero:
+        total = sum(p.numel() for p in params.values())
+        torch.save({"params": params, "partition_numel": model.partition_numel, "total": total}, out)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2])

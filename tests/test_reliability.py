@@ -1,0 +1,111 @@
+"""Several processes, consolidated checkpoints and interrupted runs: nothing is lost.
+
+Real Lightning Trainer, real DeepSpeed ZeRO-3 with CPU optimizer offload, on CPU (gloo).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_dos import DeepOptimizerStatesStrategy
+from tests.helpers import TinyLM, full_parameters, loader, max_relative_error, trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _train_ranks(devices: int, out: Path) -> dict:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    env.pop("LOCAL_RANK", None)
+    job = [sys.executable, str(ROOT / "tests" / "jobs" / "train_ranks.py"), str(devices), str(out)]
+    done = subprocess.run(job, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out)
+
+
+def test_two_processes_train_to_the_same_parameters_as_one(tmp_path: Path) -> None:
+    """ZeRO-3 over 2 CPU processes with the engine: same global batch, same parameters (within 1e-5);
+    each rank's engine holds only its own partition."""
+    two = _train_ranks(2, tmp_path / "two.pt")
+    one = _train_ranks(1, tmp_path / "one.pt")
+    assert max_relative_error(two["params"], one["params"]) < 1e-5
+    assert one["partition_numel"] == one["total"]
+    assert one["total"] / 2 <= two["partition_numel"] < one["total"] / 2 + 64  # half, plus alignment padding
+
+
+class StopAt(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        if trainer.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+class SnapshotAt(L.Callback):
+    """Parameters of the live model right after a given optimizer step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.params: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        if trainer.global_step == self.step:
+            self.params = full_parameters(pl_module)
+
+
+def test_interrupted_run_leaves_a_loadable_checkpoint_that_consolidates_to_the_live_weights(tmp_path: Path) -> None:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    L.seed_everything(0, verbose=False)
+    model, snapshot = TinyLM(), SnapshotAt(5)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1)
+    t = trainer(
+        DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=700),
+        steps=20,
+        callbacks=[checkpoints, snapshot, StopAt(7)],
+        enable_checkpointing=True,
+    )
+    # Lightning shuts down gracefully on KeyboardInterrupt (callbacks' on_exception), then exits with 1.
+    with pytest.raises(SystemExit):
+        t.fit(model, loader())
+    assert t.interrupted and t.global_step == 7
+    saved = next(tmp_path.glob("*step=5*"))
+
+    # DeepSpeed's own consolidation gives the weights the live model had when the checkpoint was written.
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(str(saved), tag="checkpoint")
+    for name, value in snapshot.params.items():
+        assert torch.equal(consolidated[name].float(), value), name
+
+    # And the checkpoint resumes: training continues from step 5.
+    L.seed_everything(0, verbose=False)
+    resumed = TinyLM()
+    t2 = trainer(DeepOptimizerStatesStrategy(gpu_fraction=0.0, sub_group_size=700), steps=8)
+    t2.fit(resumed, loader(), ckpt_path=str(saved))
+    assert t2.global_step == 8 and len(resumed.losses) == 3
+    assert all(torch.isfinite(torch.tensor(resumed.losses)))
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0])
+def test_checkpoint_state_is_the_engine_state(tmp_path: Path, fraction: float) -> None:
+    """The optimizer state DeepSpeed writes is the engine's pinned slabs, whatever the placement."""
+    L.seed_everything(0, verbose=False)
+    strategy = DeepOptimizerStatesStrategy(gpu_fraction=fraction, sub_group_size=700)
+    t = trainer(strategy, steps=3)
+    t.fit(TinyLM(), loader())
+    t.save_checkpoint(tmp_path / "ckpt")
+    state = torch.load(
+        next((tmp_path / "ckpt" / "checkpoint").glob("*optim_states.pt")), weights_only=False, map_location="cpu"
+    )
+    optimizer_state = state["optimizer_state_dict"]["optimizer_state_dict"]["state"]
+    engine = strategy.dos_engine
+    saved_avg = torch.cat([optimizer_state[i]["exp_avg"] for i in sorted(optimizer_state)])
+    assert torch.equal(saved_avg, engine.pool.exp_avg)
+    assert all(int(s["step"]) == 3 for s in optimizer_state.values())
