@@ -70,10 +70,14 @@ class _Timeline:
         self._pending: list[tuple[str, int, object, object, int]] = []
 
     def now(self) -> object:
-        return time.perf_counter()
+        return time.perf_counter() if self.enabled else None
 
     def mark(self, stream: torch.cuda.Stream | None) -> object:
-        """A point on ``stream``: an event on an accelerator, the wall clock on CPU (where work is done)."""
+        """A point on ``stream``: an event on an accelerator, the wall clock on CPU (where work is done).
+
+        Nothing at all when timing is off, so an unmonitored step records no extra events."""
+        if not self.enabled:
+            return None
         return self.streams.record(stream) if stream is not None else time.perf_counter()
 
     def add(self, lane: str, sub_group: int, start: object, end: object, nbytes: int) -> None:
@@ -130,6 +134,8 @@ class InterleavedAdam:
         self.timing = False
         self.last_report: StepReport | None = None
         self.steps_taken = 0
+        #: Side streams, made once: the same streams every step, so their order is easy to follow in a profiler.
+        self.streams = Streams(device)
         self._warned_fallback = False
 
     # Views into the slabs, one per DeepSpeed flat partition: the adapter points DeepSpeed's fp32
@@ -186,7 +192,8 @@ class InterleavedAdam:
         if len(plan.places) != len(self.sub_groups):
             raise ValueError(f"plan has {len(plan.places)} places for {len(self.sub_groups)} sub-groups")
         self.steps_taken += 1
-        streams = Streams(self.device, timing=self.timing)
+        streams = self.streams
+        streams.timing = self.timing
         # DeepSpeed copies gradients to the host buffers with non-blocking copies on its own side
         # streams during backward. We cannot name those streams' events, so one device-wide wait marks
         # them complete before any host Adam reads a gradient or any upload re-reads one.

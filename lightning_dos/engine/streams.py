@@ -26,12 +26,16 @@ class Streams:
         self.is_async = device.type == "cuda"
         self.timing = timing
         if self.is_async:
-            self.compute = torch.cuda.current_stream(device)
             self.h2d = torch.cuda.Stream(device)
             self.lp_h2d = torch.cuda.Stream(device)
             self.d2h = torch.cuda.Stream(device)
         else:
-            self.compute = self.h2d = self.lp_h2d = self.d2h = None
+            self.h2d = self.lp_h2d = self.d2h = None
+
+    @property
+    def compute(self) -> torch.cuda.Stream | None:
+        """Kernels run on the caller's current stream, read at each use (the caller may change it)."""
+        return torch.cuda.current_stream(self.device) if self.is_async else None
 
     @contextlib.contextmanager
     def on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
