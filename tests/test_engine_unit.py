@@ -1,0 +1,123 @@
+"""The engine core on its own (no Lightning, no DeepSpeed): plans, sub-groups and the loop."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_dos.engine.kernels import AdamHyper
+from lightning_dos.engine.loop import InterleavedAdam, StepInputs
+from lightning_dos.engine.plan import (
+    Place,
+    Plan,
+    all_host,
+    even_plan,
+    parse_gpu_fraction,
+    random_plan,
+    split_into_sub_groups,
+    stride_plan,
+)
+
+
+@given(
+    numels=st.lists(st.integers(1, 500), min_size=1, max_size=6),
+    size=st.integers(1, 200),
+)
+def test_sub_groups_tile_each_flat_partition_exactly(numels: list[int], size: int) -> None:
+    groups = [i % 2 for i in range(len(numels))]
+    subs = split_into_sub_groups(numels, groups, size)
+    assert all(0 < s.numel <= size for s in subs)
+    for flat, numel in enumerate(numels):
+        mine = [s for s in subs if s.ds_group == flat]
+        assert sum(s.numel for s in mine) == numel
+        assert all(s.param_group == groups[flat] for s in mine)
+    offsets = [s.slab_offset for s in subs]
+    assert offsets == sorted(offsets) and subs[-1].slab_offset + subs[-1].numel == sum(numels)
+
+
+@given(n=st.integers(1, 64), fraction=st.floats(0, 1))
+def test_even_plan_places_the_requested_share(n: int, fraction: float) -> None:
+    plan = even_plan(n, fraction)
+    assert len(plan.device_indices) == round(fraction * n)
+
+
+def test_stride_plan_is_the_papers_rule() -> None:
+    assert stride_plan(6, 2).places == (Place.HOST, Place.DEVICE) * 3
+    assert stride_plan(6, 3).device_indices == [2, 5]
+
+
+def test_gpu_fraction_parsing() -> None:
+    assert parse_gpu_fraction("auto").mode == "auto"
+    assert parse_gpu_fraction("0.25").fraction == 0.25
+    assert parse_gpu_fraction(1).fraction == 1.0
+    assert parse_gpu_fraction("stride:4").stride == 4
+    for bad in ("stride:0", "1.01", -1, "x", float("inf"), True):
+        with pytest.raises(ValueError, match="gpu_fraction"):
+            parse_gpu_fraction(bad)
+
+
+def _reference_adam(p, g, m, v, step, h):  # noqa: ANN001, ANN202
+    """Plain torch.optim.AdamW/Adam on one flat tensor."""
+    param = torch.nn.Parameter(p.clone())
+    cls = torch.optim.AdamW if h.decoupled else torch.optim.Adam
+    opt = cls([param], lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay, foreach=False)
+    opt.state[param] = {"step": torch.tensor(float(step - 1)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    param.grad = g.clone()
+    opt.step()
+    return param.detach(), opt.state[param]["exp_avg"], opt.state[param]["exp_avg_sq"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), size=st.integers(3, 40), buffers=st.integers(1, 3))
+def test_loop_matches_plain_adam_for_any_plan(seed: int, size: int, buffers: int) -> None:
+    torch.manual_seed(seed)
+    numels, groups = [50, 37, 64], [0, 1, 1]
+    hypers = [AdamHyper(1e-2, 0.9, 0.99, 1e-8, 0.1, True), AdamHyper(3e-3, 0.8, 0.95, 1e-6, 0.0, False)]
+    engine = InterleavedAdam(numels, groups, size, torch.device("cpu"), torch.bfloat16)
+    engine.pool.param.copy_(torch.randn(sum(numels)))
+    rng = random.Random(seed)
+    expected = [engine.param_view(i).clone() for i in range(3)]
+    moments = [(torch.zeros(n), torch.zeros(n)) for n in numels]
+    lp = [torch.zeros(n, dtype=torch.bfloat16) for n in numels]
+    for step in (1, 2, 3):
+        grads = [torch.randn(n) for n in numels]
+        plan = Plan(random_plan(len(engine.sub_groups), rng).places, buffers)
+        inputs = StepInputs([g.clone() for g in grads], lp, hypers, [step] * 3, inv_grad_scale=0.5)
+        report = engine.step(plan, inputs)
+        assert report.device_elements + report.host_elements == sum(numels)
+        assert report.d2h_bytes == 12 * report.device_elements
+        for i in range(3):
+            p, m, v = _reference_adam(expected[i], grads[i] * 0.5, *moments[i], step, hypers[groups[i]])
+            expected[i], moments[i] = p, (m, v)
+    for i in range(3):
+        torch.testing.assert_close(engine.param_view(i), expected[i], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(engine.exp_avg_sq_view(i), moments[i][1], rtol=1e-5, atol=1e-9)
+        assert torch.equal(lp[i], expected[i].to(torch.bfloat16)), "16-bit copy is the rounded master"
+
+
+def test_timing_records_one_span_per_operation_and_none_when_off() -> None:
+    engine = InterleavedAdam([100], [0], 25, torch.device("cpu"), torch.float32)
+    hyper = [AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)]
+    plan = Plan((Place.HOST, Place.DEVICE, Place.HOST, Place.DEVICE))
+
+    def inputs() -> StepInputs:
+        return StepInputs([torch.randn(100)], [torch.zeros(100)], hyper, [1])
+
+    assert engine.step(plan, inputs()).spans == []
+    engine.timing = True
+    spans = engine.step(plan, inputs()).spans
+    lanes = sorted(s.lane for s in spans)
+    assert lanes == sorted(["host_adam"] * 2 + ["upload", "device_adam", "cast", "download"] * 2)
+    assert all(s.end_s >= s.start_s >= 0 for s in spans)
+
+
+def test_all_host_plan_moves_nothing_on_a_cpu_device() -> None:
+    engine = InterleavedAdam([10], [0], 4, torch.device("cpu"), torch.float32)
+    report = engine.step(
+        all_host(3), StepInputs([torch.ones(10)], [torch.zeros(10)], [AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0, True)], [1])
+    )
+    assert (report.h2d_bytes, report.d2h_bytes, report.device_staging_bytes) == (0, 0, 0)
