@@ -22,10 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _train_ranks(devices: int, out: Path) -> dict:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    env.pop("LOCAL_RANK", None)
+    # Earlier in-process fits leave torch.distributed's variables in os.environ; the job must start clean.
+    inherited = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR")
+    env = {k: v for k, v in os.environ.items() if k not in inherited and k != "MASTER_PORT"}
+    env["DS_ACCELERATOR"] = "cpu"
     job = [sys.executable, str(ROOT / "tests" / "jobs" / "train_ranks.py"), str(devices), str(out)]
-    done = subprocess.run(job, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(job, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(out)
 
