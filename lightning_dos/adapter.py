@@ -43,6 +43,9 @@ REQUIRED_ATTRIBUTES = (
     "_get_norm_groups",
     "_unflatten_partitioned_parameters",
     "_post_step",
+    "state_dict",
+    "load_state_dict",
+    "refresh_fp32_params",
 )
 TESTED_DEEPSPEED = "0.19.5 to 0.19.8"
 
@@ -131,8 +134,29 @@ class ZeRO3Adapter:
             self._adopt_master(i)
         #: Chooses each step's plan; the strategy installs the scheduler here.
         self.planner: Planner | None = None
-        # Shadow the bound method on this instance only: DeepSpeed's engine calls optimizer.step().
+        # Shadow bound methods on this instance only: DeepSpeed's engine calls optimizer.step(), and its
+        # checkpointing calls state_dict / load_state_dict / refresh_fp32_params.
         z.step = self.step
+        self._wrap_state_access(z)
+
+    def _wrap_state_access(self, z: object) -> None:
+        """Keep host slabs and resident device state consistent around DeepSpeed's checkpoint code."""
+        engine = self.engine
+        save, load, refresh = z.state_dict, z.load_state_dict, z.refresh_fp32_params
+
+        def state_dict() -> dict:
+            engine.flush_resident()  # the checkpoint reads the host slabs
+            return save()
+
+        def load_state_dict(*args: object, **kwargs: object) -> None:
+            load(*args, **kwargs)
+            engine.drop_resident()  # the host slabs now hold the loaded state
+
+        def refresh_fp32_params() -> None:
+            refresh()
+            engine.drop_resident()
+
+        z.state_dict, z.load_state_dict, z.refresh_fp32_params = state_dict, load_state_dict, refresh_fp32_params
 
     # -- keeping DeepSpeed's tensors as views of the engine's slabs -------------------------------
 

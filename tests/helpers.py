@@ -9,7 +9,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dos.engine.plan import random_plan
+from lightning_dos.engine.plan import Place, random_plan
 
 VOCAB = 61
 
@@ -91,14 +91,15 @@ def loader(batch_size: int = 16, seed: int = 0) -> DataLoader:
 class RandomPlacement(L.Callback):
     """Replace the engine's planner with a fresh random plan every step (placement must not matter)."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, places: tuple = (Place.HOST, Place.DEVICE)) -> None:
         self.rng = random.Random(seed)
+        self.places = places
         self.plans: list = []
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         adapter = trainer.strategy.dos_adapter
         n = len(adapter.engine.sub_groups)
-        adapter.planner = lambda step: (random_plan(n, self.rng), None)
+        adapter.planner = lambda step: (random_plan(n, self.rng, places=self.places), None)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         self.plans.append(trainer.strategy.dos_engine.last_report.plan)

@@ -112,6 +112,35 @@ def test_checkpoint_written_mid_run_reloads_with_another_placement(tmp_path) -> 
         assert torch.equal(resumed[key], value), key
 
 
+def test_checkpoint_while_state_is_resident_resumes_exactly(tmp_path) -> None:  # noqa: ANN001
+    """With every sub-group resident on the device, the host slabs are stale between steps; saving a
+    checkpoint brings the state home first, and loading one replaces the resident copies."""
+    from lightning_dos.engine.plan import Plan
+
+    class AllResident(L.Callback):
+        def on_fit_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+            adapter = trainer.strategy.dos_adapter
+            plan = Plan((Place.RESIDENT,) * len(adapter.engine.sub_groups))
+            adapter.planner = lambda step: (plan, None)
+
+    def run(steps: int, ckpt_path=None, save=False):  # noqa: ANN001, ANN202
+        L.seed_everything(0, verbose=False)
+        model = TinyLM()
+        callbacks = [AllResident()]
+        if save:
+            callbacks.append(ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1))
+        t = trainer(dos(0.5), steps=steps, callbacks=callbacks, limit_train_batches=5, enable_checkpointing=save)
+        t.fit(model, loader(), ckpt_path=ckpt_path)
+        return full_parameters(model), model.losses, t.strategy.dos_engine
+
+    straight, losses, engine = run(10, save=True)
+    assert len(engine.resident) == len(engine.sub_groups)
+    resumed, resumed_losses, _ = run(10, ckpt_path=str(next(tmp_path.glob("*step=5*"))))
+    assert resumed_losses == losses[5:]
+    for key, value in straight.items():
+        assert torch.equal(resumed[key], value), key
+
+
 def test_zero_memory_budget_puts_every_sub_group_on_the_host_with_one_warning() -> None:
     L.seed_everything(0, verbose=False)
     model, probe = TinyLM(), Probe()

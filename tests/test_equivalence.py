@@ -70,6 +70,16 @@ def test_random_plan_every_step_matches_plain_adamw(reference) -> None:  # noqa:
     assert max_relative_error(full_parameters(model), params) < 1e-5
 
 
+def test_random_plan_over_host_streamed_and_resident_matches_plain_adamw(reference) -> None:  # noqa: ANN001
+    """Sub-groups move between host, streamed and resident every step (state comes home when it leaves)."""
+    params, _ = reference
+    placement = RandomPlacement(seed=2, places=(Place.HOST, Place.DEVICE, Place.RESIDENT))
+    model = fit(DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=SUB_GROUP), callbacks=[placement])
+    for i in range(len(placement.plans[0].places)):
+        assert {p.places[i] for p in placement.plans} == {Place.HOST, Place.DEVICE, Place.RESIDENT}
+    assert max_relative_error(full_parameters(model), params) < 1e-5
+
+
 def test_adam_with_l2_decay_matches_plain_adam() -> None:
     reference = full_parameters(fit("auto", optimizer="adam"))
     model = fit(DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=SUB_GROUP), optimizer="adam")

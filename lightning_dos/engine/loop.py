@@ -134,6 +134,8 @@ class InterleavedAdam:
         self.timing = False
         self.last_report: StepReport | None = None
         self.steps_taken = 0
+        #: Sub-groups whose state lives on the device across iterations, by index.
+        self.resident: dict[int, DeviceBuffer] = {}
         #: Side streams, made once: the same streams every step, so their order is easy to follow in a profiler.
         self.streams = Streams(device)
         self._warned_fallback = False
@@ -163,23 +165,26 @@ class InterleavedAdam:
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         return int((free + cached) * (1.0 - FREE_MEMORY_MARGIN))
 
+    def device_bytes(self, plan: Plan, buffers: int) -> int:
+        """Device memory ``plan`` needs during the update: resident state plus streaming buffers."""
+        resident = sum(self.sizes[i] for i in plan.resident_indices)
+        streamed = [self.sizes[i] for i in plan.streamed_indices]
+        largest = max(streamed, default=0)
+        return (resident + min(buffers, len(streamed)) * largest) * STAGING_BYTES_PER_ELEMENT
+
     def fit_to_budget(self, plan: Plan, budget: int | None) -> Plan:
-        """Shrink the plan's device side until its staging fits ``budget``: fewer buffers first, then
-        the largest device sub-groups go to the host."""
-        device_ids = plan.device_indices
-        if budget is None or not device_ids:
+        """Shrink the plan's device side until it fits ``budget``: fewer streaming buffers first, then
+        the largest streamed sub-groups, then the largest resident ones go to the host."""
+        if budget is None or not plan.device_indices:
             return plan
-        buffers = min(plan.device_buffers, len(device_ids))
-        while device_ids:
-            need = buffers * max(self.sizes[i] for i in device_ids) * STAGING_BYTES_PER_ELEMENT
-            if need <= budget:
-                break
+        buffers = max(1, min(plan.device_buffers, len(plan.streamed_indices)))
+        while plan.device_indices and self.device_bytes(plan, buffers) > budget:
             if buffers > 1:
                 buffers -= 1
                 continue
-            device_ids = sorted(device_ids, key=lambda i: self.sizes[i])[:-1]
-        moved = [i for i in plan.device_indices if i not in set(device_ids)]
-        return Plan(plan.with_host(moved).places, max(buffers, 1))
+            pool = plan.streamed_indices or plan.resident_indices
+            plan = plan.with_host([max(pool, key=lambda i: self.sizes[i])])
+        return Plan(plan.places, buffers)
 
     def skip(self, plan: Plan) -> StepReport:
         """Record a skipped step (fp16 overflow): nothing is touched."""
@@ -203,19 +208,25 @@ class InterleavedAdam:
 
         requested = plan
         plan = self.fit_to_budget(plan, self.device_budget())
+        # State leaving the device (the plan moved it, or it no longer fits) comes home first.
+        self._evict([i for i in self.resident if plan.places[i] != Place.RESIDENT])
         buffers = self._allocate(plan)
         if buffers is None:
-            plan = plan.with_host(plan.device_indices)
+            plan = plan.with_host(plan.streamed_indices)
             buffers = []
+        plan = self._make_resident(plan, streams)
         report = StepReport(self.steps_taken, plan, self.sizes, predicted_s=inputs.predicted_s)
         report.fallback_host = [i for i in requested.device_indices if plan.places[i] == Place.HOST]
         if report.fallback_host:
             self._warn_fallback(f"{len(report.fallback_host)} sub-group(s) did not fit the device memory budget")
-        report.device_staging_bytes = self.pool.device_bytes_in_use
+        report.device_staging_bytes = self.pool.device_bytes_in_use + self.pool.resident_bytes
         report.pinned_bytes = self.pool.host_bytes
 
+        self._run_resident(plan, inputs, streams, timeline, report)
         tails = self._launch_device_side(plan, buffers, inputs, streams, timeline, report)
         tails += self._run_host_side(plan, inputs, streams, timeline, report)
+        # Resident sub-groups end on the compute stream (their cast), with no download behind them.
+        tails.append(streams.record(streams.compute))
 
         # The update ends when the last byte is home: host slabs consistent for checkpoints, every
         # 16-bit parameter in place for the next forward.
@@ -229,8 +240,8 @@ class InterleavedAdam:
         return report
 
     def _allocate(self, plan: Plan) -> list[DeviceBuffer] | None:
-        """Device staging for the plan; None (after one warning) when the device is out of memory."""
-        device_ids = plan.device_indices
+        """Streaming buffers for the plan; None (after one warning) when the device is out of memory."""
+        device_ids = plan.streamed_indices
         if not device_ids:
             return []
         count = min(plan.device_buffers, len(device_ids))
@@ -250,6 +261,91 @@ class InterleavedAdam:
                 stacklevel=3,
             )
             self._warned_fallback = True
+
+    # -- resident sub-groups ---------------------------------------------------------------------
+
+    def _make_resident(self, plan: Plan, streams: Streams) -> Plan:
+        """Bring the plan's new resident sub-groups' state up; those that do not fit go to the host."""
+        failed = []
+        for index in plan.resident_indices:
+            if index in self.resident:
+                continue
+            sg = self.sub_groups[index]
+            try:
+                buf = self.pool.allocate_resident(sg.numel)
+            except torch.OutOfMemoryError:
+                self._warn_fallback("resident optimizer state could not be allocated (out of memory)")
+                failed.append(index)
+                continue
+            span = slice(sg.slab_offset, sg.slab_offset + sg.numel)
+            with streams.on(streams.h2d):
+                for dst, slab in ((buf.param, self.pool.param), (buf.exp_avg, self.pool.exp_avg)):
+                    dst.copy_(slab[span], non_blocking=True)
+                buf.exp_avg_sq.copy_(self.pool.exp_avg_sq[span], non_blocking=True)
+            self.resident[index] = buf
+        return plan.with_host(failed) if failed else plan
+
+    def _run_resident(
+        self, plan: Plan, inputs: StepInputs, streams: Streams, tl: _Timeline, report: StepReport
+    ) -> None:
+        """Upload only the gradient, update on the device, cast into the 16-bit partition; nothing comes down."""
+        step_tensors: dict[int, torch.Tensor] = {}
+        for index in plan.resident_indices:
+            sg, buf = self.sub_groups[index], self.resident[index]
+            _, _, _, grad, lp = self._slices(sg, inputs)
+            with streams.on(streams.h2d):
+                start = tl.mark(streams.h2d)
+                buf.grad.copy_(grad, non_blocking=True)
+                uploaded = streams.record(streams.h2d)
+                tl.add("upload", index, start, tl.mark(streams.h2d), FP32_BYTES * sg.numel)
+            with streams.on(streams.compute):
+                # Adam reads the gradient (and, the first time, the state) the h2d stream brought up.
+                streams.wait(streams.compute, uploaded)
+                start = tl.mark(streams.compute)
+                if inputs.inv_grad_scale != 1.0:
+                    buf.grad.mul_(inputs.inv_grad_scale)
+                if sg.ds_group not in step_tensors:
+                    step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], self.device)
+                hyper = inputs.hypers[sg.param_group]
+                adam_update(buf.param, buf.grad, buf.exp_avg, buf.exp_avg_sq, step_tensors[sg.ds_group], hyper)
+                mid = tl.mark(streams.compute)
+                lp.copy_(buf.param)
+                end = tl.mark(streams.compute)
+                tl.add("device_adam", index, start, mid, FP32_BYTES * sg.numel)
+                tl.add("cast", index, mid, end, self.lp_bytes * sg.numel)
+            report.h2d_bytes += FP32_BYTES * sg.numel
+            report.device_elements += sg.numel
+
+    def _download_resident(self, indices: list[int]) -> None:
+        """Copy resident state into the host slabs and wait for it (the host reads them next)."""
+        if not indices:
+            return
+        streams = self.streams
+        # The download reads what the compute stream last wrote.
+        streams.wait(streams.d2h, streams.record(streams.compute))
+        with streams.on(streams.d2h):
+            for index in indices:
+                sg, buf = self.sub_groups[index], self.resident[index]
+                span = slice(sg.slab_offset, sg.slab_offset + sg.numel)
+                self.pool.param[span].copy_(buf.param, non_blocking=True)
+                self.pool.exp_avg[span].copy_(buf.exp_avg, non_blocking=True)
+                self.pool.exp_avg_sq[span].copy_(buf.exp_avg_sq, non_blocking=True)
+        streams.host_wait(streams.record(streams.d2h))
+
+    def _evict(self, indices: list[int]) -> None:
+        """Bring resident state home and free it on the device."""
+        self._download_resident(indices)
+        for index in indices:
+            self.pool.release_resident(self.resident.pop(index))
+
+    def flush_resident(self) -> None:
+        """Make the host slabs current (a checkpoint is about to read them); the state stays resident."""
+        self._download_resident(list(self.resident))
+
+    def drop_resident(self) -> None:
+        """Forget resident device state because the host slabs were just overwritten (a checkpoint load)."""
+        for index in list(self.resident):
+            self.pool.release_resident(self.resident.pop(index))
 
     def _slices(self, sg: SubGroup, inputs: StepInputs) -> tuple[torch.Tensor, ...]:
         span = slice(sg.slab_offset, sg.slab_offset + sg.numel)
@@ -274,7 +370,7 @@ class InterleavedAdam:
         """Queue upload -> Adam + cast -> download for every device sub-group; return the tail events."""
         step_tensors: dict[int, torch.Tensor] = {}
         slot_free: list = [None] * len(buffers)
-        for j, index in enumerate(plan.device_indices):
+        for j, index in enumerate(plan.streamed_indices):
             sg = self.sub_groups[index]
             n, slot = sg.numel, j % len(buffers)
             buf = buffers[slot]

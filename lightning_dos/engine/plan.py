@@ -10,8 +10,9 @@ A *plan* says, for every sub-group, where it is updated this iteration:
   pinned staging buffer and uploaded asynchronously.
 - ``DEVICE``: the fp32 state streams up to the accelerator, Adam and the 16-bit cast run there, and
   the updated fp32 state streams back down (the paper's interleaved offload).
-- ``RESIDENT``: reserved for state that stays on the accelerator across iterations; the current
-  engine treats it like ``DEVICE``.
+- ``RESIDENT``: the fp32 state stays on the accelerator across iterations (TwinFlow's idea, but
+  chosen per iteration): only the gradient goes up, nothing comes down. It costs device memory all
+  the time, so the budget decides.
 
 The plan also fixes the order: device sub-groups are launched first (their work is asynchronous on
 an accelerator), host sub-groups are worked through while the device pipeline runs.
@@ -100,6 +101,14 @@ class Plan:
         return self.indices(Place.DEVICE, Place.RESIDENT)
 
     @property
+    def streamed_indices(self) -> list[int]:
+        return self.indices(Place.DEVICE)
+
+    @property
+    def resident_indices(self) -> list[int]:
+        return self.indices(Place.RESIDENT)
+
+    @property
     def host_indices(self) -> list[int]:
         return self.indices(Place.HOST)
 
@@ -142,9 +151,11 @@ def stride_plan(n: int, k: int, device_buffers: int = 2) -> Plan:
     return Plan(tuple(Place.DEVICE if (x + 1) % k == 0 else Place.HOST for x in range(n)), device_buffers)
 
 
-def random_plan(n: int, rng: random.Random, device_buffers: int = 2) -> Plan:
-    """A random placement (tests use it to show that placement never changes the result)."""
-    return Plan(tuple(rng.choice((Place.HOST, Place.DEVICE)) for _ in range(n)), device_buffers)
+def random_plan(
+    n: int, rng: random.Random, device_buffers: int = 2, places: Sequence[Place] = (Place.HOST, Place.DEVICE)
+) -> Plan:
+    """A random placement over ``places`` (tests use it to show that placement never changes the result)."""
+    return Plan(tuple(rng.choice(tuple(places)) for _ in range(n)), device_buffers)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ and let DeepSpeed's flat partitions and optimizer state be views into them.
 
 Device side: N staging buffers, each able to hold one device sub-group's fp32 param, moments and
 gradient, allocated at the start of an update and released at its end, so forward and backward get
-that memory back through the caching allocator.
+that memory back through the caching allocator. Resident sub-groups keep their state on the device
+across iterations instead, in blocks of their own.
 
 Pinning needs CUDA; without it the slabs are ordinary pageable memory and the results are identical.
 """
@@ -61,6 +62,8 @@ class BufferPool:
         # The 16-bit copy of a host sub-group needs a host staging area only when it must cross PCIe.
         self.lp_staging = _host_empty(total_numel, lp_dtype, self.pinned) if device.type != "cpu" else None
         self.device_bytes_in_use = 0
+        #: Device bytes held across iterations by resident sub-groups (param, moments, gradient).
+        self.resident_bytes = 0
 
     @property
     def host_bytes(self) -> int:
@@ -81,6 +84,15 @@ class BufferPool:
         self.device_bytes_in_use = count * capacity * STAGING_BYTES_PER_ELEMENT
         return buffers
 
+    def allocate_resident(self, capacity: int) -> DeviceBuffer:
+        """Persistent device state for one resident sub-group (may raise OutOfMemoryError)."""
+        block = torch.empty(4 * capacity, dtype=torch.float32, device=self.device)
+        self.resident_bytes += 4 * capacity * FP32_BYTES
+        return DeviceBuffer(*block.split(capacity))
+
+    def release_resident(self, buffer: DeviceBuffer) -> None:
+        self.resident_bytes -= buffer.capacity * STAGING_BYTES_PER_ELEMENT
+
     def release_device(self) -> None:
         """Forget the device staging size (the tensors themselves are dropped by the caller)."""
         self.device_bytes_in_use = 0
@@ -92,4 +104,5 @@ class BufferPool:
             "pinned": self.pinned,
             "elements": self.param.numel(),
             "device_staging_bytes": self.device_bytes_in_use,
+            "device_resident_bytes": self.resident_bytes,
         }
