@@ -1,0 +1,496 @@
+"""``DOSMonitor``: per-step phase times, memory per phase and the engine's PCIe traffic, logged and traced.
+
+Every training batch is cut into phases at Lightning's hooks (see the DeepSpeed hook order in the
+strategy's docs): *forward* from ``on_train_batch_start`` to ``on_before_backward``, *backward* from
+there to ``on_before_optimizer_step`` (which includes DeepSpeed's gradient partitioning to the host,
+done inside ``engine.backward``), *update* from there to ``on_train_batch_end`` (DeepSpeed's step with
+the Deep Optimizer States engine inside), and *step* the whole batch.
+
+On a GPU the boundaries are CUDA events on the current stream and are read one step late, when they
+have completed anyway, so the monitor adds no synchronisation; on CPU they are ``time.perf_counter``.
+Memory is sampled at the same boundaries: the CUDA caching allocator's counters on a GPU, host RSS
+from ``/proc`` (or psutil) on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_dos.engine.report import StepReport
+from lightning_dos.trace import TracedStep, write_trace
+
+PHASES = ("forward", "backward", "update")
+GB = 1e9
+#: Steps kept for the end-of-fit summary's medians (the most recent ones; bounded for long runs).
+SUMMARY_WINDOW = 10_000
+
+
+# -- clocks: when a hook ran, without synchronising --------------------------------------------
+
+
+class _WallClock:
+    """Host wall clock; a mark is ready as soon as it is taken."""
+
+    def mark(self) -> Any:
+        return time.perf_counter()
+
+    def ready(self, mark: Any) -> bool:
+        return True
+
+    def wait(self, mark: Any) -> None:
+        pass
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return end - start
+
+
+class _CudaClock:
+    """CUDA events on the current stream: they time the GPU's own timeline and cost no sync to take."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def mark(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def ready(self, mark: Any) -> bool:
+        return bool(mark.query())
+
+    def wait(self, mark: Any) -> None:
+        mark.synchronize()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1e3
+
+
+# -- memory: counters read at phase boundaries ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _MemSample:
+    """Memory at one boundary, with the highest values seen since the previous boundary (bytes)."""
+
+    allocated: int
+    reserved: int
+    peak_allocated: int
+    peak_reserved: int
+
+
+class _CudaMemory:
+    """The caching allocator's counters; the peak counters are reset at every boundary so that each
+    phase gets its own peak (this shares state with anything else that reads ``max_memory_*``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def read(self) -> _MemSample:
+        d = self.device
+        sample = _MemSample(
+            torch.cuda.memory_allocated(d),
+            torch.cuda.memory_reserved(d),
+            torch.cuda.max_memory_allocated(d),
+            torch.cuda.max_memory_reserved(d),
+        )
+        torch.cuda.reset_peak_memory_stats(d)
+        return sample
+
+
+def _proc_status() -> dict[str, int] | None:
+    """``RssAnon``, ``VmRSS`` and ``VmHWM`` of this process in bytes, from ``/proc`` (Linux only)."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("RssAnon", "VmRSS", "VmHWM"):
+            values[key] = int(rest.split()[0]) * 1024
+    return values if len(values) == 3 else None
+
+
+class _HostMemory:
+    """Host memory on CPU: *allocated* is anonymous RSS (tensors live there), *reserved* is total RSS.
+
+    Peaks inside a phase are not observable without sampling, except one: when the kernel's peak RSS
+    (VmHWM) rose during a phase, that new peak happened in it. Otherwise the boundary values bound it.
+    """
+
+    def __init__(self) -> None:
+        status = _proc_status()
+        self._hwm = status["VmHWM"] if status else 0
+
+    def read(self) -> _MemSample:
+        status = _proc_status()
+        if status is None:  # no /proc (macOS): psutil's RSS for both
+            import psutil
+
+            rss = int(psutil.Process().memory_info().rss)
+            return _MemSample(rss, rss, rss, rss)
+        anon, rss, hwm = status["RssAnon"], status["VmRSS"], status["VmHWM"]
+        peak = hwm if hwm > self._hwm else rss
+        self._hwm = hwm
+        return _MemSample(anon, rss, anon, peak)
+
+
+def _memory_probe(device: torch.device) -> _CudaMemory | _HostMemory | None:
+    if device.type == "cuda":
+        return _CudaMemory(device)
+    if _proc_status() is not None:
+        return _HostMemory()
+    try:
+        import psutil  # noqa: F401
+    except ImportError:
+        return None
+    return _HostMemory()
+
+
+# -- one training batch ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Record:
+    """Marks and memory samples of one training batch, until its events can be read."""
+
+    step: int
+    marks: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, _MemSample] = field(default_factory=dict)
+    report: StepReport | None = None
+
+
+def _phase_bounds(marks: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """``(phase, from boundary, to boundary)`` for the phases this batch has marks for."""
+    fwd, bwd = "forward_end" in marks, "backward_end" in marks
+    if fwd and bwd:
+        return [
+            ("forward", "start", "forward_end"),
+            ("backward", "forward_end", "backward_end"),
+            ("update", "backward_end", "end"),
+        ]
+    if fwd:  # no optimizer step in this batch (accumulating without DeepSpeed): backward runs to the end
+        return [("forward", "start", "forward_end"), ("backward", "forward_end", "end")]
+    if bwd:  # manual optimisation without a backward hook
+        return [("update", "backward_end", "end")]
+    return []
+
+
+def _memory_metrics(record: _Record) -> dict[str, float]:
+    """Peak and lowest allocated, and peak reserved, memory of each phase (GB)."""
+    row: dict[str, float] = {}
+    for phase, a, b in _phase_bounds(record.memory):
+        start, end = record.memory[a], record.memory[b]
+        row[f"dos/mem_peak_{phase}_gb"] = max(start.allocated, end.allocated, end.peak_allocated) / GB
+        # The lowest point is sampled at the boundaries only: allocators expose no running minimum.
+        row[f"dos/mem_low_{phase}_gb"] = min(start.allocated, end.allocated) / GB
+        row[f"dos/mem_reserved_peak_{phase}_gb"] = max(start.reserved, end.reserved, end.peak_reserved) / GB
+    return row
+
+
+def _engine(trainer: pl.Trainer) -> Any:
+    """The Deep Optimizer States engine, when the trainer runs that strategy and has set it up."""
+    return getattr(trainer.strategy, "dos_engine", None)
+
+
+def _peak_of(engine: Any) -> tuple[float, float]:
+    """The engine's calibrated peak H2D and D2H rates (bytes/s), or a one-off measurement of our own."""
+    peak = getattr(engine, "peak_bandwidth", None)
+    if callable(peak):
+        h2d, d2h = peak()
+        return float(h2d), float(d2h)
+    return _calibrate_copy_bandwidth(engine.device)
+
+
+def _calibrate_copy_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> tuple[float, float]:
+    """Peak host-to-device and device-to-host copy rates (bytes/s), measured once.
+
+    Used only when the engine offers no ``peak_bandwidth()``. On a CPU "device" both directions are a
+    host memcpy, which is what the engine's transfers are there.
+    """
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rates = []
+    for dst, src in ((dev, host), (host, dev)):
+        best = math.inf
+        for _ in range(3):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        rates.append(nbytes / max(best, 1e-9))
+    return rates[0], rates[1]
+
+
+class DOSMonitor(Callback):
+    """Logs per-step phase times, memory per phase and PCIe traffic; traces chosen steps; sums up the run.
+
+    Metrics (to every logger of the trainer, at the step they belong to): ``dos/{forward,backward,
+    update,step}_s``; for each phase ``dos/mem_peak_<phase>_gb``, ``dos/mem_low_<phase>_gb`` and
+    ``dos/mem_reserved_peak_<phase>_gb`` (GB = 1e9 bytes; on CPU, host RSS: anonymous RSS as
+    *allocated*, total RSS as *reserved*); and with the Deep Optimizer States strategy, from the
+    engine's report of the step: ``dos/h2d_gb``, ``dos/d2h_gb``, ``dos/h2d_gbps``, ``dos/d2h_gbps``
+    (bytes over the engine's update time), ``dos/pcie_util`` (both directions' achieved rate over the
+    sum of their calibrated peaks), ``dos/gpu_fraction`` (share of elements updated on the device),
+    ``dos/engine_update_s`` (the engine's own update loop, inside the update phase),
+    ``dos/update_predicted_s`` (the performance model's prediction of that loop, when it made one) and
+    ``dos/pinned_gb``.
+
+    Args:
+        trace_dir: folder for a Chrome trace (``dos-trace-rank<R>.json``) of the ``trace_steps``;
+            None writes no trace.
+        trace_steps: the steps to trace, as the trainer's ``global_step`` when they start. The engine
+            records its per-operation spans only during these steps, so other steps pay nothing for
+            them. Early steps (but after the first, which warms caches up) are representative.
+        log_every_n_steps: log every n-th step; None follows the trainer's ``log_every_n_steps``.
+        summary: print a table of the run's medians at the end of ``fit`` (global rank 0).
+    """
+
+    def __init__(
+        self,
+        trace_dir: str | Path | None = None,
+        trace_steps: Sequence[int] = (3,),
+        log_every_n_steps: int | None = None,
+        summary: bool = True,
+    ) -> None:
+        if log_every_n_steps is not None and log_every_n_steps < 0:
+            raise ValueError(f"log_every_n_steps must be None or >= 0, got {log_every_n_steps}")
+        self.trace_dir = Path(trace_dir) if trace_dir is not None else None
+        self.trace_steps = frozenset(int(s) for s in trace_steps)
+        self.log_every_n_steps = log_every_n_steps
+        self.summary = summary
+        #: Path of the trace once written.
+        self.trace_path: Path | None = None
+        #: Resolved metrics of the most recent steps (what the summary's medians are taken over).
+        self.history: deque[dict[str, float]] = deque(maxlen=SUMMARY_WINDOW)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._clock: _WallClock | _CudaClock = _WallClock()
+        self._memory: _CudaMemory | _HostMemory | None = None
+        self._every = 1
+        self._open: _Record | None = None
+        self._pending: deque[_Record] = deque()
+        self._seen_report: StepReport | None = None
+        self._timing_before: bool | None = None
+        self._peak: tuple[float, float] | None = None
+        self._traced: list[TracedStep] = []
+        self._trace_origin: Any = None
+
+    # -- Lightning hooks ----------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._reset()
+        self.history.clear()
+        self.trace_path = None
+        device = trainer.strategy.root_device
+        self._clock = _CudaClock(device) if device.type == "cuda" else _WallClock()
+        self._memory = _memory_probe(device)
+        every = self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
+        self._every = int(every)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        record = _Record(step=trainer.global_step)
+        engine = _engine(trainer)
+        if engine is not None and self.trace_dir is not None and record.step in self.trace_steps:
+            # Spans cost events and bookkeeping: ask for them only on the steps that are drawn.
+            self._timing_before = engine.timing
+            engine.timing = True
+        self._boundary(record, "start")
+        self._open = record
+
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        if self._open is not None and "forward_end" not in self._open.marks:
+            self._boundary(self._open, "forward_end")
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        # Everything after on_after_backward up to here (Lightning's closure bookkeeping) counts as backward.
+        if self._open is not None and "backward_end" not in self._open.marks:
+            self._boundary(self._open, "backward_end")
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        record, self._open = self._open, None
+        if record is None:
+            return
+        self._boundary(record, "end")
+        engine = _engine(trainer)
+        if engine is not None:
+            report = engine.last_report
+            # Under gradient accumulation DeepSpeed steps only at the boundary: a report is new or stale.
+            if report is not None and report is not self._seen_report:
+                record.report = self._seen_report = report
+                if self._peak is None:
+                    self._peak = _peak_of(engine)
+            if self._timing_before is not None:
+                engine.timing, self._timing_before = self._timing_before, None
+        self._pending.append(record)
+        self._drain(trainer, wait=False)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        engine = _engine(trainer)
+        if engine is not None and self._timing_before is not None:  # a traced batch that never ended
+            engine.timing, self._timing_before = self._timing_before, None
+        # Loggers are finalised after this hook: read the last step's events now (one sync, at the end).
+        self._drain(trainer, wait=True)
+        self._write_trace(trainer)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.summary and trainer.is_global_zero and self.history:
+            from rich.console import Console
+
+            Console().print(summary_table(self.history))
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _boundary(self, record: _Record, name: str) -> None:
+        record.marks[name] = self._clock.mark()
+        if self._memory is not None:
+            record.memory[name] = self._memory.read()
+
+    def _drain(self, trainer: pl.Trainer, wait: bool) -> None:
+        """Resolve, log and trace every pending batch whose last event has completed (all when ``wait``)."""
+        while self._pending:
+            record = self._pending[0]
+            if wait:
+                self._clock.wait(record.marks["end"])
+            elif not self._clock.ready(record.marks["end"]):
+                break
+            self._pending.popleft()
+            row = self._resolve(record)
+            self.history.append(row)
+            if self._every > 0 and (record.step + 1) % self._every == 0:
+                for logger in trainer.loggers:
+                    logger.log_metrics(row, step=record.step)
+            if self.trace_dir is not None and record.step in self.trace_steps:
+                self._add_traced(record, row)
+                if {t.step for t in self._traced} >= self.trace_steps:
+                    self._write_trace(trainer)
+
+    def _seconds_since_start(self, record: _Record, boundary: str) -> float:
+        return self._clock.seconds(record.marks["start"], record.marks[boundary])
+
+    def _resolve(self, record: _Record) -> dict[str, float]:
+        """The metrics of one batch whose events have all completed."""
+        row = {
+            f"dos/{phase}_s": self._clock.seconds(record.marks[a], record.marks[b])
+            for phase, a, b in _phase_bounds(record.marks)
+        }
+        if "forward_end" in record.marks:
+            row.setdefault("dos/update_s", 0.0)  # a batch without an optimizer step updates nothing
+        row["dos/step_s"] = self._seconds_since_start(record, "end")
+        row.update(_memory_metrics(record))
+        if record.report is not None:
+            row.update(self._report_metrics(record.report, row.get("dos/update_s", 0.0)))
+        return row
+
+    def _report_metrics(self, report: StepReport, measured_update_s: float) -> dict[str, float]:
+        # Rates over the engine's own update loop, where the transfers happen; DeepSpeed's prologue
+        # (norms, overflow check) in the measured update phase would dilute them.
+        seconds = report.update_s if report.update_s > 0 else measured_update_s
+        row = {
+            "dos/h2d_gb": report.h2d_bytes / GB,
+            "dos/d2h_gb": report.d2h_bytes / GB,
+            "dos/gpu_fraction": report.device_share,
+            "dos/pinned_gb": report.pinned_bytes / GB,
+            "dos/engine_update_s": report.update_s,
+        }
+        if seconds > 0:
+            row["dos/h2d_gbps"] = report.h2d_bytes / seconds / GB
+            row["dos/d2h_gbps"] = report.d2h_bytes / seconds / GB
+            peak = sum(self._peak) if self._peak is not None else 0.0
+            if peak > 0:
+                row["dos/pcie_util"] = (report.h2d_bytes + report.d2h_bytes) / seconds / peak
+        if report.predicted_s is not None and math.isfinite(report.predicted_s):
+            row["dos/update_predicted_s"] = float(report.predicted_s)
+        return row
+
+    def _add_traced(self, record: _Record, row: dict[str, float]) -> None:
+        if self._trace_origin is None:
+            self._trace_origin = record.marks["start"]
+        phases = [
+            (phase, self._seconds_since_start(record, a), self._seconds_since_start(record, b))
+            for phase, a, b in _phase_bounds(record.marks)
+        ]
+        offset = row["dos/step_s"]
+        if record.report is not None:
+            # The report's clock starts with the engine's update loop, which ends just before the batch
+            # does (only DeepSpeed's short epilogue follows): place the loop so that it ends there.
+            offset -= record.report.update_s
+            if "backward_end" in record.marks:
+                offset = max(offset, self._seconds_since_start(record, "backward_end"))
+        start = self._clock.seconds(self._trace_origin, record.marks["start"])
+        self._traced.append(TracedStep(record.step, start, phases, record.report, offset))
+
+    def _write_trace(self, trainer: pl.Trainer) -> None:
+        if self.trace_dir is None or not self._traced or self.trace_path is not None:
+            return
+        rank = trainer.global_rank
+        self.trace_path = write_trace(self.trace_dir / f"dos-trace-rank{rank}.json", self._traced, rank)
+
+
+#: Rows of the summary: label, metric, scale, unit.
+_SUMMARY_ROWS = (
+    ("forward", "dos/forward_s", 1.0, "s"),
+    ("backward", "dos/backward_s", 1.0, "s"),
+    ("update", "dos/update_s", 1.0, "s"),
+    ("step", "dos/step_s", 1.0, "s"),
+    ("engine update loop", "dos/engine_update_s", 1.0, "s"),
+    ("engine update predicted", "dos/update_predicted_s", 1.0, "s"),
+    ("host to device", "dos/h2d_gbps", 1.0, "GB/s"),
+    ("device to host", "dos/d2h_gbps", 1.0, "GB/s"),
+    ("PCIe utilisation", "dos/pcie_util", 100.0, "%"),
+    ("device share", "dos/gpu_fraction", 100.0, "%"),
+    ("peak memory, update", "dos/mem_peak_update_gb", 1.0, "GB"),
+)
+
+
+def summary_table(history: Sequence[dict[str, float]]) -> Any:
+    """A rich table of the medians of ``history`` (rows of :class:`DOSMonitor` metrics).
+
+    Args:
+        history: one metrics dict per step.
+    """
+    from rich.table import Table
+
+    table = Table(title=f"Deep Optimizer States: medians over {len(history)} steps")
+    table.add_column("")
+    table.add_column("median", justify="right")
+    table.add_column("of step", justify="right")
+    medians = {}
+    for _, key, _, _ in _SUMMARY_ROWS:
+        values = [row[key] for row in history if key in row]
+        if values:
+            medians[key] = statistics.median(values)
+    step = medians.get("dos/step_s", 0.0)
+    for label, key, scale, unit in _SUMMARY_ROWS:
+        if key not in medians:
+            continue
+        share = (
+            f"{100 * medians[key] / step:.0f}%" if unit == "s" and step > 0 and key != "dos/step_s" else ""
+        )
+        table.add_row(label, f"{medians[key] * scale:.4g} {unit}", share)
+    return table

@@ -1,0 +1,305 @@
+"""``lightning-dos report RUN_DIR [--out PNG]``: one PNG of a run's ``DOSMonitor`` metrics.
+
+It finds the newest CSVLogger ``metrics.csv`` under ``RUN_DIR`` and draws, step by step: memory per
+phase, PCIe throughput per direction, the forward/backward/update breakdown, the share of the update
+done on the device, the update time against the performance model's prediction, and the run's medians.
+Drawing needs matplotlib, the optional ``plot`` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+INSTALL_HINT = "pip install 'lightning-dos[plot]'"
+PHASES = ("forward", "backward", "update")
+PHASE_COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "update": "#55A868"}
+
+#: A run's metrics: metric name -> (steps, values), sorted by step.
+Series = dict[str, tuple[list[int], list[float]]]
+
+
+def find_metrics(run_dir: Path) -> Path | None:
+    """The newest ``metrics.csv`` anywhere under ``run_dir`` (CSVLogger writes one per version)."""
+    found = [p for p in run_dir.rglob("metrics.csv") if p.is_file()]
+    if not found:
+        return None
+    # Newest by modification time; a higher version folder wins a tie.
+    return max(found, key=lambda p: (p.stat().st_mtime, str(p)))
+
+
+def read_metrics(path: Path) -> Series:
+    """Every numeric column of a CSVLogger file, merged by step (the logger writes a row per call)."""
+    by_step: dict[str, dict[int, float]] = {}
+    with path.open(newline="") as handle:
+        for row in csv.DictReader(handle):
+            step_text = row.pop("step", "")
+            if not step_text:
+                continue
+            step = int(float(step_text))
+            for key, text in row.items():
+                try:
+                    value = float(text)
+                except (TypeError, ValueError):
+                    continue
+                if math.isfinite(value):
+                    by_step.setdefault(key, {})[step] = value
+    series: Series = {}
+    for key, values in by_step.items():
+        steps = sorted(values)
+        series[key] = (steps, [values[s] for s in steps])
+    return series
+
+
+def _unit(max_value: float, base: str) -> tuple[float, str]:
+    """A factor and unit that keep GB-denominated values readable (a tiny test model moves kilobytes)."""
+    for factor, prefix in ((1.0, "G"), (1e3, "M"), (1e6, "k")):
+        if max_value * factor >= 1.0:
+            return factor, prefix + base
+    return 1e9, base.replace("B", "bytes", 1) if base.startswith("B") else base
+
+
+def _get(series: Series, key: str) -> tuple[list[int], list[float]]:
+    return series.get(f"dos/{key}", ([], []))
+
+
+def _no_data(ax: Any, why: str) -> bool:
+    ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes, color="0.4")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    return False
+
+
+NEEDS_ENGINE = "(logged with DeepOptimizerStatesStrategy only)"
+PHASE_MARKERS = {"forward": "o", "backward": "s", "update": "^"}
+
+
+def _memory(ax: Any, series: Series, kind: str) -> bool:
+    """Allocated (peak line, band down to the lowest sample) or reserved (peak) memory of each phase."""
+    keys = [f"mem_peak_{p}_gb" if kind == "allocated" else f"mem_reserved_peak_{p}_gb" for p in PHASES]
+    values = [v for k in keys for v in _get(series, k)[1]]
+    if not values:
+        return _no_data(ax, "no memory metrics")
+    factor, unit = _unit(max(values), "B")
+    for phase, key in zip(PHASES, keys):
+        steps, peak = _get(series, key)
+        colour = PHASE_COLOURS[phase]
+        # Distinct markers keep phases with equal values visible on top of each other.
+        ax.plot(
+            steps, [v * factor for v in peak], color=colour, marker=PHASE_MARKERS[phase], ms=4, label=phase
+        )
+        low_steps, low = _get(series, f"mem_low_{phase}_gb")
+        if kind == "allocated" and low_steps == steps:
+            ax.fill_between(
+                steps, [v * factor for v in low], [v * factor for v in peak], color=colour, alpha=0.15
+            )
+    what = "allocated: peak, band down to lowest" if kind == "allocated" else "reserved: peak"
+    ax.set_title(f"Memory per phase ({what})")
+    ax.set_ylabel(f"{unit} (host RSS on CPU)")
+    ax.legend(fontsize="small")
+    return True
+
+
+def _pcie(ax: Any, series: Series) -> bool:
+    h2d_steps, h2d = _get(series, "h2d_gbps")
+    d2h_steps, d2h = _get(series, "d2h_gbps")
+    if not h2d_steps and not d2h_steps:
+        return _no_data(ax, f"no transfer rates\n{NEEDS_ENGINE}")
+    factor, unit = _unit(max(h2d + d2h + [0.0]), "B/s")
+    ax.plot(h2d_steps, [v * factor for v in h2d], marker=".", label="host to device")
+    ax.plot(d2h_steps, [v * factor for v in d2h], marker=".", label="device to host")
+    ax.set_title("PCIe throughput per direction (over the engine's update loop)")
+    ax.set_ylabel(unit)
+    ax.set_ylim(bottom=0)
+    util_steps, util = _get(series, "pcie_util")
+    if util_steps:
+        twin = ax.twinx()
+        twin.plot(
+            util_steps,
+            [100 * v for v in util],
+            color="0.55",
+            ls="--",
+            lw=1,
+            zorder=0,
+            label="utilisation (right)",
+        )
+        twin.set_ylabel("% of calibrated peak, both directions")
+        twin.set_ylim(bottom=0)
+        twin.legend(loc="upper right", fontsize="small")
+    ax.legend(loc="upper left", fontsize="small")
+    return True
+
+
+def _bytes_moved(ax: Any, series: Series) -> bool:
+    h2d_steps, h2d = _get(series, "h2d_gb")
+    d2h_steps, d2h = _get(series, "d2h_gb")
+    if not h2d_steps and not d2h_steps:
+        return _no_data(ax, f"no bytes moved\n{NEEDS_ENGINE}")
+    factor, unit = _unit(max(h2d + d2h + [0.0]), "B")
+    ax.bar([s - 0.2 for s in h2d_steps], [v * factor for v in h2d], width=0.4, label="host to device")
+    ax.bar([s + 0.2 for s in d2h_steps], [v * factor for v in d2h], width=0.4, label="device to host")
+    ax.set_ylim(top=1.3 * factor * max(h2d + d2h + [1e-12]))  # room for the legend above the bars
+    ax.set_title("Bytes moved per update")
+    ax.set_ylabel(unit)
+    ax.legend(fontsize="small")
+    return True
+
+
+def _breakdown(ax: Any, series: Series) -> bool:
+    parts = {phase: dict(zip(*_get(series, f"{phase}_s"))) for phase in PHASES}
+    steps = sorted(set().union(*parts.values()))
+    if not steps:
+        return _no_data(ax, "no phase times")
+    bottom = [0.0] * len(steps)
+    for phase in PHASES:
+        heights = [parts[phase].get(s, 0.0) for s in steps]
+        ax.bar(steps, heights, bottom=bottom, color=PHASE_COLOURS[phase], label=phase, width=0.8)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    step_steps, step_s = _get(series, "step_s")
+    ax.plot(step_steps, step_s, color="black", marker="_", ls="none", markersize=12, label="step (measured)")
+    ax.set_title("Time per step, by phase")
+    ax.set_ylabel("seconds")
+    ax.legend(fontsize="small")
+    return True
+
+
+def _device_share(ax: Any, series: Series) -> bool:
+    steps, share = _get(series, "gpu_fraction")
+    if not steps:
+        return _no_data(ax, f"no device share\n{NEEDS_ENGINE}")
+    ax.step(steps, [100 * v for v in share], where="mid", marker=".", color="#8172B3")
+    ax.set_ylim(-5, 105)
+    ax.set_title("Share of the update done on the device")
+    ax.set_ylabel("% of elements")
+    return True
+
+
+def _update_vs_predicted(ax: Any, series: Series) -> bool:
+    steps, measured = _get(series, "update_s")
+    if not steps:
+        return _no_data(ax, "no update times")
+    ax.plot(steps, measured, marker=".", color=PHASE_COLOURS["update"], label="update phase (measured)")
+    loop_steps, loop = _get(series, "engine_update_s")
+    if loop_steps:
+        ax.plot(loop_steps, loop, marker=".", color="#C44E52", label="engine update loop (measured)")
+    pred_steps, predicted = _get(series, "update_predicted_s")
+    if pred_steps:
+        ax.plot(
+            pred_steps, predicted, marker="x", ls="--", color="0.3", label="engine update loop (predicted)"
+        )
+    ax.set_title("Update time: measured and predicted")
+    ax.set_ylabel("seconds")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize="small")
+    return True
+
+
+#: The medians panel: label, metric (without ``dos/``), scale, unit.
+_MEDIAN_LINES = (
+    ("forward", "forward_s", 1, "s"),
+    ("backward", "backward_s", 1, "s"),
+    ("update", "update_s", 1, "s"),
+    ("step", "step_s", 1, "s"),
+    ("engine update loop", "engine_update_s", 1, "s"),
+    ("  predicted", "update_predicted_s", 1, "s"),
+    ("host to device", "h2d_gbps", 1, "GB/s"),
+    ("device to host", "d2h_gbps", 1, "GB/s"),
+    ("PCIe utilisation", "pcie_util", 100, "%"),
+    ("device share", "gpu_fraction", 100, "%"),
+    ("pinned host memory", "pinned_gb", 1, "GB"),
+)
+
+
+def _medians(ax: Any, series: Series) -> None:
+    ax.axis("off")
+    text = []
+    for label, key, scale, unit in _MEDIAN_LINES:
+        values = _get(series, key)[1]
+        if values:
+            text.append(f"{label:<20}{statistics.median(values) * scale:>12.4g} {unit}")
+    ax.set_title("Medians over the run")
+    ax.text(0.02, 0.95, "\n".join(text) or "no metrics", va="top", family="monospace", transform=ax.transAxes)
+
+
+def draw(series: Series, out: Path, title: str) -> Path:
+    """Draw the panels of ``series`` into ``out`` (a PNG) and return its path."""
+    from matplotlib.figure import Figure
+
+    panels = (
+        lambda ax: _memory(ax, series, "allocated"),
+        lambda ax: _memory(ax, series, "reserved"),
+        lambda ax: _breakdown(ax, series),
+        lambda ax: _update_vs_predicted(ax, series),
+        lambda ax: _pcie(ax, series),
+        lambda ax: _bytes_moved(ax, series),
+        lambda ax: _device_share(ax, series),
+    )
+    fig = Figure(figsize=(14, 16), layout="constrained")
+    axes = fig.subplots(4, 2)
+    for ax, panel in zip(axes.flat, panels):
+        if panel(ax):
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+    _medians(axes.flat[-1], series)
+    fig.suptitle(title, fontsize="large")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``lightning-dos report``; return its exit status.
+
+    0: the PNG was written; 1: nothing to draw (no folder, no metrics.csv, no ``dos/`` metrics);
+    2: a usage error, or matplotlib is missing.
+
+    Args:
+        argv: the arguments after ``report`` (``RUN_DIR [--out PNG]``); None reads ``sys.argv``.
+    """
+    parser = argparse.ArgumentParser(
+        prog="lightning-dos report", description="Draw a run's DOSMonitor metrics (CSVLogger) into one PNG."
+    )
+    parser.add_argument(
+        "run_dir", type=Path, help="folder holding the run's CSVLogger output (searched recursively)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="PNG to write (default: RUN_DIR/dos-report.png)"
+    )
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help or a usage error: report it as a status, not an exception
+        return exit_.code if isinstance(exit_.code, int) else 2
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"lightning-dos report needs matplotlib; install it with: {INSTALL_HINT}", file=sys.stderr)
+        return 2
+    if not args.run_dir.is_dir():
+        print(f"lightning-dos report: {args.run_dir} is not a folder", file=sys.stderr)
+        return 1
+    metrics = find_metrics(args.run_dir)
+    if metrics is None:
+        print(
+            f"lightning-dos report: no metrics.csv under {args.run_dir}; log with CSVLogger", file=sys.stderr
+        )
+        return 1
+    series = read_metrics(metrics)
+    if not any(key.startswith("dos/") for key in series):
+        print(
+            f"lightning-dos report: {metrics} has no dos/ metrics; add the DOSMonitor callback",
+            file=sys.stderr,
+        )
+        return 1
+    out = args.out if args.out is not None else args.run_dir / "dos-report.png"
+    title = f"lightning-dos run report: {metrics.relative_to(args.run_dir)}"
+    print(f"wrote {draw(series, out, title)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""DOSMonitor, its Chrome trace and ``lightning-dos report``, through real Trainers with CSVLogger on CPU.
+
+Two Deep Optimizer States runs are shared by the module (half the sub-groups on the device, and none);
+plain-Lightning runs check that the monitor also works without the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_dos import DeepOptimizerStatesStrategy
+from lightning_dos import report as report_cli
+from lightning_dos.callbacks.monitor import DOSMonitor
+from lightning_dos.engine.loop import STATE_BYTES_PER_ELEMENT
+from lightning_dos.engine.plan import Plan, even_plan
+from lightning_dos.engine.report import LANES, Span, StepReport
+from lightning_dos.trace import PHASES_LANE, TracedStep, build_trace, lane_overlaps
+from tests.helpers import TinyLM, loader, trainer
+
+SUB_GROUP = 700  # TinyLM has ~8k parameters: about a dozen sub-groups
+STEPS = 8
+TRACE_STEP = 3
+PHASE_METRICS = [f"dos/{p}_s" for p in ("forward", "backward", "update", "step")]
+MEMORY_METRICS = [
+    f"dos/mem_{kind}_{phase}_gb"
+    for phase in ("forward", "backward", "update")
+    for kind in ("peak", "low", "reserved_peak")
+]
+ENGINE_METRICS = [
+    "dos/h2d_gb",
+    "dos/d2h_gb",
+    "dos/h2d_gbps",
+    "dos/d2h_gbps",
+    "dos/pcie_util",
+    "dos/gpu_fraction",
+    "dos/update_predicted_s",
+    "dos/pinned_gb",
+    "dos/engine_update_s",
+]
+
+
+class PredictEveryStep(L.Callback):
+    """Give every step a prediction: the engine's own when its planner makes one, else a stand-in.
+
+    Fixed ``gpu_fraction`` plans come without a prediction today; the stand-in keeps the monitor's
+    ``dos/update_predicted_s`` path under test, and the engine's real predictions replace it as they come.
+    """
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        adapter = trainer.strategy.dos_adapter
+        planner = adapter.planner
+
+        def with_prediction(step: int) -> tuple[Plan, float | None]:
+            plan, predicted = planner(step)
+            return plan, predicted if predicted is not None else 1e-3 * step
+
+        adapter.planner = with_prediction
+
+
+@dataclass
+class Run:
+    root: Path
+    monitor: DOSMonitor
+    strategy: object
+    rows: dict[int, dict[str, float]]  # metrics.csv merged by step
+
+
+def _rows(root: Path) -> dict[int, dict[str, float]]:
+    series = report_cli.read_metrics(report_cli.find_metrics(root))
+    rows: dict[int, dict[str, float]] = {}
+    for key, (steps, values) in series.items():
+        for step, value in zip(steps, values):
+            rows.setdefault(step, {})[key] = value
+    return rows
+
+
+def _fit(
+    root: Path, strategy: object, steps: int = STEPS, callbacks: tuple = (), **monitor_kw: object
+) -> Run:
+    L.seed_everything(0, verbose=False)
+    monitor = DOSMonitor(trace_dir=root / "trace", trace_steps=(TRACE_STEP,), **monitor_kw)
+    logger = CSVLogger(root, name="run")
+    trainer(strategy, steps=steps, callbacks=[monitor, *callbacks], logger=logger).fit(TinyLM(), loader())
+    return Run(root, monitor, strategy, _rows(root))
+
+
+def _dos(fraction: float) -> DeepOptimizerStatesStrategy:
+    return DeepOptimizerStatesStrategy(gpu_fraction=fraction, sub_group_size=SUB_GROUP)
+
+
+@pytest.fixture(scope="module")
+def half(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    root = tmp_path_factory.mktemp("half")
+    return _fit(root, _dos(0.5), callbacks=(PredictEveryStep(),), log_every_n_steps=1)
+
+
+@pytest.fixture(scope="module")
+def none_on_device(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return _fit(tmp_path_factory.mktemp("none"), _dos(0.0), steps=3, log_every_n_steps=1)
+
+
+def test_every_metric_is_logged_with_finite_values_at_every_step(half: Run) -> None:
+    assert sorted(half.rows) == list(range(STEPS))
+    for step, row in half.rows.items():
+        for key in PHASE_METRICS + MEMORY_METRICS + ENGINE_METRICS:
+            assert key in row, f"{key} missing at step {step}"
+            assert math.isfinite(row[key]), f"{key}={row[key]} at step {step}"
+        assert row["dos/step_s"] > 0 and row["dos/mem_peak_update_gb"] > 0
+        assert 0 < row["dos/pcie_util"] < 1
+
+
+def test_phases_add_up_to_the_step_time(half: Run) -> None:
+    for step, row in half.rows.items():
+        phases = row["dos/forward_s"] + row["dos/backward_s"] + row["dos/update_s"]
+        assert phases == pytest.approx(row["dos/step_s"], rel=0.10), step
+        # The engine's loop is part of the update phase, not more than it.
+        assert row["dos/engine_update_s"] <= row["dos/update_s"]
+
+
+def test_bytes_down_are_what_the_plan_implies(half: Run, none_on_device: Run) -> None:
+    engine = half.strategy.dos_engine
+    plan = even_plan(len(engine.sizes), 0.5)
+    device_elements = sum(engine.sizes[i] for i in plan.device_indices)
+    assert device_elements > 0
+    for row in half.rows.values():
+        # 12 bytes per device-updated element: fp32 param, exp_avg and exp_avg_sq come home.
+        assert row["dos/d2h_gb"] * 1e9 == pytest.approx(STATE_BYTES_PER_ELEMENT * device_elements, rel=1e-9)
+        assert row["dos/gpu_fraction"] == pytest.approx(device_elements / sum(engine.sizes))
+    for row in none_on_device.rows.values():
+        assert row["dos/d2h_gb"] == 0.0 and row["dos/gpu_fraction"] == 0.0
+    assert min(r["dos/d2h_gb"] for r in half.rows.values()) > max(
+        r["dos/d2h_gb"] for r in none_on_device.rows.values()
+    )
+
+
+def test_trace_has_a_lane_per_kind_and_no_overlaps_within_a_lane(half: Run) -> None:
+    path = half.monitor.trace_path
+    assert path is not None and path.parent == half.root / "trace"
+    trace = json.loads(path.read_text())
+    lanes = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert set(lanes) == {PHASES_LANE, *LANES}
+    assert len(set(lanes.values())) == len(lanes), "one tid per lane"
+    assert lane_overlaps(trace) == []
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["args"]["step"] for e in spans} == {TRACE_STEP}
+    phases = [e["name"] for e in spans if e["tid"] == lanes[PHASES_LANE]]
+    assert phases == ["forward", "backward", "update"]
+    engine = half.strategy.dos_engine
+    # A CPU "device" has no 16-bit upload lane's work; every other lane has one span per sub-group.
+    for lane in ("host_adam", "upload", "device_adam", "cast", "download"):
+        events = [e for e in spans if e["tid"] == lanes[lane]]
+        assert events, lane
+        assert all(e["args"]["bytes"] > 0 and 0 <= e["args"]["sub_group"] < len(engine.sizes) for e in events)
+    assert {
+        e["args"]["sub_group"] for e in spans if e["tid"] in (lanes["host_adam"], lanes["device_adam"])
+    } == set(range(len(engine.sizes)))
+    # Timing was on for the traced step only, and is back off.
+    assert engine.timing is False and engine.last_report.spans == []
+
+
+def test_trace_writer_clips_spans_that_overlap_in_a_lane() -> None:
+    report = StepReport(
+        step=1,
+        plan=Plan(()),
+        sizes=(),
+        spans=[
+            Span("upload", 0, 0.0, 0.002, 64),
+            Span("upload", 1, 0.001, 0.003, 64),
+            Span("cast", 0, 0.0, 0.001),
+        ],
+    )
+    steps = [
+        TracedStep(0, 0.0, [("forward", 0.0, 0.01), ("update", 0.01, 0.02)], report, engine_offset_s=0.01)
+    ]
+    with pytest.warns(RuntimeWarning, match="overlapped"):
+        trace = build_trace(steps)
+    assert trace["otherData"]["clipped_spans"] == 1
+    assert lane_overlaps(trace) == []
+    upload = sorted((e for e in trace["traceEvents"] if e.get("cat") == "upload"), key=lambda e: e["ts"])
+    assert [e["ts"] for e in upload] == [10_000.0, 12_000.0]
+    assert upload[1]["dur"] == 1_000.0  # clipped to start where the first ended, same end
+    json.dumps(trace)  # serialisable as written
+
+
+def test_report_draws_a_png(half: Run, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "report.png"
+    assert report_cli.main([str(half.root), "--out", str(out)]) == 0
+    assert str(out) in capsys.readouterr().out
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 50_000
+    # Default output next to the run.
+    assert report_cli.main([str(half.root)]) == 0 and (half.root / "dos-report.png").is_file()
+
+
+def test_report_without_matplotlib_names_the_extra(
+    half: Run, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    assert report_cli.main([str(half.root)]) == 2
+    assert "pip install 'lightning-dos[plot]'" in capsys.readouterr().err
+
+
+def test_report_refuses_a_folder_without_metrics(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert report_cli.main([str(tmp_path)]) == 1
+    assert "no metrics.csv" in capsys.readouterr().err
+    assert report_cli.main([]) == 2  # RUN_DIR is required
+
+
+def test_monitor_without_the_engine_logs_phases_and_memory_and_sums_up(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _fit(tmp_path, "auto", steps=6, log_every_n_steps=3)
+    assert sorted(run.rows) == [2, 5], "every third step, as Lightning counts"
+    for row in run.rows.values():
+        assert all(math.isfinite(row[k]) for k in PHASE_METRICS + MEMORY_METRICS)
+        assert not any(k in row for k in ENGINE_METRICS)
+        phases = row["dos/forward_s"] + row["dos/backward_s"] + row["dos/update_s"]
+        assert phases == pytest.approx(row["dos/step_s"], rel=0.10)
+    assert len(run.monitor.history) == 6, "every step is measured, whatever is logged"
+    assert "medians over 6 steps" in capsys.readouterr().out
+    assert (
+        run.monitor.trace_path is not None
+        and lane_overlaps(json.loads(run.monitor.trace_path.read_text())) == []
+    )
+
+
+class _Event:
+    """A CUDA event stand-in: complete only once the test (or a wait) says so."""
+
+    def __init__(self, t: float) -> None:
+        self.t, self.done = t, False
+
+
+class _LazyClock:
+    """The monitor's clock interface over :class:`_Event`; counts host waits (synchronisations)."""
+
+    def __init__(self) -> None:
+        self.now, self.events, self.waits = 0.0, [], 0
+
+    def mark(self) -> _Event:
+        self.events.append(_Event(self.now))
+        return self.events[-1]
+
+    def ready(self, mark: _Event) -> bool:
+        return mark.done
+
+    def wait(self, mark: _Event) -> None:
+        self.waits += 1
+        mark.done = True
+
+    def seconds(self, start: _Event, end: _Event) -> float:
+        assert start.done and end.done, "an event was read before it completed"
+        return end.t - start.t
+
+
+def test_device_events_are_read_lazily_without_synchronising_each_step() -> None:
+    logged: list[tuple[int, dict]] = []
+    logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.append((step, metrics)))
+    fake = SimpleNamespace(
+        strategy=SimpleNamespace(root_device=torch.device("cpu")),
+        log_every_n_steps=1,
+        loggers=[logger],
+        global_step=0,
+        global_rank=0,
+        is_global_zero=True,
+    )
+    monitor = DOSMonitor(summary=False)
+    monitor.setup(fake, None, "fit")
+    clock = monitor._clock = _LazyClock()
+    monitor._memory = None
+    for step in range(3):
+        fake.global_step = step
+        monitor.on_train_batch_start(fake, None, None, step)
+        for hook, seconds in ((monitor.on_before_backward, 1.0), (monitor.on_before_optimizer_step, 2.0)):
+            clock.now += seconds
+            hook(fake, None, None)
+        clock.now += 3.0
+        monitor.on_train_batch_end(fake, None, None, None, step)
+        # Nothing is read while this step's events are in flight; the previous step's have completed.
+        assert [s for s, _ in logged] == list(range(step))
+        for event in clock.events:
+            event.done = True
+    assert clock.waits == 0
+    monitor.on_train_end(fake, None)
+    assert [s for s, _ in logged] == [0, 1, 2]
+    assert logged[0][1] == {
+        "dos/forward_s": 1.0,
+        "dos/backward_s": 2.0,
+        "dos/update_s": 3.0,
+        "dos/step_s": 6.0,
+    }
