@@ -248,6 +248,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
                 raise _refuse(
                     key, kwargs[key], "ZeRO-3 with CPU optimizer offload is always on; leave it at its default"
                 )
+        # Pinned host memory is what makes the engine's transfers asynchronous, so it is always on;
+        # LightningCLI passes the parent's default (False) along, which is not a user's choice to honour.
+        kwargs.pop("pin_memory", None)
         self.sub_group_size = sub_group_size
         self.gpu_memory_budget = gpu_memory_budget
         user_config = DeepSpeedStrategy._load_config(self, config)  # resolves a JSON path or the env var

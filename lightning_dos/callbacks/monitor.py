@@ -317,15 +317,11 @@ class DOSMonitor(Callback):
         self._boundary(record, "start")
         self._open = record
 
-    def on_before_backward(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
-    ) -> None:
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self._open is not None and "forward_end" not in self._open.marks:
             self._boundary(self._open, "forward_end")
 
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
-    ) -> None:
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         # Everything after on_after_backward up to here (Lightning's closure bookkeeping) counts as backward.
         if self._open is not None and "backward_end" not in self._open.marks:
             self._boundary(self._open, "backward_end")
@@ -489,8 +485,6 @@ def summary_table(history: Sequence[dict[str, float]]) -> Any:
     for label, key, scale, unit in _SUMMARY_ROWS:
         if key not in medians:
             continue
-        share = (
-            f"{100 * medians[key] / step:.0f}%" if unit == "s" and step > 0 and key != "dos/step_s" else ""
-        )
+        share = f"{100 * medians[key] / step:.0f}%" if unit == "s" and step > 0 and key != "dos/step_s" else ""
         table.add_row(label, f"{medians[key] * scale:.4g} {unit}", share)
     return table
