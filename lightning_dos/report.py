@@ -90,14 +90,10 @@ def _memory(ax: Any, series: Series, kind: str) -> bool:
         steps, peak = _get(series, key)
         colour = PHASE_COLOURS[phase]
         # Distinct markers keep phases with equal values visible on top of each other.
-        ax.plot(
-            steps, [v * factor for v in peak], color=colour, marker=PHASE_MARKERS[phase], ms=4, label=phase
-        )
+        ax.plot(steps, [v * factor for v in peak], color=colour, marker=PHASE_MARKERS[phase], ms=4, label=phase)
         low_steps, low = _get(series, f"mem_low_{phase}_gb")
         if kind == "allocated" and low_steps == steps:
-            ax.fill_between(
-                steps, [v * factor for v in low], [v * factor for v in peak], color=colour, alpha=0.15
-            )
+            ax.fill_between(steps, [v * factor for v in low], [v * factor for v in peak], color=colour, alpha=0.15)
     what = "allocated: peak, band down to lowest" if kind == "allocated" else "reserved: peak"
     ax.set_title(f"Memory per phase ({what})")
     ax.set_ylabel(f"{unit} (host RSS on CPU)")
@@ -189,9 +185,7 @@ def _update_vs_predicted(ax: Any, series: Series) -> bool:
         ax.plot(loop_steps, loop, marker=".", color="#C44E52", label="engine update loop (measured)")
     pred_steps, predicted = _get(series, "update_predicted_s")
     if pred_steps:
-        ax.plot(
-            pred_steps, predicted, marker="x", ls="--", color="0.3", label="engine update loop (predicted)"
-        )
+        ax.plot(pred_steps, predicted, marker="x", ls="--", color="0.3", label="engine update loop (predicted)")
     ax.set_title("Update time: measured and predicted")
     ax.set_ylabel("seconds")
     ax.set_ylim(bottom=0)
@@ -264,12 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="lightning-dos report", description="Draw a run's DOSMonitor metrics (CSVLogger) into one PNG."
     )
-    parser.add_argument(
-        "run_dir", type=Path, help="folder holding the run's CSVLogger output (searched recursively)"
-    )
-    parser.add_argument(
-        "--out", type=Path, default=None, help="PNG to write (default: RUN_DIR/dos-report.png)"
-    )
+    parser.add_argument("run_dir", type=Path, help="folder holding the run's CSVLogger output (searched recursively)")
+    parser.add_argument("--out", type=Path, default=None, help="PNG to write (default: RUN_DIR/dos-report.png)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # --help or a usage error: report it as a status, not an exception
@@ -284,9 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     metrics = find_metrics(args.run_dir)
     if metrics is None:
-        print(
-            f"lightning-dos report: no metrics.csv under {args.run_dir}; log with CSVLogger", file=sys.stderr
-        )
+        print(f"lightning-dos report: no metrics.csv under {args.run_dir}; log with CSVLogger", file=sys.stderr)
         return 1
     series = read_metrics(metrics)
     if not any(key.startswith("dos/") for key in series):

@@ -152,9 +152,7 @@ def build_trace(steps: Sequence[TracedStep], rank: int = 0) -> dict[str, Any]:
     for lane, tid in tids.items():
         meta.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": lane}})
         # Keep the lanes in pipeline order instead of the viewer's alphabetical default.
-        meta.append(
-            {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": tid, "args": {"sort_index": tid}}
-        )
+        meta.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": tid, "args": {"sort_index": tid}})
     return {
         "traceEvents": meta + events,
         "displayTimeUnit": "ms",

@@ -84,9 +84,7 @@ def _rows(root: Path) -> dict[int, dict[str, float]]:
     return rows
 
 
-def _fit(
-    root: Path, strategy: object, steps: int = STEPS, callbacks: tuple = (), **monitor_kw: object
-) -> Run:
+def _fit(root: Path, strategy: object, steps: int = STEPS, callbacks: tuple = (), **monitor_kw: object) -> Run:
     L.seed_everything(0, verbose=False)
     monitor = DOSMonitor(trace_dir=root / "trace", trace_steps=(TRACE_STEP,), **monitor_kw)
     logger = CSVLogger(root, name="run")
@@ -138,9 +136,7 @@ def test_bytes_down_are_what_the_plan_implies(half: Run, none_on_device: Run) ->
         assert row["dos/gpu_fraction"] == pytest.approx(device_elements / sum(engine.sizes))
     for row in none_on_device.rows.values():
         assert row["dos/d2h_gb"] == 0.0 and row["dos/gpu_fraction"] == 0.0
-    assert min(r["dos/d2h_gb"] for r in half.rows.values()) > max(
-        r["dos/d2h_gb"] for r in none_on_device.rows.values()
-    )
+    assert min(r["dos/d2h_gb"] for r in half.rows.values()) > max(r["dos/d2h_gb"] for r in none_on_device.rows.values())
 
 
 def test_trace_has_a_lane_per_kind_and_no_overlaps_within_a_lane(half: Run) -> None:
@@ -161,9 +157,9 @@ def test_trace_has_a_lane_per_kind_and_no_overlaps_within_a_lane(half: Run) -> N
         events = [e for e in spans if e["tid"] == lanes[lane]]
         assert events, lane
         assert all(e["args"]["bytes"] > 0 and 0 <= e["args"]["sub_group"] < len(engine.sizes) for e in events)
-    assert {
-        e["args"]["sub_group"] for e in spans if e["tid"] in (lanes["host_adam"], lanes["device_adam"])
-    } == set(range(len(engine.sizes)))
+    assert {e["args"]["sub_group"] for e in spans if e["tid"] in (lanes["host_adam"], lanes["device_adam"])} == set(
+        range(len(engine.sizes))
+    )
     # Timing was on for the traced step only, and is back off.
     assert engine.timing is False and engine.last_report.spans == []
 
@@ -179,9 +175,7 @@ def test_trace_writer_clips_spans_that_overlap_in_a_lane() -> None:
             Span("cast", 0, 0.0, 0.001),
         ],
     )
-    steps = [
-        TracedStep(0, 0.0, [("forward", 0.0, 0.01), ("update", 0.01, 0.02)], report, engine_offset_s=0.01)
-    ]
+    steps = [TracedStep(0, 0.0, [("forward", 0.0, 0.01), ("update", 0.01, 0.02)], report, engine_offset_s=0.01)]
     with pytest.warns(RuntimeWarning, match="overlapped"):
         trace = build_trace(steps)
     assert trace["otherData"]["clipped_spans"] == 1
@@ -228,10 +222,7 @@ def test_monitor_without_the_engine_logs_phases_and_memory_and_sums_up(
         assert phases == pytest.approx(row["dos/step_s"], rel=0.10)
     assert len(run.monitor.history) == 6, "every step is measured, whatever is logged"
     assert "medians over 6 steps" in capsys.readouterr().out
-    assert (
-        run.monitor.trace_path is not None
-        and lane_overlaps(json.loads(run.monitor.trace_path.read_text())) == []
-    )
+    assert run.monitor.trace_path is not None and lane_overlaps(json.loads(run.monitor.trace_path.read_text())) == []
 
 
 class _Event:
