@@ -1,0 +1,271 @@
+"""Side-by-side benchmark: stock ZeRO-3 offload, TwinFlow, the paper's stride and ours, same model, same run.
+
+Trains the recipe GPT through Lightning once per system and prints a markdown table of medians over
+the steps after warm-up: forward, backward, update and iteration time, update throughput, PCIe GB/s
+per direction during the update, peak accelerator memory and host memory held for the optimizer, with
+ratios against stock offload and against the best TwinFlow ratio, and the update phase's floor T(r*)
+from the calibrated rates. Writes the same as JSON.
+
+    python bench/run.py                       # a model sized for this machine, every system
+    python bench/run.py --preset tiny --steps 4 --warmup 1 --systems stock,stride:2,auto
+    python bench/run.py --n-layer 24 --n-embd 2048 --n-head 16 --seq 2048 --precision bf16-mixed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+
+import lightning as L  # noqa: E402
+
+from lightning_dos import DeepOptimizerStatesStrategy  # noqa: E402
+from lightning_dos.callbacks.monitor import DOSMonitor  # noqa: E402
+from lightning_dos.data import ByteCorpusDataModule  # noqa: E402
+from lightning_dos.recipes.gpt import GPT  # noqa: E402
+from lightning_dos.strategy import DeepSpeedCPUStrategy  # noqa: E402
+
+#: Model shapes: (layers, width, heads, sequence length, micro-batch).
+PRESETS = {
+    "tiny": (2, 64, 2, 64, 4),
+    "small": (4, 256, 4, 128, 8),
+    "medium": (8, 512, 8, 256, 8),
+    "1b": (24, 2048, 16, 2048, 1),
+    "3b": (32, 2560, 32, 2048, 1),
+    "7b": (32, 4096, 32, 2048, 1),
+}
+DEFAULT_SYSTEMS = (
+    "stock,twinflow:0.1,twinflow:0.2,twinflow:0.3,twinflow:0.4,twinflow:0.5,stride:2,stride:3,stride:4,auto"
+)
+GB = 1e9
+
+
+@dataclass
+class Result:
+    system: str
+    forward_s: float
+    backward_s: float
+    update_s: float
+    step_s: float
+    params: int
+    update_params_per_s: float
+    h2d_gbps: float | None = None
+    d2h_gbps: float | None = None
+    device_share: float | None = None
+    peak_accelerator_gb: float | None = None
+    optimizer_host_gb: float | None = None
+    predicted_update_s: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class StockGPT(GPT):
+    """The recipe GPT with DeepSpeed's CPU Adam, as a user of stock ZeRO-Offload runs it (DeepSpeed
+    refuses torch optimizers with offload unless told otherwise). Same groups, same LR schedule."""
+
+    def configure_optimizers(self) -> Any:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        config = super().configure_optimizers()
+        torch_opt = config["optimizer"] if isinstance(config, dict) else config
+        groups = [
+            {k: v for k, v in g.items() if k not in ("foreach", "fused", "capturable", "differentiable")}
+            for g in torch_opt.param_groups
+        ]
+        cpu_adam = DeepSpeedCPUAdam(groups, lr=torch_opt.defaults["lr"], adamw_mode=True)
+        if isinstance(config, dict) and "lr_scheduler" in config:
+            scheduler = config["lr_scheduler"]
+            inner = scheduler["scheduler"] if isinstance(scheduler, dict) else scheduler
+            inner.optimizer = cpu_adam  # LambdaLR and friends only read and write param_groups' lr
+            for group, initial in zip(cpu_adam.param_groups, torch_opt.param_groups):
+                group.setdefault("initial_lr", initial.get("initial_lr", initial["lr"]))
+            return {"optimizer": cpu_adam, "lr_scheduler": scheduler}
+        return cpu_adam
+
+
+def stock_config(sub_group_size: int, ratio: float = 1.0) -> dict[str, Any]:
+    offload = {"device": "cpu", "pin_memory": True}
+    if ratio != 1.0:
+        offload["ratio"] = ratio  # TwinFlow: the first (1 - ratio) share of sub-groups stays on the GPU
+    return {
+        "zero_optimization": {"stage": 3, "offload_optimizer": offload, "sub_group_size": sub_group_size},
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def make_strategy(system: str, sub_group_size: int) -> tuple[L.pytorch.strategies.Strategy, bool]:
+    """The strategy for a system name, and whether it is ours."""
+    if system == "stock":
+        return DeepSpeedCPUStrategy(config=stock_config(sub_group_size)), False
+    if system.startswith("twinflow:"):
+        gpu_share = float(system.split(":")[1])
+        return DeepSpeedCPUStrategy(config=stock_config(sub_group_size, ratio=1.0 - gpu_share)), False
+    fraction = system if system in ("auto",) or system.startswith("stride:") else float(system)
+    return DeepOptimizerStatesStrategy(gpu_fraction=fraction, sub_group_size=sub_group_size), True
+
+
+def _median(rows: list[dict[str, float]], key: str) -> float | None:
+    values = [r[key] for r in rows if key in r]
+    return statistics.median(values) if values else None
+
+
+def run_system(system: str, args: argparse.Namespace) -> Result:
+    layers, width, heads, seq, batch = args.shape
+    strategy, ours = make_strategy(system, args.sub_group_size)
+    L.seed_everything(0, verbose=False)
+    model_cls = GPT if ours else StockGPT
+    model = model_cls(n_layer=layers, n_embd=width, n_head=heads, block_size=seq, vocab_size=args.vocab)
+    data = ByteCorpusDataModule(seq_len=seq, batch_size=batch, max_bytes=args.max_bytes)
+    monitor = DOSMonitor(summary=False, log_every_n_steps=0)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator=args.accelerator,
+        devices=1,
+        precision=args.precision,
+        max_steps=args.warmup + args.steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[monitor],
+    )
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    trainer.fit(model, datamodule=data)
+    rows = list(monitor.history)[args.warmup :]
+    params = GPT.count_parameters(layers, width, args.vocab, seq)
+    update_s = _median(rows, "dos/update_s") or float("nan")
+    result = Result(
+        system=system,
+        forward_s=_median(rows, "dos/forward_s") or float("nan"),
+        backward_s=_median(rows, "dos/backward_s") or float("nan"),
+        update_s=update_s,
+        step_s=_median(rows, "dos/step_s") or float("nan"),
+        params=params,
+        update_params_per_s=params / update_s,
+        h2d_gbps=_median(rows, "dos/h2d_gbps"),
+        d2h_gbps=_median(rows, "dos/d2h_gbps"),
+        device_share=_median(rows, "dos/gpu_fraction"),
+        peak_accelerator_gb=torch.cuda.max_memory_allocated() / GB if torch.cuda.is_available() else None,
+        predicted_update_s=_median(rows, "dos/update_predicted_s"),
+    )
+    if ours:
+        engine = strategy.dos_engine
+        result.optimizer_host_gb = engine.pool.host_bytes / GB
+        result.extra["engine_update_s"] = _median(rows, "dos/engine_update_s")
+        scheduler = getattr(strategy, "dos_scheduler", None)
+        if scheduler is not None and scheduler.rates is not None:
+            from lightning_dos.engine.perfmodel import floor
+
+            r_star, t_floor = floor(sum(engine.sizes), scheduler.rates, engine.lp_bytes)
+            result.extra.update(floor_s=t_floor, r_star=r_star)
+    return result
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "n/a" if value is None or value != value else f"{value:.{digits}f}"
+
+
+def table(results: list[Result]) -> str:
+    by_name = {r.system: r for r in results}
+    stock = by_name.get("stock")
+    twinflows = [r for r in results if r.system.startswith("twinflow:")]
+    best_tf = min(twinflows, key=lambda r: r.update_s) if twinflows else None
+    floor_s = next((r.extra["floor_s"] for r in results if "floor_s" in r.extra), None)
+    head = (
+        "| system | fwd s | bwd s | update s | iter s | update Mparam/s | H2D GB/s | D2H GB/s | device share "
+        "| peak acc GB | opt host GB | update vs stock | iter vs stock | update vs best TwinFlow | update / floor |"
+    )
+    lines = [head, "|" + "---|" * 15]
+    for r in results:
+        vs_stock = stock.update_s / r.update_s if stock else None
+        it_stock = stock.step_s / r.step_s if stock else None
+        vs_tf = best_tf.update_s / r.update_s if best_tf else None
+        engine_s = r.extra.get("engine_update_s")
+        over_floor = engine_s / floor_s if floor_s and engine_s else None
+        lines.append(
+            f"| {r.system} | {_fmt(r.forward_s)} | {_fmt(r.backward_s)} | {_fmt(r.update_s)} | {_fmt(r.step_s)} "
+            f"| {r.update_params_per_s / 1e6:.1f} | {_fmt(r.h2d_gbps, 2)} | {_fmt(r.d2h_gbps, 2)} "
+            f"| {_fmt(r.device_share, 2)} | {_fmt(r.peak_accelerator_gb, 2)} | {_fmt(r.optimizer_host_gb, 3)} "
+            f"| {_fmt(vs_stock, 2)}x | {_fmt(it_stock, 2)}x | {_fmt(vs_tf, 2)}x | {_fmt(over_floor, 2)} |"
+        )
+    if floor_s:
+        lines.append(f"\nFloor T(r*) of the update phase from the calibrated rates: {floor_s:.4f} s.")
+    if best_tf:
+        lines.append(f"Best TwinFlow ratio here: {best_tf.system}.")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="model shape (default: sized for this machine)")
+    parser.add_argument("--n-layer", type=int)
+    parser.add_argument("--n-embd", type=int)
+    parser.add_argument("--n-head", type=int)
+    parser.add_argument("--seq", type=int)
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per system")
+    parser.add_argument("--warmup", type=int, default=3, help="steps per system before measuring")
+    parser.add_argument(
+        "--systems", default=DEFAULT_SYSTEMS, help="comma-separated: stock, twinflow:R, stride:K, a fraction, auto"
+    )
+    parser.add_argument("--sub-group-size", type=int, help="elements per sub-group (default: ~1/16 of the model)")
+    parser.add_argument("--precision", help="default: bf16-mixed on a GPU, 32-true on CPU")
+    parser.add_argument("--accelerator", default="auto")
+    parser.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus bytes to load")
+    parser.add_argument("--out", type=Path, help="JSON output (default: bench/out/<time>.json)")
+    args = parser.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    preset = args.preset or ("1b" if gpu else "small")
+    shape = list(PRESETS[preset])
+    for i, name in enumerate(("n_layer", "n_embd", "n_head", "seq", "batch")):
+        if getattr(args, name) is not None:
+            shape[i] = getattr(args, name)
+    args.shape = tuple(shape)
+    args.precision = args.precision or ("bf16-mixed" if gpu else "32-true")
+    params = GPT.count_parameters(shape[0], shape[1], args.vocab, shape[3])
+    args.sub_group_size = args.sub_group_size or max(1024, params // 16)
+    args.out = args.out or ROOT / "bench" / "out" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+    layers, width, heads, seq, batch = args.shape
+    params = GPT.count_parameters(layers, width, args.vocab, seq)
+    print(
+        f"# {device}: GPT {layers}x{width} ({params / 1e6:.1f}M params), seq {seq}, batch {batch}, "
+        f"{args.precision}, sub_group_size {args.sub_group_size}, {args.warmup}+{args.steps} steps"
+    )
+    results = [run_system(system.strip(), args) for system in args.systems.split(",") if system.strip()]
+    print(table(results))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "device": device,
+        "shape": args.shape,
+        "precision": args.precision,
+        "params": params,
+        "results": [asdict(r) for r in results],
+    }
+    args.out.write_text(json.dumps(payload, indent=2))
+    print(f"\nJSON: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up .venv, then run the side-by-side benchmark (bench/run.py; arguments go to it) and print its table.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export DS_ACCELERATOR=${DS_ACCELERATOR:-$(.venv/bin/python -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")}
+.venv/bin/python bench/run.py "$@"
