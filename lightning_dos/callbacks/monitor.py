@@ -207,9 +207,9 @@ def _engine(trainer: pl.Trainer) -> Any:
 def _peak_of(engine: Any) -> tuple[float, float]:
     """The engine's calibrated peak H2D and D2H rates (bytes/s), or a one-off measurement of our own."""
     peak = getattr(engine, "peak_bandwidth", None)
-    if callable(peak):
-        h2d, d2h = peak()
-        return float(h2d), float(d2h)
+    measured = peak() if callable(peak) else None
+    if measured is not None and all(v > 0 for v in measured):
+        return float(measured[0]), float(measured[1])
     return _calibrate_copy_bandwidth(engine.device)
 
 

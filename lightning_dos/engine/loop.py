@@ -134,6 +134,8 @@ class InterleavedAdam:
         self.timing = False
         self.last_report: StepReport | None = None
         self.steps_taken = 0
+        #: This machine's calibrated rates (a ``HardwareRates``), set by the scheduler when it measures them.
+        self.rates = None
         #: Sub-groups whose state lives on the device across iterations, by index.
         self.resident: dict[int, DeviceBuffer] = {}
         #: Side streams, made once: the same streams every step, so their order is easy to follow in a profiler.
@@ -153,6 +155,11 @@ class InterleavedAdam:
 
     def exp_avg_sq_view(self, flat: int) -> torch.Tensor:
         return self._flat(self.pool.exp_avg_sq, flat)
+
+    def peak_bandwidth(self) -> tuple[float, float] | None:
+        """Calibrated peak (host-to-device, device-to-host) bytes/s, once the scheduler has measured them."""
+        rates = self.rates
+        return (rates.h2d_bps, rates.d2h_bps) if rates is not None else None
 
     def device_budget(self) -> int | None:
         """Bytes the update may use on the device now; None means no limit (a CPU device)."""
