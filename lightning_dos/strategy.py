@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import logging
 from datetime import timedelta
 from pathlib import Path
@@ -24,7 +25,10 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from lightning_dos.adapter import ZeRO3Adapter
-from lightning_dos.engine.plan import FractionSpec, all_host, parse_gpu_fraction
+from lightning_dos.engine.calibrate import calibrate
+from lightning_dos.engine.perfmodel import HardwareRates
+from lightning_dos.engine.plan import FractionSpec, parse_gpu_fraction
+from lightning_dos.engine.scheduler import PlacementScheduler
 from lightning_dos.optimizers import check_optimizer
 
 if TYPE_CHECKING:
@@ -274,6 +278,8 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         )
         self.config = merge_required_config(self.config, sub_group_size)
         self.dos_adapter: ZeRO3Adapter | None = None
+        #: Chooses each step's plan (and predicts its update time) once fitting has started.
+        self.dos_scheduler: PlacementScheduler | None = None
 
     # -- public handles ---------------------------------------------------------------------------
 
@@ -306,19 +312,20 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             sub_group_size=int(self.config["zero_optimization"]["sub_group_size"]),
             gpu_memory_budget=self.gpu_memory_budget,
         )
-        self.dos_adapter.planner = self._make_planner(self.dos_adapter.engine)
-
-    def _make_planner(self, engine: InterleavedAdam) -> Any:
-        """A fixed plan for a number or a stride; everything on the host for ``"auto"`` for now."""
-        n = len(engine.sub_groups)
-        plan = all_host(n) if self.fraction.mode == "auto" else self.fraction.plan(n)
-        return lambda step: (plan, None)
+        self.dos_scheduler = PlacementScheduler(self.fraction, self.dos_adapter.engine, calibrate=_calibrated_rates)
+        self.dos_adapter.planner = self.dos_scheduler
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             "dos", cls, description="Deep Optimizer States: ZeRO-3 offload with interleaved CPU/GPU updates"
         )
+
+
+@functools.lru_cache(maxsize=8)
+def _calibrated_rates(device: torch.device) -> HardwareRates:
+    """This machine's rates for ``device``, measured once per process (they do not change between fits)."""
+    return calibrate(device)
 
 
 def _validated_fraction(value: float | str) -> FractionSpec:

@@ -1,0 +1,110 @@
+"""The performance model, with no GPU: shape of the prediction, optimality, budget, degenerate cases."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_dos.engine.perfmodel import (
+    HardwareRates,
+    RateEstimator,
+    choose_plan,
+    device_bytes,
+    floor,
+    predict,
+)
+from lightning_dos.engine.plan import Place, Plan, all_host, even_plan
+from lightning_dos.engine.report import Span, StepReport
+
+# One H100 rank with a share of a many-core host: CPU Adam ~2.5 G elements/s, PCIe Gen5.
+GPU = HardwareRates(2.5e9, 10e9, 150e9, 50e9, 50e9, 30e9, 30e9)
+
+
+def rates_strategy():  # noqa: ANN201
+    r = st.floats(1e8, 2e11)
+    return st.builds(
+        HardwareRates, r, r, r, st.floats(1e9, 6e10), st.floats(1e9, 6e10), st.floats(1e9, 6e10), st.floats(1e9, 6e10)
+    )
+
+
+def test_predicted_time_falls_then_rises_in_the_device_share() -> None:
+    sizes = [100_000_000] * 40
+    times = [predict(sizes, even_plan(40, k / 40), GPU, 2).time_s for k in range(41)]
+    best = times.index(min(times))
+    assert 0 < best < 40, "neither all-host nor all-device is best on a GPU node"
+    assert all(a >= b - 1e-12 for a, b in zip(times[: best + 1], times[1 : best + 1]))
+    assert all(a <= b + 1e-12 for a, b in zip(times[best:], times[best + 1 :]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(rates=rates_strategy(), n=st.integers(1, 5), resident=st.booleans(), budget_units=st.integers(0, 6))
+def test_chosen_plan_matches_brute_force(rates: HardwareRates, n: int, resident: bool, budget_units: int) -> None:
+    sizes = [1000] * n
+    budget = budget_units * 16 * 1000
+    places = (Place.HOST, Place.DEVICE, Place.RESIDENT) if resident else (Place.HOST, Place.DEVICE)
+    best = min(
+        predict(sizes, plan, rates, 2).time_s
+        for combo in itertools.product(places, repeat=n)
+        for buffers in range(1, 5)
+        if device_bytes(sizes, plan := Plan(combo, buffers)) <= budget
+    )
+    plan, prediction = choose_plan(sizes, rates, budget, 2, allow_resident=resident)
+    assert prediction.time_s == pytest.approx(best, rel=1e-9)
+    assert device_bytes(sizes, plan) <= budget
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rates=rates_strategy(),
+    sizes=st.lists(st.integers(1, 10_000), min_size=1, max_size=12),
+    budget=st.integers(0, 10**6),
+)
+def test_budget_is_never_exceeded(rates: HardwareRates, sizes: list[int], budget: int) -> None:
+    plan, prediction = choose_plan(sizes, rates, budget, 2, allow_resident=True)
+    assert prediction.peak_device_bytes == device_bytes(sizes, plan) <= budget
+
+
+def test_degenerate_cases() -> None:
+    assert choose_plan([], GPU, None, 2)[0].places == ()
+    assert choose_plan([10**8], GPU, 0, 2)[0] == all_host(1)  # zero budget
+    no_gpu = HardwareRates(2.5e9, 10e9, 0.0, 1e9, 1e9, 1e9, 1e9)
+    assert choose_plan([10**8] * 8, no_gpu, None, 2)[0] == all_host(8)
+    one, _ = choose_plan([10**8], GPU, None, 2)
+    assert len(one.places) == 1
+    everything, _ = choose_plan([10**6] * 6, GPU, None, 2, allow_resident=True)
+    assert set(everything.places) == {Place.RESIDENT}, "a budget that fits everything keeps it all resident"
+
+
+def test_floor_is_below_every_plan() -> None:
+    sizes = [100_000_000] * 20
+    r_star, t_floor = floor(sum(sizes), GPU, 2)
+    assert 0 < r_star < 1
+    assert all(predict(sizes, even_plan(20, k / 20), GPU, 2).time_s >= t_floor * 0.999 for k in range(21))
+
+
+def _report(step: int, spans: list[Span]) -> StepReport:
+    return StepReport(step, all_host(1), (1,), spans=spans)
+
+
+def test_rate_estimator_converges_and_flags_drift() -> None:
+    est = RateEstimator(GPU)
+    true_device_eps, true_up = 50e9, 20e9
+    for step in range(10):
+        est.observe(
+            _report(
+                step,
+                [
+                    Span("device_adam", 0, 0.0, 1.0, int(4 * true_device_eps)),
+                    Span("upload", 0, 0.0, 1.0, int(true_up)),
+                ],
+            )
+        )
+    assert est.rates.device_adam_eps == pytest.approx(true_device_eps, rel=1e-6)
+    assert est.rates.duplex_h2d_bps == pytest.approx(true_up, rel=1e-6)
+    est.observe(StepReport(99, all_host(1), (1,), skipped=True))  # ignored
+    assert [est.observe_update(1.0, 1.05) for _ in range(3)] == [False] * 3
+    assert [est.observe_update(1.0, 2.0) for _ in range(3)] == [False, False, True]
+    assert est.rates.host_adam_eps < GPU.host_adam_eps, "a slower machine than calibrated is followed"
