@@ -182,21 +182,35 @@ def choose_plan(
     return best_plan, best
 
 
-def floor(total_elements: int, rates: HardwareRates, lp_bytes: int, points: int = 2001) -> tuple[float, float]:
-    """The first-order floor of the update phase (reference notes), with the engine's byte counts:
-    T(r) = max((1-r)N/U_host, N(16r + lp(1-r))/B_up, 12rN/B_down, rN/U_dev), minimised over r."""
+def floor(
+    total_elements: int, rates: HardwareRates, lp_bytes: int, budget_bytes: int | None = None, points: int = 201
+) -> tuple[float, float]:
+    """The first-order floor of the update phase (reference notes), with the engine's byte counts.
+
+    A share r of the elements streams (16 bytes up, 12 down), a share q stays resident (4 bytes up; at most
+    what ``budget_bytes`` holds, none without a budget, as in the reference), the rest is updated on the host:
+    T(r, q) = max((1-r-q)N/U_host, N(16r + 4q + lp(1-r-q))/B_up, 12rN/B_down, (r+q)N/U_dev).
+    Returns the device share r + q at the minimum, and the minimum.
+    """
     n = float(total_elements)
     host = 1.0 / rates.host_adam_eps + 1.0 / rates.host_cast_eps
     best = (0.0, n * max(host, lp_bytes / rates.h2d_bps))
-    if rates.device_adam_eps <= 0 or rates.shared_cpu:
+    if rates.device_adam_eps <= 0 or rates.shared_cpu or n == 0:
         return best
-    for step in range(points):
-        r = step / (points - 1)
-        up = rates.duplex_h2d_bps if r > 0 else rates.h2d_bps
-        down = rates.duplex_d2h_bps
-        t = n * max((1 - r) * host, (16 * r + lp_bytes * (1 - r)) / up, 12 * r / down, r / rates.device_adam_eps)
-        if t < best[1]:
-            best = (r, t)
+    q_max = min(1.0, budget_bytes / (DEVICE_BYTES * n)) if budget_bytes else 0.0
+    for qi in range(points if q_max > 0 else 1):
+        q = q_max * qi / max(1, points - 1)
+        for ri in range(points):
+            r = (1 - q) * ri / (points - 1)
+            up = rates.duplex_h2d_bps if r > 0 else rates.h2d_bps
+            t = n * max(
+                (1 - r - q) * host,
+                (STREAMED_UP * r + RESIDENT_UP * q + lp_bytes * (1 - r - q)) / up,
+                STREAMED_DOWN * r / rates.duplex_d2h_bps,
+                (r + q) / rates.device_adam_eps,
+            )
+            if t < best[1]:
+                best = (r + q, t)
     return best
 
 
