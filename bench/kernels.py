@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from lightning_dos.engine.kernels import AdamHyper, adam_update
+
 
 def _time(fn, repeats: int) -> float:  # noqa: ANN001
     fn()  # warm up (and, for DeepSpeed, trigger the JIT build outside the timing)
@@ -33,22 +35,10 @@ def main() -> None:
     v.abs_()
     step = torch.tensor(1.0)
 
-    def fused() -> None:
-        torch._fused_adamw_(
-            [p],
-            [g],
-            [m],
-            [v],
-            [],
-            [step],
-            lr=1e-3,
-            beta1=0.9,
-            beta2=0.999,
-            weight_decay=0.1,
-            eps=1e-8,
-            amsgrad=False,
-            maximize=False,
-        )
+    hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True)
+
+    def fused() -> None:  # the engine's own kernel call
+        adam_update(p, g, m, v, step, hyper)
 
     rows = [("torch._fused_adamw_", _time(fused, args.repeats))]
     try:

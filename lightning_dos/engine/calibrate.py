@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from lightning_dos.engine.kernels import AdamHyper, adam_update, step_tensor
 from lightning_dos.engine.perfmodel import HardwareRates
 
 
@@ -30,27 +31,11 @@ def _best_seconds(fn: Callable[[], None], repeats: int = 3, sync: Callable[[], N
 
 
 def _adam(device: torch.device, numel: int) -> Callable[[], None]:
+    """The engine's Adam kernel on ``numel`` elements of ``device``."""
     p, g, m, v = (torch.rand(numel, device=device) for _ in range(4))
-    step = torch.ones((), device=device)
-
-    def run() -> None:
-        torch._fused_adamw_(
-            [p],
-            [g],
-            [m],
-            [v],
-            [],
-            [step],
-            lr=1e-3,
-            beta1=0.9,
-            beta2=0.999,
-            weight_decay=0.0,
-            eps=1e-8,
-            amsgrad=False,
-            maximize=False,
-        )
-
-    return run
+    step = step_tensor(1, device)
+    hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+    return lambda: adam_update(p, g, m, v, step, hyper)
 
 
 def host_rates(numel: int = 2_000_000, lp_dtype: torch.dtype = torch.bfloat16) -> tuple[float, float, float]:
