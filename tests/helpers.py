@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 
 import lightning as L
@@ -147,3 +148,22 @@ def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 
 
 LN_VOCAB = math.log(VOCAB)
+
+#: torch.distributed's variables, which in-process fits leave in os.environ.
+_DISTRIBUTED_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def clean_env() -> dict[str, str]:
+    """The environment for a child process that must start its own (CPU) distributed run."""
+    env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_ENV}
+    env["DS_ACCELERATOR"] = "cpu"
+    return env

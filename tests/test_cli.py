@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.helpers import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "gpt-tiny.yaml")
 
 
 def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
-    }
-    env["DS_ACCELERATOR"] = "cpu"
+    env = clean_env()
     return subprocess.run(
         [sys.executable, "-m", "lightning_dos", *args],
         cwd=ROOT,

@@ -5,7 +5,6 @@ Real Lightning Trainer, real DeepSpeed ZeRO-3 with CPU optimizer offload, on CPU
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,16 +15,13 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dos import DeepOptimizerStatesStrategy
-from tests.helpers import TinyLM, full_parameters, loader, max_relative_error, trainer
+from tests.helpers import TinyLM, clean_env, full_parameters, loader, max_relative_error, trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _train_ranks(devices: int, out: Path) -> dict:
-    # Earlier in-process fits leave torch.distributed's variables in os.environ; the job must start clean.
-    inherited = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR")
-    env = {k: v for k, v in os.environ.items() if k not in inherited and k != "MASTER_PORT"}
-    env["DS_ACCELERATOR"] = "cpu"
+    env = clean_env()
     job = [sys.executable, str(ROOT / "tests" / "jobs" / "train_ranks.py"), str(devices), str(out)]
     done = subprocess.run(job, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
