@@ -17,6 +17,7 @@ Knows nothing of Lightning or DeepSpeed.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import deque
 from collections.abc import Sequence
@@ -140,20 +141,43 @@ def _spread(n: int, chosen: int, among: Sequence[int]) -> list[int]:
     return [among[min(m - 1, (j + 1) * m // chosen - 1)] for j in range(chosen)]
 
 
+#: Up to this many placements the search is exhaustive (exact for any sub-group sizes).
+EXHAUSTIVE_LIMIT = 2187
+
+
 def candidate_plans(n: int, sizes: Sequence[int], allow_resident: bool, max_buffers: int):  # noqa: ANN201
-    """Plans worth considering: the largest sub-groups resident (they save the most traffic per byte kept),
-    then k of the rest streamed, spread evenly, with 1..max_buffers staging buffers."""
-    by_size = sorted(range(n), key=lambda i: (-sizes[i], i))
-    for r in range(n + 1 if allow_resident else 1):
-        resident = set(by_size[:r])
-        rest = [i for i in range(n) if i not in resident]
-        for k in range(len(rest) + 1):
-            streamed = set(_spread(n, k, rest))
-            places = tuple(
-                Place.RESIDENT if i in resident else Place.DEVICE if i in streamed else Place.HOST for i in range(n)
-            )
-            for buffers in range(1, (max_buffers if k > 1 else 1) + 1):
-                yield Plan(places, buffers)
+    """Plans worth considering.
+
+    Few sub-groups: every placement. Otherwise the structure that matters when sizes are (nearly) equal,
+    as the engine cuts them: the r largest (or smallest) sub-groups resident, then k of the rest streamed,
+    spread evenly or taken largest- or smallest-first, each with 1..max_buffers staging buffers."""
+    places_per_group = (Place.HOST, Place.DEVICE, Place.RESIDENT) if allow_resident else (Place.HOST, Place.DEVICE)
+    if len(places_per_group) ** n <= EXHAUSTIVE_LIMIT:
+        for combo in itertools.product(places_per_group, repeat=n):
+            streamed = combo.count(Place.DEVICE)
+            for buffers in range(1, (max_buffers if streamed > 1 else 1) + 1):
+                yield Plan(combo, buffers)
+        return
+    largest = sorted(range(n), key=lambda i: (-sizes[i], i))
+    orders = [largest, largest[::-1]]
+    seen: set[tuple] = set()
+    for resident_order in orders:
+        for r in range(n + 1 if allow_resident else 1):
+            resident = set(resident_order[:r])
+            rest = [i for i in range(n) if i not in resident]
+            for k in range(len(rest) + 1):
+                choices = [_spread(n, k, rest)] + [[i for i in order if i in set(rest)][:k] for order in orders]
+                for chosen in choices:
+                    streamed = set(chosen)
+                    places = tuple(
+                        Place.RESIDENT if i in resident else Place.DEVICE if i in streamed else Place.HOST
+                        for i in range(n)
+                    )
+                    if places in seen:
+                        continue
+                    seen.add(places)
+                    for buffers in range(1, (max_buffers if k > 1 else 1) + 1):
+                        yield Plan(places, buffers)
 
 
 def choose_plan(
