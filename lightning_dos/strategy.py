@@ -190,8 +190,10 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             in [0, 1] (that share, spread evenly), or ``"stride:K"`` (the paper's rule: sub-group x on
             the accelerator when (x + 1) % K == 0).
         sub_group_size: elements per optimizer sub-group (the unit of placement and of streaming).
-        gpu_memory_budget: bytes of accelerator memory the update phase may use for staging; None
-            derives it from the memory free after backward, less a 10% margin.
+        gpu_memory_budget: bytes of accelerator memory the update phase may use; None derives it from the
+            memory free after backward, less a 10% margin. With an explicit budget, ``"auto"`` may also keep
+            optimizer state resident on the accelerator across iterations (it must then fit beside
+            activations); without one it only streams.
         accelerator: the accelerator, usually chosen by the Trainer.
         stage: ZeRO stage; only 3 is valid (kept so that configs written for DeepSpeedStrategy parse).
         offload_optimizer: must stay True: the optimizer state lives in host memory.

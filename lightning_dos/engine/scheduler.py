@@ -79,7 +79,10 @@ class PlacementScheduler:
     def _replan(self, step: int) -> None:
         rates = self._ensure_rates()
         budget = self.engine.device_budget()
-        self._plan, _ = choose_plan(self.engine.sizes, rates, budget, self.engine.lp_bytes, allow_resident=True)
+        # Resident state stays on the device through forward and backward too, so it is only planned inside a
+        # budget the user set; memory that is free at update time (activations gone) is for staging alone.
+        resident_ok = self.engine.gpu_memory_budget is not None
+        self._plan, _ = choose_plan(self.engine.sizes, rates, budget, self.engine.lp_bytes, allow_resident=resident_ok)
         self._planned_at = step
 
     def _observe_last_report(self) -> None:
