@@ -35,8 +35,13 @@ def _is_text(path: Path) -> bool:
 
 
 def stdlib_sources() -> list[Path]:
-    """The standard library's Python sources on this machine, sorted (so the corpus is deterministic)."""
-    return sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+    """The standard library's Python sources on this machine, sorted (so the corpus is deterministic).
+
+    Installed packages can live inside the standard library's folder (pyenv puts ``site-packages`` there);
+    they are not the standard library and differ between machines, so they are left out."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    installed = ("site-packages", "dist-packages")
+    return sorted(p for p in root.rglob("*.py") if not any(part in installed for part in p.relative_to(root).parts))
 
 
 def _collect_files(path: str | None) -> list[Path]:

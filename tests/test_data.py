@@ -11,7 +11,9 @@ from lightning_dos.data import ByteCorpusDataModule, stdlib_sources
 
 
 def test_default_corpus_is_the_standard_library_source() -> None:
-    assert len(stdlib_sources()) > 100
+    sources = stdlib_sources()
+    assert len(sources) > 100
+    assert not any("site-packages" in p.parts for p in sources), "installed packages are not the standard library"
     dm = ByteCorpusDataModule(seq_len=32, batch_size=4, max_bytes=200_000)
     dm.setup("fit")
     x, y = next(iter(dm.train_dataloader()))
