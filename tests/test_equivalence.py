@@ -43,7 +43,7 @@ def reference() -> tuple[dict[str, torch.Tensor], list[float]]:
     return full_parameters(model), model.losses
 
 
-@pytest.mark.parametrize("fraction", [0, 0.25, 0.5, 1, "stride:3"])
+@pytest.mark.parametrize("fraction", [0, 0.25, 0.5, 1, "stride:3", "auto"])
 def test_fixed_placements_match_plain_adamw(fraction, reference) -> None:  # noqa: ANN001
     params, losses = reference
     strategy = DeepOptimizerStatesStrategy(gpu_fraction=fraction, sub_group_size=SUB_GROUP)
@@ -51,7 +51,8 @@ def test_fixed_placements_match_plain_adamw(fraction, reference) -> None:  # noq
     engine = strategy.dos_engine
     assert len(engine.sub_groups) >= 8
     report = engine.last_report
-    expected_device = {0: 0, 0.25: 0.25, 0.5: 0.5, 1: 1.0}.get(fraction)
+    # With no accelerator "auto" keeps everything on the host.
+    expected_device = {0: 0, 0.25: 0.25, 0.5: 0.5, 1: 1.0, "auto": 0.0}.get(fraction)
     if expected_device is not None:
         assert report.plan.device_share() == pytest.approx(expected_device, abs=0.5 / len(engine.sub_groups))
     assert max_relative_error(full_parameters(model), params) < 1e-5
