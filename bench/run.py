@@ -179,6 +179,10 @@ def _fmt(value: float | None, digits: int = 3) -> str:
     return "n/a" if value is None or value != value else f"{value:.{digits}f}"
 
 
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
 def table(results: list[Result]) -> str:
     by_name = {r.system: r for r in results}
     stock = by_name.get("stock")
@@ -200,7 +204,7 @@ def table(results: list[Result]) -> str:
             f"| {r.system} | {_fmt(r.forward_s)} | {_fmt(r.backward_s)} | {_fmt(r.update_s)} | {_fmt(r.step_s)} "
             f"| {r.update_params_per_s / 1e6:.1f} | {_fmt(r.h2d_gbps, 2)} | {_fmt(r.d2h_gbps, 2)} "
             f"| {_fmt(r.device_share, 2)} | {_fmt(r.peak_accelerator_gb, 2)} | {_fmt(r.optimizer_host_gb, 3)} "
-            f"| {_fmt(vs_stock, 2)}x | {_fmt(it_stock, 2)}x | {_fmt(vs_tf, 2)}x | {_fmt(over_floor, 2)} |"
+            f"| {_ratio(vs_stock)} | {_ratio(it_stock)} | {_ratio(vs_tf)} | {_fmt(over_floor, 2)} |"
         )
     if floor_s:
         lines.append(f"\nFloor T(r*) of the update phase from the calibrated rates: {floor_s:.4f} s.")
