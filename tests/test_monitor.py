@@ -52,8 +52,8 @@ ENGINE_METRICS = [
 class PredictEveryStep(L.Callback):
     """Give every step a prediction: the engine's own when its planner makes one, else a stand-in.
 
-    Fixed ``gpu_fraction`` plans come without a prediction today; the stand-in keeps the monitor's
-    ``dos/update_predicted_s`` path under test, and the engine's real predictions replace it as they come.
+    The scheduler predicts once it has calibrated rates; the stand-in keeps the monitor's
+    ``dos/update_predicted_s`` path under test should a planner return no prediction.
     """
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -290,3 +290,38 @@ def test_device_events_are_read_lazily_without_synchronising_each_step() -> None
         "dos/update_s": 3.0,
         "dos/step_s": 6.0,
     }
+
+
+def _report(h2d: int, d2h: int, update_s: float) -> StepReport:
+    return StepReport(step=1, plan=Plan(()), sizes=(), update_s=update_s, h2d_bytes=h2d, d2h_bytes=d2h)
+
+
+def test_pcie_util_uses_peak_gbps_then_the_engines_calibration_then_a_measurement(half: Run) -> None:
+    report = _report(h2d=3 * 10**9, d2h=1 * 10**9, update_s=1.0)  # 4 GB/s both ways together
+    given = DOSMonitor(peak_gbps=4.0)  # 4 GB/s each way: 8 GB/s full duplex
+    given.on_fit_start(SimpleNamespace(strategy=SimpleNamespace(dos_engine=None)), None)
+    assert given._report_metrics(report, 2.0)["dos/pcie_util"] == pytest.approx(0.5)
+    # The engine's calibration wins over a measurement, and is asked again every step (it arrives mid-run).
+    rates: list[tuple[float, float] | None] = [None]
+    engine = SimpleNamespace(device=torch.device("cpu"), peak_bandwidth=lambda: rates[0])
+    monitor = DOSMonitor()
+    monitor.on_fit_start(SimpleNamespace(strategy=SimpleNamespace(dos_engine=engine)), None)
+    measured = monitor._peak
+    assert measured is not None and all(math.isfinite(v) and v > 0 for v in measured), "measured at fit start"
+    assert monitor._report_metrics(report, 2.0)["dos/pcie_util"] == pytest.approx(4e9 / sum(measured))
+    rates[0] = (6e9, 2e9)
+    assert monitor._report_metrics(report, 2.0)["dos/pcie_util"] == pytest.approx(0.5)
+    # The engine refines its rates online, down to what small transfers achieve; a peak does not fall.
+    rates[0] = (1e6, 1e6)
+    assert monitor._report_metrics(report, 2.0)["dos/pcie_util"] == pytest.approx(0.5)
+    # The real run: its utilisation is over the engine's calibrated rates, not their online refinement.
+    engine = half.strategy.dos_engine
+    calibrated = half.strategy.dos_scheduler.estimator.calibrated
+    assert engine.peak_bandwidth() is not None
+    best = half.monitor._engine_best
+    assert best is not None and best[0] >= calibrated.h2d_bps and best[1] >= calibrated.d2h_bps
+    row = half.rows[STEPS - 1]
+    achieved = (row["dos/h2d_gb"] + row["dos/d2h_gb"]) * 1e9 / row["dos/engine_update_s"]
+    assert row["dos/pcie_util"] == pytest.approx(achieved / sum(best), rel=1e-3)
+    with pytest.raises(ValueError, match="peak_gbps"):
+        DOSMonitor(peak_gbps=0.0)

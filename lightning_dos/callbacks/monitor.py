@@ -204,13 +204,13 @@ def _engine(trainer: pl.Trainer) -> Any:
     return getattr(trainer.strategy, "dos_engine", None)
 
 
-def _peak_of(engine: Any) -> tuple[float, float]:
-    """The engine's calibrated peak H2D and D2H rates (bytes/s), or a one-off measurement of our own."""
+def _engine_peak(engine: Any) -> tuple[float, float] | None:
+    """The engine's calibrated peak H2D and D2H rates (bytes/s), when it offers them and has measured them."""
     peak = getattr(engine, "peak_bandwidth", None)
     measured = peak() if callable(peak) else None
-    if measured is not None and all(v > 0 for v in measured):
+    if measured is not None and all(math.isfinite(v) and v > 0 for v in measured):
         return float(measured[0]), float(measured[1])
-    return _calibrate_copy_bandwidth(engine.device)
+    return None
 
 
 def _calibrate_copy_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> tuple[float, float]:
@@ -258,6 +258,10 @@ class DOSMonitor(Callback):
             them. Early steps (but after the first, which warms caches up) are representative.
         log_every_n_steps: log every n-th step; None follows the trainer's ``log_every_n_steps``.
         summary: print a table of the run's medians at the end of ``fit`` (global rank 0).
+        peak_gbps: the link's peak rate per direction in GB/s (PCIe is full duplex: 2x this both ways),
+            the denominator of ``dos/pcie_util``. None uses the engine's calibrated
+            ``peak_bandwidth()`` once it has one, and until then a copy micro-benchmark (64 MB, pinned
+            on CUDA) run once when fitting starts, so the utilisation is always finite.
     """
 
     def __init__(
@@ -266,9 +270,13 @@ class DOSMonitor(Callback):
         trace_steps: Sequence[int] = (3,),
         log_every_n_steps: int | None = None,
         summary: bool = True,
+        peak_gbps: float | None = None,
     ) -> None:
         if log_every_n_steps is not None and log_every_n_steps < 0:
             raise ValueError(f"log_every_n_steps must be None or >= 0, got {log_every_n_steps}")
+        if peak_gbps is not None and not (math.isfinite(peak_gbps) and peak_gbps > 0):
+            raise ValueError(f"peak_gbps must be None or a positive number, got {peak_gbps}")
+        self.peak_gbps = peak_gbps
         self.trace_dir = Path(trace_dir) if trace_dir is not None else None
         self.trace_steps = frozenset(int(s) for s in trace_steps)
         self.log_every_n_steps = log_every_n_steps
@@ -287,7 +295,11 @@ class DOSMonitor(Callback):
         self._pending: deque[_Record] = deque()
         self._seen_report: StepReport | None = None
         self._timing_before: bool | None = None
+        #: Fallback peak (bytes/s per direction): ``peak_gbps`` or the fit-start micro-benchmark.
         self._peak: tuple[float, float] | None = None
+        self._engine: Any = None
+        #: Highest peak the engine's ``peak_bandwidth()`` has reported this fit (bytes/s per direction).
+        self._engine_best: tuple[float, float] | None = None
         self._traced: list[TracedStep] = []
         self._trace_origin: Any = None
 
@@ -304,6 +316,14 @@ class DOSMonitor(Callback):
         self._memory = _memory_probe(device)
         every = self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
         self._every = int(every)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        engine = self._engine = _engine(trainer)
+        if self.peak_gbps is not None:
+            self._peak = (self.peak_gbps * GB, self.peak_gbps * GB)
+        elif engine is not None and _engine_peak(engine) is None:
+            # Before the first step, so the copies time an idle link and disturb no measured step.
+            self._peak = _calibrate_copy_bandwidth(engine.device)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -335,12 +355,11 @@ class DOSMonitor(Callback):
         self._boundary(record, "end")
         engine = _engine(trainer)
         if engine is not None:
+            self._engine = engine
             report = engine.last_report
             # Under gradient accumulation DeepSpeed steps only at the boundary: a report is new or stale.
             if report is not None and report is not self._seen_report:
                 record.report = self._seen_report = report
-                if self._peak is None:
-                    self._peak = _peak_of(engine)
             if self._timing_before is not None:
                 engine.timing, self._timing_before = self._timing_before, None
         self._pending.append(record)
@@ -417,12 +436,29 @@ class DOSMonitor(Callback):
         if seconds > 0:
             row["dos/h2d_gbps"] = report.h2d_bytes / seconds / GB
             row["dos/d2h_gbps"] = report.d2h_bytes / seconds / GB
-            peak = sum(self._peak) if self._peak is not None else 0.0
+            peak = sum(self._peak_bps())
             if peak > 0:
                 row["dos/pcie_util"] = (report.h2d_bytes + report.d2h_bytes) / seconds / peak
         if report.predicted_s is not None and math.isfinite(report.predicted_s):
             row["dos/update_predicted_s"] = float(report.predicted_s)
         return row
+
+    def _peak_bps(self) -> tuple[float, float]:
+        """Peak H2D and D2H rates (bytes/s): ``peak_gbps``, else the engine's calibration (it may arrive
+        mid-run, so it is asked every time), else the fit-start measurement (taken now if there was none)."""
+        if self.peak_gbps is None and self._engine is not None:
+            calibrated = _engine_peak(self._engine)
+            if calibrated is not None:
+                # The engine's rates are refined online (scaled down by overheads and contention on small
+                # transfers); a peak never falls, so keep the highest seen per direction.
+                best = self._engine_best or (0.0, 0.0)
+                self._engine_best = (max(best[0], calibrated[0]), max(best[1], calibrated[1]))
+            if self._engine_best is not None:
+                return self._engine_best
+        if self._peak is None:  # the engine appeared only after fit start: measure now
+            device = self._engine.device if self._engine is not None else torch.device("cpu")
+            self._peak = _calibrate_copy_bandwidth(device)
+        return self._peak
 
     def _add_traced(self, record: _Record, row: dict[str, float]) -> None:
         if self._trace_origin is None:

@@ -60,7 +60,8 @@ class PlacementScheduler:
     def _ensure_rates(self) -> HardwareRates:
         if self.estimator is None:
             self.estimator = RateEstimator(self._calibrate(self.engine.device))
-        self.engine.rates = self.estimator.rates
+        # The engine reports peaks from the calibration itself; the live estimate follows contention.
+        self.engine.rates = self.estimator.calibrated
         return self.estimator.rates
 
     def __call__(self, step: int) -> tuple[Plan, float | None]:
