@@ -20,6 +20,8 @@ from lightning_dos.callbacks import DOSMonitor, DOSProgressBar
 from lightning_dos.data import ByteCorpusDataModule
 from lightning_dos.recipes.gpt import GPT
 
+DESCRIPTION = "Train with Deep Optimizer States (DeepSpeed ZeRO-3 offload, interleaved CPU/GPU updates)."
+
 #: Subcommands that are not LightningCLI's: name -> (module, what it does).
 EXTRA_COMMANDS = {
     "calibrate": ("lightning_dos.planner", "measure this machine's CPU/GPU/PCIe rates and write a profile"),
@@ -41,6 +43,9 @@ class DOSCLI(LightningCLI):
         # refusal as one message, not a traceback through jsonargparse.
         try:
             super().instantiate_classes()
+            check = getattr(self.model, "check_seq_len", None)
+            if check is not None and self.datamodule is not None:
+                check(getattr(self.datamodule, "seq_len", None))
         except (ValueError, TypeError, FileNotFoundError) as error:
             raise SettingError(str(error)) from error
 
@@ -87,10 +92,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             module = importlib.import_module(module_name)
         except ImportError as error:
-            print(f"lightning-dos {argv[0]} is unavailable: {error}", file=sys.stderr)
+            print(
+                f"lightning-dos {argv[0]} is unavailable: its module {module_name} cannot be imported ({error})",
+                file=sys.stderr,
+            )
             return 2
         rest = argv if module_name.endswith("planner") else argv[1:]
-        return int(module.main(rest) or 0)
+        try:
+            return int(module.main(rest) or 0)
+        except SystemExit as done:  # argparse's --help and usage errors
+            return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     if not argv or argv[0] in ("-h", "--help"):
         _print_extra_commands()
     try:
@@ -99,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
             ByteCorpusDataModule,
             args=None if from_command_line else argv,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"parser_mode": "omegaconf"} if _has_omegaconf() else None,
+            parser_kwargs={
+                "prog": "lightning-dos",
+                "description": DESCRIPTION,
+                **({"parser_mode": "omegaconf"} if _has_omegaconf() else {}),
+            },
         )
     except SystemExit as done:
         return int(done.code or 0) if not isinstance(done.code, str) else 1

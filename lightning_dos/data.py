@@ -46,7 +46,13 @@ def stdlib_sources() -> list[Path]:
 
 def _collect_files(path: str | None) -> list[Path]:
     if path is None:
-        return stdlib_sources()
+        sources = stdlib_sources()
+        if not sources:
+            raise FileNotFoundError(
+                f"ByteCorpusDataModule path=None uses the Python standard library's sources, but there are no *.py "
+                f"files under {sysconfig.get_paths()['stdlib']}; give path= a text file or a folder of text files"
+            )
+        return sources
     root = Path(path).expanduser()
     if not root.exists():
         raise FileNotFoundError(
@@ -122,7 +128,7 @@ class ByteCorpusDataModule(L.LightningDataModule):
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("max_bytes", max_bytes)):
             if value < 1:
                 raise ValueError(f"ByteCorpusDataModule {name}={value} is not valid; use a positive integer")
-        if not 0.0 < val_fraction < 1.0:
+        if not 0.0 < val_fraction < 1.0:  # both parts must exist
             raise ValueError(f"ByteCorpusDataModule val_fraction={val_fraction} is not valid; use a number in (0, 1)")
         if num_workers < 0:
             raise ValueError(f"ByteCorpusDataModule num_workers={num_workers} is not valid; use 0 or more")
@@ -141,8 +147,10 @@ class ByteCorpusDataModule(L.LightningDataModule):
         for name, part in (("training", train), ("validation", val)):
             if len(part) < self.seq_len + 1:
                 raise ValueError(
-                    f"the corpus's {name} part has {len(part)} bytes, fewer than seq_len+1={self.seq_len + 1}; "
-                    "use a smaller seq_len, a larger corpus or another val_fraction"
+                    f"ByteCorpusDataModule: the corpus's {name} part has {len(part)} bytes, fewer than "
+                    f"seq_len+1={self.seq_len + 1} (path={self.path!r}, max_bytes={self.max_bytes}, "
+                    f"val_fraction={self.val_fraction}); use a seq_len of at most {max(0, len(part) - 1)}, "
+                    "a larger corpus or max_bytes, or another val_fraction"
                 )
         generator = torch.Generator().manual_seed(self.seed)
         n_train = max(1, len(train) // self.seq_len)

@@ -110,6 +110,7 @@ class GPT(L.LightningModule):
             raise ValueError(f"GPT n_embd={n_embd} must be a multiple of n_head={n_head}")
         self.save_hyperparameters()
         self.transformer: nn.ModuleDict | None = None
+        self.lm_head: nn.Linear | None = None
         self.val_ppl = Perplexity()
         self.test_ppl = Perplexity()
 
@@ -141,6 +142,7 @@ class GPT(L.LightningModule):
         return vocab_size * d + block_size * d + n_layer * per_block + 2 * d + head
 
     def num_parameters(self) -> int:
+        """Parameters of this model once built (computed from the settings; nothing is allocated)."""
         h = self.hparams
         return self.count_parameters(h.n_layer, h.n_embd, h.vocab_size, h.block_size, h.tie_embeddings)
 
@@ -171,15 +173,18 @@ class GPT(L.LightningModule):
 
     # -- Lightning hooks ---------------------------------------------------------------------------
 
-    def setup(self, stage: str) -> None:
-        """Refuse a data sequence length the model cannot take, before any work."""
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        seq_len = getattr(datamodule, "seq_len", None)
+    def check_seq_len(self, seq_len: int | None) -> None:
+        """Raise ``ValueError`` if the data's ``seq_len`` is longer than the model's ``block_size``."""
         if seq_len is not None and seq_len > self.hparams.block_size:
             raise ValueError(
                 f"data.seq_len={seq_len} is longer than model.block_size={self.hparams.block_size}; "
-                f"use a seq_len of at most {self.hparams.block_size} or a larger block_size"
+                f"use a seq_len of at most {self.hparams.block_size} or a block_size of at least {seq_len}"
             )
+
+    def setup(self, stage: str) -> None:
+        """Refuse a data sequence length the model cannot take, before any work."""
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        self.check_seq_len(getattr(datamodule, "seq_len", None))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, _ = self._loss(batch)
