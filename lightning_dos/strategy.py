@@ -103,10 +103,6 @@ class DeepSpeedCPUStrategy(DeepSpeedStrategy):
     Arguments are those of ``DeepSpeedStrategy``.
     """
 
-    @property
-    def on_cpu(self) -> bool:
-        return self.root_device.type == "cpu"
-
     # -- running without CUDA: the three changes Lightning's strategy needs ----------------------
 
     def setup_environment(self) -> None:

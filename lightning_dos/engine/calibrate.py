@@ -8,7 +8,6 @@ work instead of overlapping them. Well under a second on CPU.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 
@@ -78,10 +77,3 @@ def calibrate(device: torch.device, numel: int = 2_000_000, lp_dtype: torch.dtyp
     duplex = nbytes / _best_seconds(both, sync=sync)
     device_adam = 8 * numel / _best_seconds(_adam(device, 8 * numel), sync=sync)
     return HardwareRates(adam, cast, device_adam, h2d, d2h, min(duplex, h2d), min(duplex, d2h))
-
-
-def median_rates(samples: list[HardwareRates]) -> HardwareRates:
-    """Element-wise median of several calibrations (steadier than one)."""
-    fields = samples[0].to_dict().keys()
-    data = {k: statistics.median(float(getattr(s, k)) for s in samples) for k in fields if k != "shared_cpu"}
-    return HardwareRates(**data, shared_cpu=samples[0].shared_cpu)

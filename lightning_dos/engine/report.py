@@ -81,7 +81,3 @@ class StepReport:
         """Share of elements updated on the device this step."""
         total = self.host_elements + self.device_elements
         return self.device_elements / total if total else 0.0
-
-    def lane_seconds(self, lane: str) -> float:
-        """Total busy time of one lane (needs timing enabled)."""
-        return sum(s.duration_s for s in self.spans if s.lane == lane)
