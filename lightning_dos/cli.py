@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 
@@ -19,6 +21,7 @@ import lightning_dos  # noqa: F401 - registers the strategy name "dos"
 from lightning_dos.callbacks import DOSMonitor, DOSProgressBar
 from lightning_dos.data import ByteCorpusDataModule
 from lightning_dos.recipes.gpt import GPT
+from lightning_dos.strategy import DOSConfigError
 
 DESCRIPTION = "Train with Deep Optimizer States (DeepSpeed ZeRO-3 offload, interleaved CPU/GPU updates)."
 
@@ -69,6 +72,10 @@ class DOSCLI(LightningCLI):
             isinstance(c, DOSProgressBar) for c in callbacks
         ):
             callbacks.append(DOSProgressBar())
+        for callback in callbacks:
+            # A recipe's checkpoints go beside its logs, so that `--ckpt_path ROOT/checkpoints/last.ckpt` finds them.
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
+                callback.dirpath = str(Path(root) / "checkpoints")
         config["callbacks"] = callbacks
         return super().instantiate_trainer(**kwargs)
 
@@ -118,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     except SystemExit as done:
         return int(done.code or 0) if not isinstance(done.code, str) else 1
-    except SettingError as error:
+    except (SettingError, DOSConfigError) as error:
+        # A refused setting is one line naming it, not a traceback through Lightning.
         print(f"lightning-dos: error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -24,7 +24,7 @@ from lightning.pytorch.plugins.environments import ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
-from lightning_dos.adapter import ZeRO3Adapter
+from lightning_dos.adapter import ZeRO3Adapter, load_zero3_weights_for_evaluation
 from lightning_dos.engine.calibrate import calibrate
 from lightning_dos.engine.perfmodel import HardwareRates
 from lightning_dos.engine.plan import FractionSpec, parse_gpu_fraction
@@ -110,8 +110,26 @@ class DeepSpeedCPUStrategy(DeepSpeedStrategy):
             super().setup_environment()
             return
         _check_deepspeed_accelerator_is_cpu()
+        self._check_fp16_runs_here()
         # Lightning's DeepSpeedStrategy refuses non-CUDA accelerators here; skip to DDP's setup.
         DDPStrategy.setup_environment(self)
+
+    def _check_fp16_runs_here(self) -> None:
+        """Refuse fp16 before any work where DeepSpeed's CPU accelerator would refuse it mid-setup.
+
+        DeepSpeed runs fp16 on a CPU only where oneDNN has fp16 kernels (AVX-512-FP16 or AMX-FP16);
+        elsewhere ``deepspeed.initialize`` fails deep inside with a message naming no setting.
+        """
+        precision = str(getattr(self.precision_plugin, "precision", ""))
+        config = self.config if isinstance(self.config, dict) else {}
+        from_config = bool((config.get("fp16") or {}).get("enabled", False))
+        if not (precision.startswith("16") or from_config) or cpu_supports_fp16():
+            return
+        setting, value = ("precision", precision) if precision.startswith("16") else ("config['fp16']['enabled']", True)
+        raise DOSConfigError(
+            f"{setting}={value!r} cannot run on this CPU: DeepSpeed's CPU accelerator supports fp16 only on CPUs with "
+            "AVX-512-FP16 or AMX-FP16, which this one lacks; use precision='bf16-mixed' (or '32-true') instead"
+        )
 
     def setup_distributed(self) -> None:
         if isinstance(self.accelerator, CUDAAccelerator):
@@ -313,6 +331,26 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         self.dos_scheduler = PlacementScheduler(self.fraction, self.dos_adapter.engine, calibrate=_calibrated_rates)
         self.dos_adapter.planner = self.dos_scheduler
 
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint; for ``validate``/``test``/``predict`` read the weights without an optimizer.
+
+        Fitting resumes through DeepSpeed as usual (weights, optimizer state, the engine's slabs). Evaluation
+        builds an engine with no optimizer, for which DeepSpeed 0.19 cannot load a ZeRO-3 checkpoint, so the
+        fp32 master weights are read from the checkpoint's partitions instead (see
+        :func:`~lightning_dos.adapter.load_zero3_weights_for_evaluation`).
+        """
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        module = self.lightning_module
+        if self.load_full_weights or module is None or module.trainer.state.fn == TrainerFn.FITTING:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        from lightning.pytorch.strategies.deepspeed import _validate_checkpoint_directory
+
+        _validate_checkpoint_directory(checkpoint_path)
+        return load_zero3_weights_for_evaluation(
+            module, str(checkpoint_path), rank=self.global_rank, strict=module.strict_loading
+        )
+
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
@@ -331,6 +369,13 @@ def _validated_fraction(value: float | str) -> FractionSpec:
         return parse_gpu_fraction(value)
     except ValueError as error:
         raise DOSConfigError(str(error)) from None
+
+
+def cpu_supports_fp16() -> bool:
+    """Whether DeepSpeed's CPU accelerator accepts fp16 on this CPU (oneDNN fp16 kernels: AVX-512-FP16 or AMX-FP16)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().is_fp16_supported())
 
 
 def _check_deepspeed_accelerator_is_cpu() -> None:

@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# Set up .venv, then lint and run the whole test suite (CPU; GPU tests run where CUDA is present).
+# Set up .venv, then lint and run the whole test suite: the CPU pass everywhere, and the CUDA pass
+# (tests/test_gpu.py) where CUDA is present. DeepSpeed chooses its accelerator once per process, so the
+# two passes are separate pytest processes (tests/conftest.py sets DS_ACCELERATOR for each).
+# Arguments go to the CPU pass, e.g. `bash scripts/test.sh tests/test_equivalence.py -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export DS_ACCELERATOR=${DS_ACCELERATOR:-$(.venv/bin/python -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")}
-.venv/bin/ruff check .
-.venv/bin/python -m pytest "$@"
+py=.venv/bin/python
+$py -m ruff check .
+$py -m pytest "$@"
+if $py -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  $py -m pytest --accelerator cuda tests/test_gpu.py
+fi

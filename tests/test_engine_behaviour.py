@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.engine.plan import Place
-from lightning_dos.strategy import DeepSpeedCPUStrategy
+from lightning_dos.strategy import DeepSpeedCPUStrategy, DOSConfigError, cpu_supports_fp16
 from tests.helpers import TinyLM, full_parameters, loader, max_relative_error, trainer
 from tests.test_equivalence import stock_offload_config
 
@@ -55,21 +55,78 @@ class Probe(L.Callback):
         self.reports.append(trainer.strategy.dos_engine.last_report)
 
 
+def _assert_overflow_step_skipped_and_training_continued(strategy, probe: Probe, bad_step: int) -> None:
+    skipped = [i for i, r in enumerate(probe.reports) if r.skipped]
+    assert skipped == [bad_step], f"only the forced overflow must skip its step, skipped: {skipped}"
+    # Nothing moved on the skipped step, on host and device sub-groups alike.
+    for key, value in probe.before[bad_step].items():
+        assert torch.equal(value, probe.after[bad_step][key]), key
+    assert probe.scales[bad_step + 1] < probe.scales[bad_step], "the loss scale must back off after an overflow"
+    for i in range(bad_step + 1, len(probe.reports)):
+        changed = any(not torch.equal(v, probe.after[i][k]) for k, v in probe.before[i].items())
+        assert changed, f"training must continue after the overflow (step {i} moved nothing)"
+    assert torch.isfinite(strategy.dos_engine.pool.param).all()
+    assert torch.isfinite(strategy.dos_engine.pool.exp_avg).all()
+    assert torch.isfinite(strategy.dos_engine.pool.exp_avg_sq).all()
+    assert probe.reports[-1].plan.device_indices and probe.reports[-1].plan.host_indices
+
+
+FP16_UNSUPPORTED = (
+    "DeepSpeed refuses fp16 on this CPU (no AVX-512-FP16/AMX-FP16); "
+    "test_overflow_branch_with_dynamic_loss_scaling_on_any_cpu covers the same branch"
+)
+
+
+@pytest.mark.skipif(not cpu_supports_fp16(), reason=FP16_UNSUPPORTED)
 def test_fp16_overflow_skips_the_step_on_every_sub_group_and_training_continues() -> None:
     L.seed_everything(0, verbose=False)
     model, probe = OverflowAt(bad_step=4), Probe()
     strategy = dos(0.5, initial_scale_power=8, hysteresis=1)  # back off on the first overflow
     trainer(strategy, steps=10, precision="16-mixed", clip=None, callbacks=[probe]).fit(model, loader())
-    skipped = [i for i, r in enumerate(probe.reports) if r.skipped]
-    assert 4 in skipped, "the forced overflow must skip its step"
-    # Nothing moved on the skipped step, on host and device sub-groups alike.
-    for key, value in probe.before[4].items():
-        assert torch.equal(value, probe.after[4][key]), key
-    assert probe.scales[5] < probe.scales[4], "the loss scale must back off after an overflow"
-    assert not all(r.skipped for r in probe.reports[5:]), "training must continue after the overflow"
-    assert torch.isfinite(strategy.dos_engine.pool.param).all()
-    assert torch.isfinite(strategy.dos_engine.pool.exp_avg_sq).all()
-    assert probe.reports[-1].plan.device_indices and probe.reports[-1].plan.host_indices
+    _assert_overflow_step_skipped_and_training_continued(strategy, probe, bad_step=4)
+
+
+class DynamicLossScaling(L.Callback):
+    """Gives the real ZeRO-3 optimizer the dynamic loss scaler fp16 would configure (scale 2**8, hysteresis 1).
+
+    DeepSpeed scales the loss with it in backward and the adapter's prologue detects the overflow (a
+    non-finite gradient norm), backs the scale off and skips the step: the fp16 overflow branch, on a model
+    that any CPU can run.
+    """
+
+    def on_fit_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+        zero = trainer.strategy.deepspeed_engine.optimizer
+        zero.loss_scaler = DynamicLossScaler(
+            init_scale=2.0**8, scale_window=1000, min_scale=1.0, delayed_shift=1, consecutive_hysteresis=False
+        )
+        zero.dynamic_loss_scale = True
+
+
+def test_overflow_branch_with_dynamic_loss_scaling_on_any_cpu() -> None:
+    """The fp16 overflow path (scale back-off, step skipped on every sub-group, finite master slabs) in fp32."""
+    L.seed_everything(0, verbose=False)
+    model, probe = OverflowAt(bad_step=4), Probe()
+    strategy = dos(0.5)
+    trainer(strategy, steps=10, clip=None, callbacks=[DynamicLossScaling(), probe]).fit(model, loader())
+    assert probe.scales[0] == 2.0**8, "the dynamic scaler must be the one in use"
+    _assert_overflow_step_skipped_and_training_continued(strategy, probe, bad_step=4)
+
+
+def test_fp16_is_refused_up_front_where_deepspeed_cannot_run_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU without fp16 support, precision='16-mixed' fails before any work, naming the setting."""
+    import lightning_dos.strategy as strategy_module
+
+    if cpu_supports_fp16():  # a CPU that runs fp16 takes the refusal branch too
+        monkeypatch.setattr(strategy_module, "cpu_supports_fp16", lambda: False)
+    model = TinyLM()
+    with pytest.raises(DOSConfigError, match=r"precision='16-mixed'.*bf16-mixed"):
+        trainer(dos(0.5), steps=2, precision="16-mixed").fit(model, loader())
+    assert model.losses == [], "nothing may run before the refusal"
+    config = {"fp16": {"enabled": True}}
+    with pytest.raises(DOSConfigError, match=r"config\['fp16'\]\['enabled'\].*bf16-mixed"):
+        trainer(dos(0.5, config=config), steps=2).fit(TinyLM(), loader())
 
 
 def test_gradient_accumulation_keeps_deepspeed_semantics() -> None:

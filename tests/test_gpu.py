@@ -1,7 +1,8 @@
 """GPU-only checks of the engine: CUDA streams, pinned memory and the memory budget.
 
-These run only where CUDA is present (see ../shared/device/README.md for the GPU machine); on a
-machine with no GPU the same code paths are covered by the CPU tests, minus the asynchrony.
+These run in the CUDA pass (``pytest --accelerator cuda tests/test_gpu.py``, which ``scripts/test.sh`` and
+``scripts/gpu-check.sh`` run where CUDA is present); on a machine with no GPU the same code paths are covered
+by the CPU tests, minus the asynchrony.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.engine.pool import STAGING_BYTES_PER_ELEMENT
 from tests.helpers import RandomPlacement, TinyLM, full_parameters, loader, max_relative_error, trainer
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def fit(strategy, steps: int = 20, callbacks=(), precision: str = "32-true", **kw) -> TinyLM:  # noqa: ANN001
