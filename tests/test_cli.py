@@ -13,10 +13,15 @@ import pytest
 
 from lightning_dos.callbacks import DOSProgressBar
 from lightning_dos.callbacks.progress import format_dos_metrics
+from lightning_dos.strategy import cpu_supports_fp16
 from tests.helpers import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "gpt-tiny.yaml")
+FP16_RUNS_HERE = (
+    "this CPU runs fp16, so nothing is refused; test_fp16_is_refused_up_front_where_deepspeed_cannot_run_it "
+    "covers the refusal with the capability forced off"
+)
 
 
 def _run(*args: str, timeout: int = 600, script: bool = False) -> subprocess.CompletedProcess:
@@ -117,3 +122,21 @@ def test_progress_bar_items_are_compact_and_only_present_ones() -> None:
     assert format_dos_metrics({"dos/h2d_gbps": 3.0}) == {"PCIe": "↑3.0 GB/s"}
     with pytest.raises(ValueError, match="smoothing=0"):
         DOSProgressBar(smoothing=0)
+
+
+@pytest.mark.skipif(cpu_supports_fp16(), reason=FP16_RUNS_HERE)
+def test_fp16_on_a_cpu_that_cannot_run_it_is_one_error_line() -> None:
+    done = _run("fit", "--config", TINY, "--trainer.precision", "16-mixed", "--trainer.max_steps", "2")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "precision='16-mixed'" in done.stderr and "bf16-mixed" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_cpu_deepspeed_tests_run_in_a_process_told_to_use_cuda() -> None:
+    """The GPU machine exports DS_ACCELERATOR=cuda: the CPU pass still runs the CPU-DeepSpeed tests there."""
+    env = {**clean_env(), "DS_ACCELERATOR": "cuda"}
+    test = "tests/test_equivalence.py::test_adam_with_l2_decay_matches_plain_adam"  # a real DeepSpeed fit on CPU
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "1 passed" in done.stdout
