@@ -13,14 +13,18 @@ error naming the version, before the first step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
 
 import torch
 
+from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, TornStateError, UpdateInterrupted
 from lightning_dos.engine.loop import InterleavedAdam, StepInputs
 from lightning_dos.engine.plan import Plan
 from lightning_dos.engine.report import StepReport
 from lightning_dos.optimizers import check_optimizer, hyper_of, uses_tensor_step
+from lightning_dos.signals import SignalHold
 
 #: The private attributes and methods of DeepSpeed's ZeRO-3 optimizer the adapter relies on.
 REQUIRED_ATTRIBUTES = (
@@ -134,6 +138,13 @@ class ZeRO3Adapter:
             self._adopt_master(i)
         #: Chooses each step's plan; the strategy installs the scheduler here.
         self.planner: Planner | None = None
+        #: SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 arriving during an update are held until :meth:`deliver`.
+        self.signals = SignalHold()
+        #: Deliver held signals (and raise what interrupted the update) at the end of :meth:`step`. A
+        #: framework whose own step bookkeeping comes later (Lightning's progress counters and LR
+        #: schedule) sets this False and calls :meth:`deliver` once that bookkeeping is done.
+        self.deliver_after_step = True
+        self._interrupted: UpdateInterrupted | None = None
         # Shadow bound methods on this instance only: DeepSpeed's engine calls optimizer.step(), and its
         # checkpointing calls state_dict / load_state_dict / refresh_fp32_params.
         z.step = self.step
@@ -145,18 +156,54 @@ class ZeRO3Adapter:
         save, load, refresh = z.state_dict, z.load_state_dict, z.refresh_fp32_params
 
         def state_dict() -> dict:
-            engine.flush_resident()  # the checkpoint reads the host slabs
-            return save()
+            with self.reading_state("the optimizer's state_dict"):
+                engine.flush_resident()  # the checkpoint reads the host slabs
+                return save()
 
         def load_state_dict(*args: object, **kwargs: object) -> None:
-            load(*args, **kwargs)
-            engine.drop_resident()  # the host slabs now hold the loaded state
+            with engine.guard.reading("loading the optimizer's state"):
+                load(*args, **kwargs)
+                engine.drop_resident()  # the host slabs now hold the loaded state
+                engine.torn = None
 
         def refresh_fp32_params() -> None:
-            refresh()
-            engine.drop_resident()
+            with engine.guard.reading("refreshing the fp32 parameters"):
+                refresh()
+                engine.drop_resident()
 
         z.state_dict, z.load_state_dict, z.refresh_fp32_params = state_dict, load_state_dict, refresh_fp32_params
+
+    @contextlib.contextmanager
+    def reading_state(self, what: str) -> Iterator[None]:
+        """Read the optimizer state whole: wait for an update in flight on another thread; refuse from
+        inside the update itself, or when an interrupted update left the state torn."""
+        with self.engine.guard.reading(what):
+            if self.engine.torn is not None:
+                raise TornStateError(f"{what} refused: {self.engine.torn}")
+            yield
+
+    def deliver(self) -> None:
+        """Deliver the signals held since the last update began, then raise what interrupted it, if anything.
+
+        Call once the step is fully recorded; the state is then post-step everywhere.
+        """
+        failure, self._interrupted = self._interrupted, None
+        try:
+            self.signals.release()
+        finally:
+            if failure is not None:
+                if isinstance(failure.error, Exception):
+                    raise failure
+                # Ctrl-C or SystemExit keep their type (Lightning shuts down gracefully on them).
+                warnings.warn(str(failure), RuntimeWarning, stacklevel=2)
+                raise failure.error
+
+    def release_signals(self) -> None:
+        """Deliver held signals only (when the framework is already handling an exception)."""
+        if self._interrupted is not None:
+            warnings.warn(str(self._interrupted), RuntimeWarning, stacklevel=2)
+            self._interrupted = None
+        self.signals.release()
 
     # -- keeping DeepSpeed's tensors as views of the engine's slabs -------------------------------
 
@@ -212,6 +259,9 @@ class ZeRO3Adapter:
         from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
         from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
 
+        # Signals held by the previous step and not yet delivered by the framework go now: that step
+        # is fully recorded by the time the next one begins.
+        self.deliver()
         z = self.zero
         z._pre_step()
         z._partition_all_parameters()
@@ -230,6 +280,25 @@ class ZeRO3Adapter:
 
         timer_names = {OPTIMIZER_STEP_TIMER}
         z.timers(OPTIMIZER_STEP_TIMER).start()
+        # A checkpoint saved by a signal handler, or from another thread, sees the state before this
+        # point or after the step counts are stored with the weights; nothing in between.
+        self.signals.hold()
+        try:
+            with self.engine.guard.updating():
+                self._update(plan, predicted, scaled_norm)
+        except BaseException:
+            # Pre-step (nothing changed) or torn: the step did not complete, so raise now.
+            self.release_signals()
+            raise
+        z.timers(OPTIMIZER_STEP_TIMER).stop()
+        z._post_step(timer_names)
+        if self.deliver_after_step:
+            self.deliver()
+
+    def _update(self, plan: Plan, predicted: float | None, scaled_norm: torch.Tensor) -> None:
+        """The engine's step and the step counts stored with it; an interruption after the first
+        change is finished and kept for :meth:`deliver`."""
+        z = self.zero
         steps = [self._adopt_state(i) + 1 for i in range(len(self.flats))]
         inputs = StepInputs(
             grads=[flat.grad for flat in self.flats],
@@ -239,13 +308,41 @@ class ZeRO3Adapter:
             inv_grad_scale=self._inverse_grad_scale(scaled_norm),
             predicted_s=predicted,
         )
-        self.engine.step(plan, inputs)
+        try:
+            self.engine.step(plan, inputs)
+        except UpdateInterrupted as failure:
+            if failure.state == PRE_STEP:
+                raise
+            self._interrupted = failure
+        try:
+            self._store_steps(steps)
+        except BaseException as error:  # noqa: BLE001 - storing is idempotent: finish it, report later
+            try:
+                self._store_steps(steps, points=False)
+            except BaseException as second:  # noqa: BLE001
+                self.engine.torn = (
+                    f"lightning-dos: storing the step counts of optimizer step {self.engine.steps_taken} failed "
+                    f"({type(error).__name__}: {error}, then {type(second).__name__}: {second}); the weights are "
+                    "post-step but some step counts are not. Resume from the last checkpoint."
+                )
+                raise TornStateError(self.engine.torn) from error
+            if self._interrupted is None:
+                self._interrupted = UpdateInterrupted(
+                    f"lightning-dos: {type(error).__name__}: {error} interrupted storing the step counts of "
+                    f"optimizer step {self.engine.steps_taken}; they were all stored, so the optimizer state "
+                    "is post-step",
+                    POST_STEP,
+                    error,
+                )
+
+    def _store_steps(self, steps: list[int], points: bool = True) -> None:
+        z = self.zero
         for i, step in enumerate(steps):
+            if points and self.engine.on_point is not None:
+                self.engine.on_point("step_count", i)
             self._store_step(i, step)
             # The 16-bit partitions were written in place; re-point the parameters' views as DeepSpeed does.
             z._unflatten_partitioned_parameters(i)
-        z.timers(OPTIMIZER_STEP_TIMER).stop()
-        z._post_step(timer_names)
 
     @property
     def last_report(self) -> StepReport | None:

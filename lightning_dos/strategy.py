@@ -20,6 +20,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.environments import ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
@@ -32,6 +33,7 @@ from lightning_dos.engine.scheduler import PlacementScheduler
 from lightning_dos.optimizers import check_optimizer
 
 if TYPE_CHECKING:
+    import lightning.pytorch as pl
     from lightning.pytorch.core.optimizer import LRSchedulerConfig
     from torch.optim import Optimizer
 
@@ -296,6 +298,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         self.dos_adapter: ZeRO3Adapter | None = None
         #: Chooses each step's plan (and predicts its update time) once fitting has started.
         self.dos_scheduler: PlacementScheduler | None = None
+        self._callbacks_of: list[Callback] | None = None
 
     # -- public handles ---------------------------------------------------------------------------
 
@@ -351,11 +354,58 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             module, str(checkpoint_path), rank=self.global_rank, strict=module.strict_loading
         )
 
+    # -- an update is never torn: signals and checkpoints wait for the step to be recorded ---------
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if self.dos_adapter is None:
+            return
+        # Signals held during the update are delivered once Lightning has recorded the step (progress
+        # counters, LR schedule), so that a checkpoint their handlers save is wholly post-step.
+        self.dos_adapter.deliver_after_step = False
+        if not any(isinstance(callback, _DeliverHeldSignals) for callback in trainer.callbacks):
+            trainer.callbacks.insert(0, _DeliverHeldSignals())
+        self._callbacks_of = trainer.callbacks
+
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any | None = None) -> None:
+        # From another thread, wait for an update in flight; from inside it, refuse clearly.
+        adapter = self.dos_adapter
+        if adapter is None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        with adapter.reading_state("saving a checkpoint"):
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def on_exception(self, exception: BaseException) -> None:
+        if self.dos_adapter is not None:
+            self.dos_adapter.release_signals()
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        adapter = self.dos_adapter
+        if adapter is not None:
+            adapter.release_signals()
+            adapter.deliver_after_step = True
+        callbacks = self._callbacks_of
+        if callbacks is not None:
+            callbacks[:] = [c for c in callbacks if not isinstance(c, _DeliverHeldSignals)]
+            self._callbacks_of = None
+        super().teardown()
+
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             "dos", cls, description="Deep Optimizer States: ZeRO-3 offload with interleaved CPU/GPU updates"
         )
+
+
+class _DeliverHeldSignals(Callback):
+    """Runs first in ``on_train_batch_end``, where Lightning has recorded the optimizer step: delivers the
+    signals held during the update (and raises what interrupted it, if anything)."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        adapter = getattr(trainer.strategy, "dos_adapter", None)
+        if adapter is not None:
+            adapter.deliver()
 
 
 @functools.lru_cache(maxsize=8)

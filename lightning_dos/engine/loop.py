@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from lightning_dos.engine.atomic import TornStateError, UpdateGuard, UpdateProgress
 from lightning_dos.engine.kernels import AdamHyper, adam_update, step_tensor
 from lightning_dos.engine.plan import Place, Plan, SubGroup, split_into_sub_groups
 from lightning_dos.engine.pool import STAGING_BYTES_PER_ELEMENT, BufferPool, DeviceBuffer
+from lightning_dos.engine.recovery import settle_interrupted_update
 from lightning_dos.engine.report import Span, StepReport
 from lightning_dos.engine.streams import Streams
 
@@ -141,6 +143,15 @@ class InterleavedAdam:
         #: Side streams, made once: the same streams every step, so their order is easy to follow in a profiler.
         self.streams = Streams(device)
         self._warned_fallback = False
+        #: Readers of the optimizer state (checkpoints) wait on this while an update is in flight.
+        self.guard = UpdateGuard()
+        #: Set, with the reason, when an interrupted update could be neither finished nor undone.
+        self.torn: str | None = None
+        #: Test seam: called as ``on_point(point, sub_group)`` at named points inside the update (a
+        #: sub-group's gradient unscaled, its state updated, its download begun, it is done; a resident
+        #: sub-group's flush home). Tests fire signals and inject failures there. None costs nothing.
+        self.on_point: Callable[[str, int], None] | None = None
+        self._progress: UpdateProgress | None = None
 
     # Views into the slabs, one per DeepSpeed flat partition: the adapter points DeepSpeed's fp32
     # partitions and the inner optimizer's state at these, so DeepSpeed's checkpoints see our state.
@@ -200,10 +211,35 @@ class InterleavedAdam:
         return self.last_report
 
     def step(self, plan: Plan, inputs: StepInputs) -> StepReport:
-        """Update every sub-group once, placed as ``plan`` says, and return what happened."""
+        """Update every sub-group once, placed as ``plan`` says, and return what happened.
+
+        The update is atomic: readers of the state wait for it (:attr:`guard`), and an exception inside
+        it leaves the state pre-step (nothing had changed yet) or post-step (the remaining sub-groups are
+        finished on the host), raised as :class:`~lightning_dos.engine.atomic.UpdateInterrupted` saying
+        which. A device out-of-memory error is not raised: the step completes on the host, with a warning.
+        """
         if len(plan.places) != len(self.sub_groups):
             raise ValueError(f"plan has {len(plan.places)} places for {len(self.sub_groups)} sub-groups")
-        self.steps_taken += 1
+        if self.torn is not None:
+            raise TornStateError(self.torn)
+        with self.guard.updating():
+            self.steps_taken += 1
+            self._progress = progress = UpdateProgress()
+            try:
+                return self._update(plan, inputs, progress)
+            except BaseException as error:  # noqa: BLE001 - every interruption is finished, then re-raised
+                return settle_interrupted_update(self, error, inputs, progress)
+            finally:
+                self._progress = None
+
+    def _reached(self, point: str, index: int, device_views: tuple[torch.Tensor, ...] | None = None) -> None:
+        """Record a sub-group's progress through the update in flight (and call the test seam)."""
+        if self._progress is not None:
+            self._progress.reached(point, index, device_views)
+        if self.on_point is not None:
+            self.on_point(point, index)
+
+    def _update(self, plan: Plan, inputs: StepInputs, progress: UpdateProgress) -> StepReport:
         streams = self.streams
         streams.timing = self.timing
         # DeepSpeed copies gradients to the host buffers with non-blocking copies on its own side
@@ -215,6 +251,7 @@ class InterleavedAdam:
 
         requested = plan
         plan = self.fit_to_budget(plan, self.device_budget())
+        progress.places = plan.places
         # State leaving the device (the plan moved it, or it no longer fits) comes home first.
         self._evict([i for i in self.resident if plan.places[i] != Place.RESIDENT])
         buffers = self._allocate(plan)
@@ -222,6 +259,7 @@ class InterleavedAdam:
             plan = plan.with_host(plan.streamed_indices)
             buffers = []
         plan = self._make_resident(plan, streams)
+        progress.places = plan.places
         report = StepReport(self.steps_taken, plan, self.sizes, predicted_s=inputs.predicted_s)
         report.fallback_host = [i for i in requested.device_indices if plan.places[i] == Place.HOST]
         if report.fallback_host:
@@ -315,9 +353,11 @@ class InterleavedAdam:
                     step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], self.device)
                 hyper = inputs.hypers[sg.param_group]
                 adam_update(buf.param, buf.grad, buf.exp_avg, buf.exp_avg_sq, step_tensors[sg.ds_group], hyper)
+                self._reached("updated", index)
                 mid = tl.mark(streams.compute)
                 lp.copy_(buf.param)
                 end = tl.mark(streams.compute)
+                self._reached("done", index)
                 tl.add("device_adam", index, start, mid, FP32_BYTES * sg.numel)
                 tl.add("cast", index, mid, end, self.lp_bytes * sg.numel)
             report.h2d_bytes += FP32_BYTES * sg.numel
@@ -337,6 +377,7 @@ class InterleavedAdam:
                 self.pool.param[span].copy_(buf.param, non_blocking=True)
                 self.pool.exp_avg[span].copy_(buf.exp_avg, non_blocking=True)
                 self.pool.exp_avg_sq[span].copy_(buf.exp_avg_sq, non_blocking=True)
+                self._reached("flush", index)
         streams.host_wait(streams.record(streams.d2h))
 
     def _evict(self, indices: list[int]) -> None:
@@ -400,6 +441,7 @@ class InterleavedAdam:
                 if sg.ds_group not in step_tensors:
                     step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], self.device)
                 adam_update(d_param, d_grad, d_avg, d_avg_sq, step_tensors[sg.ds_group], inputs.hypers[sg.param_group])
+                self._reached("computed", index)
                 mid = tl.mark(streams.compute)
                 # Cast on the device, straight into DeepSpeed's 16-bit partition: no 16-bit upload needed.
                 lp.copy_(d_param)
@@ -411,8 +453,10 @@ class InterleavedAdam:
                 # The download must not start before Adam and the cast have finished with the buffer.
                 streams.wait(streams.d2h, computed)
                 start = tl.mark(streams.d2h)
+                self._reached("downloading", index, (d_param, d_avg, d_avg_sq))
                 for dst, src in ((param, d_param), (exp_avg, d_avg), (exp_avg_sq, d_avg_sq)):
                     dst.copy_(src, non_blocking=True)
+                self._reached("done", index)
                 slot_free[slot] = streams.record(streams.d2h)
                 tl.add("download", index, start, tl.mark(streams.d2h), STATE_BYTES_PER_ELEMENT * n)
             report.h2d_bytes += 4 * FP32_BYTES * n
@@ -432,14 +476,17 @@ class InterleavedAdam:
             start = tl.now()
             if inputs.inv_grad_scale != 1.0:
                 grad.mul_(inputs.inv_grad_scale)
+            self._reached("unscaled", index)
             if sg.ds_group not in step_tensors:
                 step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], torch.device("cpu"))
             adam_update(param, grad, exp_avg, exp_avg_sq, step_tensors[sg.ds_group], inputs.hypers[sg.param_group])
+            self._reached("updated", index)
             report.host_elements += sg.numel
             if self.pool.lp_staging is None:
                 # The 16-bit partition is in host memory already: cast straight into it.
                 lp.copy_(param)
                 tl.add("host_adam", index, start, tl.now(), FP32_BYTES * sg.numel)
+                self._reached("done", index)
                 continue
             staging = self.pool.lp_staging[sg.slab_offset : sg.slab_offset + sg.numel]
             staging.copy_(param)
@@ -449,5 +496,6 @@ class InterleavedAdam:
                 lp.copy_(staging, non_blocking=True)
                 last_upload = streams.record(streams.lp_h2d)
                 tl.add("lp_upload", index, start, tl.mark(streams.lp_h2d), self.lp_bytes * sg.numel)
+            self._reached("done", index)
             report.h2d_bytes += self.lp_bytes * sg.numel
         return [last_upload] if last_upload is not None else []

@@ -1,0 +1,119 @@
+"""Finishing an interrupted update on the host, so that every sub-group is updated exactly once.
+
+When an exception stops the update loop part-way (the device ran out of memory mid-stream, a kernel
+failed, a hook raised), some sub-groups are post-step and the rest pre-step. Undoing the finished ones
+would need a copy of their pre-step state, which costs as much memory traffic as the update itself,
+every step. Finishing the others is cheap and needs nothing kept: the host has every sub-group's state
+and gradient. :func:`finish_on_host` does that, guided by :class:`~lightning_dos.engine.atomic.UpdateProgress`:
+
+- a streamed sub-group whose download home had begun is post-step on the device: its download is
+  completed from the staging buffer (which no later sub-group has reused yet);
+- a resident sub-group updated on the device only needs its 16-bit cast; one not yet updated comes
+  home and is updated on the host;
+- everything else runs host Adam, skipping the in-place unscale of a gradient already unscaled and the
+  Adam of state already updated.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+
+from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, TornStateError, UpdateInterrupted, UpdateProgress
+from lightning_dos.engine.kernels import adam_update, step_tensor
+from lightning_dos.engine.plan import Place, Plan
+from lightning_dos.engine.report import StepReport
+
+if TYPE_CHECKING:
+    from lightning_dos.engine.loop import InterleavedAdam, StepInputs
+
+
+def settle_interrupted_update(
+    engine: InterleavedAdam, error: BaseException, inputs: StepInputs, progress: UpdateProgress
+) -> StepReport:
+    """Leave the state pre-step or post-step after ``error`` interrupted the update, and say which.
+
+    Nothing changed yet: pre-step, raised as :class:`UpdateInterrupted`. Otherwise the remaining
+    sub-groups are finished on the host: post-step, raised as :class:`UpdateInterrupted`, except for a
+    device out-of-memory error, after which the step simply completes (with a warning). If even the host
+    cannot finish, the engine is marked torn and refuses to step or be checkpointed (:class:`TornStateError`).
+    """
+    what = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    step = engine.steps_taken
+    out_of_memory = isinstance(error, torch.OutOfMemoryError)
+    if not progress.touched and not out_of_memory:
+        engine.steps_taken -= 1
+        raise UpdateInterrupted(
+            f"lightning-dos: {what} interrupted optimizer step {step} before any state changed; "
+            "the optimizer state is pre-step (the step was not taken)",
+            PRE_STEP,
+            error,
+        ) from error
+    try:
+        finished = finish_on_host(engine, inputs, progress)
+    except BaseException as second:  # noqa: BLE001 - reported with the first error
+        engine.torn = (
+            f"lightning-dos: {what} interrupted optimizer step {step} after sub-groups {sorted(progress.done)} "
+            f"were updated, and finishing the others on the host failed too ({type(second).__name__}: {second}); "
+            "the optimizer state in this process mixes two steps, so it refuses to step or to be checkpointed. "
+            "Resume from the last checkpoint."
+        )
+        raise TornStateError(engine.torn) from error
+    places = progress.places or (Place.HOST,) * len(engine.sub_groups)
+    report = StepReport(step, Plan(tuple(places)), engine.sizes, predicted_s=inputs.predicted_s)
+    report.fallback_host = finished
+    report.host_elements = sum(engine.sizes[i] for i in finished)
+    engine.last_report = report
+    engine.pool.release_device()
+    message = (
+        f"lightning-dos: {what} interrupted optimizer step {step}; the remaining {len(finished)} sub-group(s) "
+        "were finished on the host, so the optimizer state is post-step (every sub-group updated exactly once)"
+    )
+    if out_of_memory:
+        warnings.warn(
+            f"{message}. Training goes on; lower gpu_fraction or gpu_memory_budget to avoid this.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return report
+    raise UpdateInterrupted(message, POST_STEP, error) from error
+
+
+def finish_on_host(engine: InterleavedAdam, inputs: StepInputs, progress: UpdateProgress) -> list[int]:
+    """Bring every sub-group of the interrupted update to post-step; return those finished here.
+
+    Raises whatever the device raises when work already queued on it cannot complete (the caller then
+    knows the state cannot be made whole in this process).
+    """
+    # Work already queued lands first: downloads in flight, casts into the 16-bit partitions.
+    engine.streams.device_synchronize()
+    places = progress.places or (Place.HOST,) * len(engine.sub_groups)
+    finished = []
+    for index, sg in enumerate(engine.sub_groups):
+        if index in progress.done:
+            continue
+        param, exp_avg, exp_avg_sq, grad, lp = engine._slices(sg, inputs)
+        device_views = progress.downloading.get(index)
+        if device_views is not None:
+            for dst, src in zip((param, exp_avg, exp_avg_sq), device_views):
+                dst.copy_(src)
+        elif index in engine.resident and places[index] == Place.RESIDENT and index in progress.updated:
+            lp.copy_(engine.resident[index].param)
+        else:
+            if index in engine.resident:
+                engine._evict([index])  # its pre-step state comes home (unchanged) before host Adam
+            if index not in progress.unscaled:
+                if inputs.inv_grad_scale != 1.0:
+                    grad.mul_(inputs.inv_grad_scale)
+                progress.reached("unscaled", index)
+            if index not in progress.updated:
+                step = step_tensor(inputs.steps[sg.ds_group], torch.device("cpu"))
+                adam_update(param, grad, exp_avg, exp_avg_sq, step, inputs.hypers[sg.param_group])
+                progress.reached("updated", index)
+            lp.copy_(param)
+        progress.reached("done", index)
+        finished.append(index)
+    engine.streams.device_synchronize()
+    return finished
