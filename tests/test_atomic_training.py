@@ -1,0 +1,259 @@
+"""An update is never torn, in training: signals, Ctrl-C, exceptions and checkpoints in the middle of it.
+
+Real Lightning Trainer, real DeepSpeed ZeRO-3 with CPU optimizer offload, on CPU. The engine's test seam
+(``InterleavedAdam.on_point``) fires a signal or raises at a named point inside the update of one step:
+between sub-groups, during a flush of resident state home, between storing two flats' step counts.
+Every checkpoint written must be exactly the pre-step or the post-step state (weights, moments, step
+counts, Lightning's step and LR schedule), and resuming from it must give the uninterrupted run's
+parameters bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import warnings
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+from lightning_dos import DeepOptimizerStatesStrategy
+from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, UpdateInterrupted
+from lightning_dos.engine.plan import Place, Plan
+from tests.helpers import TinyLM, full_parameters, lm_data, loader, trainer
+
+SUB_GROUP = 700
+STEPS = 5
+STEP = 3  # the step whose update is interrupted
+LANES = (Place.HOST, Place.DEVICE, Place.RESIDENT)
+
+
+class StepIndexedLM(TinyLM):
+    """Trains on the batch of its global step, whichever batch the loader hands over, so that a run resumed
+    mid-epoch (Lightning restarts a plain loader from its first batch) sees the uninterrupted run's batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        x, y = lm_data().tensors
+        self.batches = list(zip(x.split(16), y.split(16)))
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        return super().training_step(self.batches[self.trainer.global_step], batch_idx)
+
+
+class RotatingPlan(L.Callback):
+    """Sub-group i goes to host, streamed, resident in turn, so every step mixes all three lanes and
+    moves resident state home (a flush) at its start. The same plans in every run of a test."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        n = len(trainer.strategy.dos_engine.sub_groups)
+        trainer.strategy.dos_adapter.planner = lambda step: (
+            Plan(tuple(LANES[(i + step) % 3] for i in range(n))),
+            None,
+        )
+
+
+class At(L.Callback):
+    """Calls ``action(trainer)`` once, at ``point`` of sub-group (or flat) ``index`` inside the update of ``STEP``."""
+
+    def __init__(self, point: str, index: int, action) -> None:  # noqa: ANN001
+        self.where, self.action, self.fired = (point, index), action, False
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        engine = trainer.strategy.dos_engine
+
+        def on_point(point: str, index: int) -> None:
+            # The engine counts the step in flight; Lightning's global step is the one before it.
+            if not self.fired and (point, index) == self.where and trainer.global_step == STEP - 1:
+                if point == "step_count" or engine.guard.in_update:
+                    self.fired = True
+                    self.action(trainer)
+
+        engine.on_point = on_point
+
+
+def fit(tmp: Path, callbacks=(), steps: int = STEPS, ckpt_path: Path | None = None, **kw) -> tuple[L.Trainer, TinyLM]:  # noqa: ANN001
+    L.seed_everything(0, verbose=False)
+    model = StepIndexedLM()
+    strategy = DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=SUB_GROUP)
+    t = trainer(strategy, steps=steps, callbacks=[RotatingPlan(), *callbacks], default_root_dir=tmp, **kw)
+    t.fit(model, loader(), ckpt_path=str(ckpt_path) if ckpt_path else None)
+    return t, model
+
+
+def contents(path: Path) -> dict[str, object]:
+    """Weights, moments and step counts of a DeepSpeed checkpoint, with Lightning's step and LR schedule."""
+    folder = path / "checkpoint"
+    optim = torch.load(next(folder.glob("*optim_states.pt")), map_location="cpu", weights_only=False)
+    client = torch.load(next(folder.glob("*model_states.pt")), map_location="cpu", weights_only=False)
+    zero = optim["optimizer_state_dict"]
+    state = zero["optimizer_state_dict"]["state"]
+    return {
+        "weights": [t.clone() for t in zero["fp32_flat_groups"]],
+        "exp_avg": [state[i]["exp_avg"] for i in sorted(state)],
+        "exp_avg_sq": [state[i]["exp_avg_sq"] for i in sorted(state)],
+        "step_counts": [int(state[i]["step"]) for i in sorted(state)],
+        "global_step": client["global_step"],
+        "lr_schedule": client["lr_schedulers"][0]["last_epoch"],
+    }
+
+
+def same(a: dict[str, object], b: dict[str, object]) -> bool:
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, list) and x and isinstance(x[0], torch.Tensor):
+            if not all(torch.equal(u, v) for u, v in zip(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+class SaveEveryStep(L.Callback):
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        trainer.save_checkpoint(self.folder / f"step{trainer.global_step}")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, dict], dict[str, torch.Tensor]]:
+    """Checkpoint contents after every step of the uninterrupted run, and its final parameters."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    _, model = fit(tmp, callbacks=[SaveEveryStep(tmp)])
+    return {k: contents(tmp / f"step{k}") for k in range(1, STEPS + 1)}, full_parameters(model)
+
+
+def assert_resumes_exactly(tmp: Path, checkpoint: Path, final: dict[str, torch.Tensor]) -> None:
+    _, model = fit(tmp / "resumed", ckpt_path=checkpoint)
+    for name, value in full_parameters(model).items():
+        assert torch.equal(value, final[name]), name
+
+
+@pytest.fixture
+def restore_signal_handlers():  # noqa: ANN201
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGUSR1)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+# Between two host sub-groups; while a streamed sub-group's state downloads; during the flush of resident
+# state home at the start of the update; after the engine's step, between storing two flats' step counts.
+SIGNAL_POINTS = [("updated", 3), ("downloading", 4), ("flush", 3), ("step_count", 1)]
+
+
+@pytest.mark.usefixtures("restore_signal_handlers")
+def test_a_signal_handler_that_saves_a_checkpoint_mid_update_saves_a_whole_step_that_resumes(
+    tmp_path: Path, uninterrupted
+) -> None:  # noqa: ANN001
+    """Like Lightning's SLURM auto-requeue handler: SIGUSR1's handler calls trainer.save_checkpoint."""
+    reference, final = uninterrupted
+    saved: list[tuple[Path, bool]] = []
+    t: L.Trainer | None = None
+
+    def save_like_slurm_requeue(signum: int, frame: object) -> None:
+        path = tmp_path / f"requeue{len(saved)}"
+        saved.append((path, t.strategy.dos_engine.guard.in_update))
+        t.save_checkpoint(path)
+
+    signal.signal(signal.SIGUSR1, save_like_slurm_requeue)
+    for point, index in SIGNAL_POINTS:
+        L.seed_everything(0, verbose=False)
+        model = StepIndexedLM()
+        strategy = DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=SUB_GROUP)
+        fire = At(point, index, lambda trainer: os.kill(os.getpid(), signal.SIGUSR1))
+        t = trainer(strategy, steps=STEP, callbacks=[RotatingPlan(), fire], default_root_dir=tmp_path)
+        t.fit(model, loader())
+        assert fire.fired, point
+    assert len(saved) == len(SIGNAL_POINTS)
+    for (path, in_update), (point, _) in zip(saved, SIGNAL_POINTS):
+        assert not in_update, f"the handler ran inside the update ({point})"
+        got = contents(path)
+        assert same(got, reference[STEP]) or same(got, reference[STEP - 1]), f"torn checkpoint at {point}"
+    for path, _ in saved:
+        assert_resumes_exactly(tmp_path / path.name, path, final)
+
+
+@pytest.mark.usefixtures("restore_signal_handlers")
+def test_ctrl_c_mid_update_with_on_exception_checkpoint_saves_a_whole_step_that_resumes(
+    tmp_path: Path, uninterrupted
+) -> None:  # noqa: ANN001
+    reference, final = uninterrupted
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    ctrl_c = At("downloading", 7, lambda trainer: os.kill(os.getpid(), signal.SIGINT))
+    on_exception = OnExceptionCheckpoint(dirpath=tmp_path, filename="interrupted")
+    with pytest.raises(SystemExit):  # Lightning shuts down gracefully on KeyboardInterrupt, then exits
+        fit(tmp_path, callbacks=[ctrl_c, on_exception], enable_checkpointing=True)
+    assert ctrl_c.fired
+    saved = tmp_path / "interrupted.ckpt"
+    assert same(contents(saved), reference[STEP]), "the checkpoint must hold the whole interrupted step"
+    assert_resumes_exactly(tmp_path, saved, final)
+
+
+class Injected(RuntimeError):
+    pass
+
+
+def raise_injected(trainer: L.Trainer) -> None:
+    raise Injected("injected failure")
+
+
+@pytest.mark.parametrize(
+    ("point", "index", "state"),
+    [("flush", 3, PRE_STEP), ("updated", 3, POST_STEP), ("computed", 4, POST_STEP), ("step_count", 0, POST_STEP)],
+)
+def test_an_exception_mid_update_leaves_a_whole_step_as_reported_and_resumes(
+    tmp_path: Path, uninterrupted, point: str, index: int, state: str
+) -> None:  # noqa: ANN001
+    reference, final = uninterrupted
+    on_exception = OnExceptionCheckpoint(dirpath=tmp_path, filename="failed")
+    with pytest.raises(UpdateInterrupted, match=state) as raised:
+        fit(tmp_path, callbacks=[At(point, index, raise_injected), on_exception], enable_checkpointing=True)
+    assert raised.value.state == state and isinstance(raised.value.error, Injected)
+    saved = tmp_path / "failed.ckpt"
+    assert same(contents(saved), reference[STEP if state == POST_STEP else STEP - 1])
+    assert_resumes_exactly(tmp_path, saved, final)
+
+
+def test_a_device_out_of_memory_mid_stream_completes_the_step_on_the_host_and_training_goes_on(
+    tmp_path: Path, uninterrupted
+) -> None:  # noqa: ANN001
+    _, final = uninterrupted
+
+    def out_of_memory(trainer: L.Trainer) -> None:
+        raise torch.OutOfMemoryError("injected: device out of memory")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t, model = fit(tmp_path, callbacks=[At("computed", 4, out_of_memory)])
+    assert t.global_step == STEPS
+    assert any("post-step" in str(w.message) for w in caught)
+    for name, value in full_parameters(model).items():
+        assert torch.equal(value, final[name]), name
+
+
+def test_a_checkpoint_from_another_thread_waits_for_the_update_and_holds_the_step_counts_with_the_weights(
+    tmp_path: Path,
+) -> None:
+    seen: dict[str, object] = {}
+
+    def read_from_another_thread(trainer: L.Trainer) -> None:
+        zero = trainer.strategy.deepspeed_engine.optimizer
+        reader = threading.Thread(target=lambda: seen.update(state=zero.state_dict()))
+        reader.start()
+        reader.join(timeout=0.5)
+        seen["blocked"] = reader.is_alive()
+        seen["reader"] = reader
+
+    # Between storing the first and the second flat's step counts: the most torn moment there is.
+    fit(tmp_path, callbacks=[At("step_count", 1, read_from_another_thread)], steps=STEP)
+    seen["reader"].join(timeout=30)  # type: ignore[union-attr]
+    assert seen["blocked"] is True, "the reader did not wait for the update"
+    state = seen["state"]["optimizer_state_dict"]["state"]  # type: ignore[index]
+    assert len(state) > 1 and all(int(s["step"]) == STEP for s in state.values())
