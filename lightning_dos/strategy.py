@@ -200,6 +200,13 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
     there while the CPU updates the rest (Deep Optimizer States, Maurya et al. 2024). The result is
     the same as plain Adam whatever the placement.
 
+    The update is atomic. SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 that arrive during it are held and
+    delivered once Lightning has recorded the step (in ``on_train_batch_end``, before any other callback),
+    so a handler that saves a checkpoint, such as Lightning's SLURM auto-requeue handler, saves a whole
+    step; the delay is at most one update phase plus Lightning's bookkeeping of the step. A checkpoint
+    saved from another thread waits for the update to end. An exception inside the update leaves the
+    state pre-step or post-step and says which (:class:`~lightning_dos.engine.atomic.UpdateInterrupted`).
+
     Args:
         gpu_fraction: share of sub-groups updated on the accelerator each iteration: ``"auto"`` (the
             performance model chooses; everything on the host when there is no accelerator), a number
