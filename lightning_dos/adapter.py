@@ -288,6 +288,7 @@ class ZeRO3Adapter:
                 self._update(plan, predicted, scaled_norm)
         except BaseException:
             # Pre-step (nothing changed) or torn: the step did not complete, so raise now.
+            z.timers(OPTIMIZER_STEP_TIMER).stop()
             self.release_signals()
             raise
         z.timers(OPTIMIZER_STEP_TIMER).stop()
@@ -320,6 +321,7 @@ class ZeRO3Adapter:
             try:
                 self._store_steps(steps, points=False)
             except BaseException as second:  # noqa: BLE001
+                self._interrupted = None  # superseded: the state is no longer post-step
                 self.engine.torn = (
                     f"lightning-dos: storing the step counts of optimizer step {self.engine.steps_taken} failed "
                     f"({type(error).__name__}: {error}, then {type(second).__name__}: {second}); the weights are "

@@ -149,7 +149,8 @@ class InterleavedAdam:
         self.torn: str | None = None
         #: Test seam: called as ``on_point(point, sub_group)`` at named points inside the update (a
         #: sub-group's gradient unscaled, its state updated, its download begun, it is done; a resident
-        #: sub-group's flush home). Tests fire signals and inject failures there. None costs nothing.
+        #: sub-group's flush home; the adapter adds ``step_count`` per flat partition as it stores step
+        #: counts). Tests fire signals and inject failures there. None costs nothing.
         self.on_point: Callable[[str, int], None] | None = None
         self._progress: UpdateProgress | None = None
 
