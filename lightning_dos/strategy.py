@@ -204,7 +204,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
     delivered once Lightning has recorded the step (in ``on_train_batch_end``, before any other callback),
     so a handler that saves a checkpoint, such as Lightning's SLURM auto-requeue handler, saves a whole
     step; the delay is at most one update phase plus Lightning's bookkeeping of the step. A checkpoint
-    saved from another thread waits for the update to end. An exception inside the update leaves the
+    saved from another thread waits for the update to end, so its optimizer state is whole (Lightning
+    reads its own loop counters before that, unsynchronised: save resumable checkpoints from the training
+    thread, as callbacks and signal handlers do). An exception inside the update leaves the
     state pre-step or post-step and says which (:class:`~lightning_dos.engine.atomic.UpdateInterrupted`).
 
     Args:

@@ -32,8 +32,8 @@ class Injected(RuntimeError):
     pass
 
 
-def _engine() -> InterleavedAdam:
-    engine = InterleavedAdam(NUMELS, GROUPS, 20, torch.device("cpu"), torch.float32)
+def _engine(device: str = "cpu") -> InterleavedAdam:
+    engine = InterleavedAdam(NUMELS, GROUPS, 20, torch.device(device), torch.float32)
     assert len(engine.sub_groups) == len(PLANS[0].places)
     engine.pool.param.copy_(torch.randn(sum(NUMELS), generator=torch.Generator().manual_seed(0)))
     return engine
@@ -48,13 +48,13 @@ def _inputs(step: int, lp: list[torch.Tensor]) -> StepInputs:
 def _state(engine: InterleavedAdam, lp: list[torch.Tensor]) -> list[torch.Tensor]:
     engine.flush_resident()
     return [engine.pool.param.clone(), engine.pool.exp_avg.clone(), engine.pool.exp_avg_sq.clone()] + [
-        t.clone() for t in lp
+        t.cpu() for t in lp
     ]
 
 
-def _run(failure: tuple[str, int, int, type[BaseException]] | None = None) -> tuple:
+def _run(failure: tuple[str, int, int, type[BaseException]] | None = None, device: str = "cpu") -> tuple:
     """Two steps; ``failure`` = (point, sub-group, step, exception type) raises there once."""
-    engine, lp = _engine(), [torch.zeros(n) for n in NUMELS]
+    engine, lp = _engine(device), [torch.zeros(n, device=device) for n in NUMELS]
     outcome, states, fired = None, [], []
 
     def on_point(point: str, index: int) -> None:
@@ -76,9 +76,9 @@ def _run(failure: tuple[str, int, int, type[BaseException]] | None = None) -> tu
     return states, outcome, engine
 
 
-def _points() -> list[tuple[str, int, int]]:
+def _points(device: str = "cpu") -> list[tuple[str, int, int]]:
     seen: list[tuple[str, int, int]] = []
-    engine, lp = _engine(), [torch.zeros(n) for n in NUMELS]
+    engine, lp = _engine(device), [torch.zeros(n, device=device) for n in NUMELS]
     engine.on_point = lambda point, index: seen.append((point, index, engine.steps_taken))
     for step, plan in enumerate(PLANS, start=1):
         engine.step(plan, _inputs(step, lp))
@@ -108,6 +108,20 @@ def test_an_exception_anywhere_leaves_the_state_pre_or_post_step_as_reported(poi
         assert torch.equal(got, want)  # right after the interruption: exactly the state it reports
     for got, want in zip(states[-1], reference[-1]):
         assert torch.equal(got, want)  # and training continues exactly
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the CPU cases above run the same code")
+def test_on_cuda_an_exception_anywhere_leaves_a_whole_step_as_reported() -> None:
+    """With real streams: queued downloads land before the host finishes the rest. Host and device Adam
+    round differently, so a sub-group finished on the other side matches within float tolerance."""
+    reference, _, _ = _run(device="cuda")
+    for point in _points("cuda"):
+        states, outcome, _ = _run((*point, Injected), device="cuda")
+        assert isinstance(outcome, UpdateInterrupted), point
+        step = point[2]
+        expected = reference[step - 1] if outcome.state == PRE_STEP else reference[step]
+        for got, want in zip(states[step], expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
 def test_a_device_out_of_memory_mid_stream_finishes_on_the_host_and_goes_on() -> None:
