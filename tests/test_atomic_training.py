@@ -58,18 +58,21 @@ class RotatingPlan(L.Callback):
 
 
 class At(L.Callback):
-    """Calls ``action(trainer)`` once, at ``point`` of sub-group (or flat) ``index`` inside the update of ``STEP``."""
+    """Calls ``action(trainer)`` once, at ``point`` of sub-group (or flat) ``index`` inside the update of
+    ``STEP`` (or, with ``during_update=False``, outside it: in the flush a checkpoint saved after it does)."""
 
-    def __init__(self, point: str, index: int, action) -> None:  # noqa: ANN001
+    def __init__(self, point: str, index: int, action, during_update: bool = True) -> None:  # noqa: ANN001
         self.where, self.action, self.fired = (point, index), action, False
+        self.during_update = during_update
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         engine = trainer.strategy.dos_engine
 
         def on_point(point: str, index: int) -> None:
-            # The engine counts the step in flight; Lightning's global step is the one before it.
-            if not self.fired and (point, index) == self.where and trainer.global_step == STEP - 1:
-                if point == "step_count" or engine.guard.in_update:
+            # During the update Lightning's global step is still the one before the step in flight.
+            step = STEP - 1 if self.during_update else STEP
+            if not self.fired and (point, index) == self.where and trainer.global_step == step:
+                if engine.guard.in_update == self.during_update:
                     self.fired = True
                     self.action(trainer)
 
@@ -144,8 +147,21 @@ def restore_signal_handlers():  # noqa: ANN201
 
 
 # Between two host sub-groups; while a streamed sub-group's state downloads; during the flush of resident
-# state home at the start of the update; after the engine's step, between storing two flats' step counts.
-SIGNAL_POINTS = [("updated", 3), ("downloading", 4), ("flush", 3), ("step_count", 1)]
+# state home at the start of the update; after the engine's step, between storing two flats' step counts;
+# and outside the update, during the flush of resident state that a checkpoint saved after the step does.
+SIGNAL_POINTS = [("updated", 3, True), ("downloading", 4, True), ("flush", 3, True), ("step_count", 1, True)]
+SIGNAL_POINTS += [("flush", 2, False)]
+
+
+class SaveAfter(L.Callback):
+    """Saves a checkpoint after ``STEP`` (like ModelCheckpoint), flushing resident state home."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        if trainer.global_step == STEP:
+            trainer.save_checkpoint(self.folder / "after")
 
 
 @pytest.mark.usefixtures("restore_signal_handlers")
@@ -163,16 +179,18 @@ def test_a_signal_handler_that_saves_a_checkpoint_mid_update_saves_a_whole_step_
         t.save_checkpoint(path)
 
     signal.signal(signal.SIGUSR1, save_like_slurm_requeue)
-    for point, index in SIGNAL_POINTS:
+    for point, index, during_update in SIGNAL_POINTS:
         L.seed_everything(0, verbose=False)
         model = StepIndexedLM()
         strategy = DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=SUB_GROUP)
-        fire = At(point, index, lambda trainer: os.kill(os.getpid(), signal.SIGUSR1))
-        t = trainer(strategy, steps=STEP, callbacks=[RotatingPlan(), fire], default_root_dir=tmp_path)
+        fire = At(point, index, lambda trainer: os.kill(os.getpid(), signal.SIGUSR1), during_update)
+        callbacks = [RotatingPlan(), fire] + ([] if during_update else [SaveAfter(tmp_path)])
+        t = trainer(strategy, steps=STEP, callbacks=callbacks, default_root_dir=tmp_path)
         t.fit(model, loader())
         assert fire.fired, point
     assert len(saved) == len(SIGNAL_POINTS)
-    for (path, in_update), (point, _) in zip(saved, SIGNAL_POINTS):
+    assert same(contents(tmp_path / "after"), uninterrupted[0][STEP])  # the checkpoint the signal interrupted
+    for (path, in_update), (point, *_) in zip(saved, SIGNAL_POINTS):
         assert not in_update, f"the handler ran inside the update ({point})"
         got = contents(path)
         assert same(got, reference[STEP]) or same(got, reference[STEP - 1]), f"torn checkpoint at {point}"
