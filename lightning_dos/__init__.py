@@ -5,6 +5,7 @@ Importing the package registers the strategy name ``"dos"``, so ``Trainer(strate
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_dos.engine.atomic import TornStateError, UpdateInFlightError, UpdateInterrupted
 from lightning_dos.strategy import DeepOptimizerStatesStrategy, DOSConfigError
 
 __version__ = "0.1.0.dev0"
@@ -12,4 +13,11 @@ __version__ = "0.1.0.dev0"
 if "dos" not in StrategyRegistry:
     DeepOptimizerStatesStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["DOSConfigError", "DeepOptimizerStatesStrategy", "__version__"]
+__all__ = [
+    "DOSConfigError",
+    "DeepOptimizerStatesStrategy",
+    "TornStateError",
+    "UpdateInFlightError",
+    "UpdateInterrupted",
+    "__version__",
+]
