@@ -4,8 +4,17 @@ Host and device sub-groups both go through torch's fused Adam kernels (``torch._
 decoupled weight decay, ``torch._fused_adam_`` for L2), which are functional: the step count is
 passed in, so a sub-group's count is right whichever side updated it last. Using one kernel family
 on both sides is what makes the result independent of placement. On this project's CPU the fused
-kernel is as fast as DeepSpeed's CPU Adam op (``bench/kernels.py`` measures both) and needs no
-JIT build.
+kernel is as fast as DeepSpeed's CPU Adam op and needs no JIT build.
+
+On the host, :func:`fused_host_update` unscales, updates and casts one cache-sized tile at a time, so
+the gradient and state cross the memory bus once instead of three times (``bench/kernels.py``
+measures it against the three-pass path and DeepSpeed's CPU Adam followed by its cast).
+
+Unscaling multiplies by the inverse of DeepSpeed's combined scale, as DeepSpeed's own
+``unscale_and_clip_grads`` does and as the device side does. torch's kernels can divide by a
+``grad_scale`` tensor instead, but ``x / s`` and ``x * (1 / s)`` round differently: with the division
+the placement-equivalence tests drift from plain AdamW by 1.23e-5 after 20 clipped steps (9.2e-6 with
+the multiplication, bound 1e-5); the in-cache multiplication moves the same bytes.
 """
 
 from __future__ import annotations
@@ -13,6 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+#: Elements per tile of the host update. Measured with ``bench/kernels.py --tiles`` on this project's CPU
+#: (2 threads, 1 MiB L2 per core, 32 MiB L3; bench/RESULTS.md): 256K-1M elements (4-16 MiB of fp32 state
+#: per tile) are fastest; below 128K the per-tile thread wake-ups dominate.
+HOST_TILE_ELEMENTS = 1 << 19
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,55 @@ def adam_update(
         amsgrad=False,
         maximize=False,
     )
+
+
+def fused_host_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    hyper: AdamHyper,
+    inv_grad_scale: float = 1.0,
+    lp_out: torch.Tensor | None = None,
+    tile: int = HOST_TILE_ELEMENTS,
+) -> None:
+    """Unscale, Adam and the copy into the model's partition in one pass over host memory.
+
+    The sub-group is processed in tiles of ``tile`` elements: the tile's gradient is unscaled, Adam
+    updates the tile and its fresh weights are cast into ``lp_out``, each step reading what the previous
+    one left in cache, so each byte of state and gradient crosses the memory bus once. The result is the
+    same as unscaling the whole gradient, running :func:`adam_update` over the whole sub-group and then
+    ``lp_out.copy_(param)``: bit for bit where torch's kernel takes its vector path (everywhere but the
+    last few elements of a thread's chunk, which may differ by rounding; see tests/test_kernels.py).
+    The gradient is left unscaled, as DeepSpeed's ``unscale_and_clip_grads`` leaves it.
+
+    Args:
+        param: fp32 master weights (1-D, host), updated in place.
+        grad: fp32 gradient of the same shape, scaled by the loss scale and not yet clipped.
+        exp_avg: first moment, updated in place.
+        exp_avg_sq: second moment, updated in place.
+        step: 0-d float32 CPU tensor, the step number being applied (see :func:`adam_update`).
+        hyper: the param group's hyperparameters.
+        inv_grad_scale: what the gradient is multiplied by to unscale and clip it (1 / DeepSpeed's
+            combined scale); 1.0 leaves the gradient as it is.
+        lp_out: where the updated weights go in the model's dtype (bf16, fp16, or fp32 for an fp32 model),
+            as many elements as ``param``; None to skip the copy.
+        tile: elements per tile (positive); the default was measured on this project's CPU.
+    """
+    if tile < 1:
+        raise ValueError(f"tile must be a positive number of elements, got {tile}")
+    numel = param.numel()
+    if lp_out is not None and lp_out.numel() != numel:
+        raise ValueError(f"lp_out has {lp_out.numel()} elements where param has {numel}")
+    for start in range(0, numel, tile):
+        span = slice(start, min(numel, start + tile))
+        weights, grads = param[span], grad[span]
+        if inv_grad_scale != 1.0:
+            grads.mul_(inv_grad_scale)
+        adam_update(weights, grads, exp_avg[span], exp_avg_sq[span], step, hyper)
+        if lp_out is not None:
+            lp_out[span].copy_(weights)
 
 
 def step_tensor(step: int, device: torch.device) -> torch.Tensor:

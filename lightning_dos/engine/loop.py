@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_dos.engine.atomic import TornStateError, UpdateGuard, UpdateProgress
-from lightning_dos.engine.kernels import AdamHyper, adam_update, step_tensor
+from lightning_dos.engine.kernels import AdamHyper, adam_update, fused_host_update, step_tensor
 from lightning_dos.engine.plan import Place, Plan, SubGroup, split_into_sub_groups
 from lightning_dos.engine.pool import STAGING_BYTES_PER_ELEMENT, BufferPool, DeviceBuffer
 from lightning_dos.engine.recovery import settle_interrupted_update
@@ -232,6 +232,15 @@ class InterleavedAdam:
                 return settle_interrupted_update(self, error, inputs, progress)
             finally:
                 self._progress = None
+
+    def _reached_together(self, points: tuple[str, ...], index: int) -> None:
+        """Record several points one operation passed at once, then call the test seam for each."""
+        if self._progress is not None:
+            for point in points:
+                self._progress.reached(point, index, None)
+        if self.on_point is not None:
+            for point in points:
+                self.on_point(point, index)
 
     def _reached(self, point: str, index: int, device_views: tuple[torch.Tensor, ...] | None = None) -> None:
         """Record a sub-group's progress through the update in flight (and call the test seam)."""
@@ -475,23 +484,22 @@ class InterleavedAdam:
             sg = self.sub_groups[index]
             param, exp_avg, exp_avg_sq, grad, lp = self._slices(sg, inputs)
             start = tl.now()
-            if inputs.inv_grad_scale != 1.0:
-                grad.mul_(inputs.inv_grad_scale)
-            self._reached("unscaled", index)
             if sg.ds_group not in step_tensors:
                 step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], torch.device("cpu"))
-            adam_update(param, grad, exp_avg, exp_avg_sq, step_tensors[sg.ds_group], inputs.hypers[sg.param_group])
-            self._reached("updated", index)
+            # The 16-bit partition is in host memory already (CPU device): cast straight into it; otherwise
+            # into the pinned staging slab the upload reads. Unscale, Adam and cast in one pass over memory.
+            staging = lp
+            if self.pool.lp_staging is not None:
+                staging = self.pool.lp_staging[sg.slab_offset : sg.slab_offset + sg.numel]
+            hyper, step = inputs.hypers[sg.param_group], step_tensors[sg.ds_group]
+            fused_host_update(param, grad, exp_avg, exp_avg_sq, step, hyper, inputs.inv_grad_scale, staging)
             report.host_elements += sg.numel
-            if self.pool.lp_staging is None:
-                # The 16-bit partition is in host memory already: cast straight into it.
-                lp.copy_(param)
-                tl.add("host_adam", index, start, tl.now(), FP32_BYTES * sg.numel)
-                self._reached("done", index)
-                continue
-            staging = self.pool.lp_staging[sg.slab_offset : sg.slab_offset + sg.numel]
-            staging.copy_(param)
+            # One pass unscaled, updated and (on a CPU device) cast it: every point is recorded before any
+            # hook runs, so an interruption at any of them finds the sub-group's true progress.
+            self._reached_together(("unscaled", "updated", "done") if staging is lp else ("unscaled", "updated"), index)
             tl.add("host_adam", index, start, tl.now(), FP32_BYTES * sg.numel)
+            if self.pool.lp_staging is None:
+                continue
             with streams.on(streams.lp_h2d):
                 start = tl.mark(streams.lp_h2d)
                 lp.copy_(staging, non_blocking=True)

@@ -1,0 +1,172 @@
+"""The one-pass host update (unscale + Adam + cast, tile by tile) against the three-pass reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_dos.engine.kernels import HOST_TILE_ELEMENTS, AdamHyper, adam_update, fused_host_update, step_tensor
+from lightning_dos.engine.loop import InterleavedAdam, StepInputs
+from lightning_dos.engine.plan import Place, Plan
+
+ADAMW = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True)
+ADAM_L2 = AdamHyper(lr=3e-3, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.01, decoupled=False)
+#: Loss scale alone (a power of two, as fp16 dynamic scaling uses), and loss scale times a clip coefficient.
+SCALES = [1.0, 2.0**16, 3.7 * 2.0**12]
+
+
+def _state(numel: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    param, grad, exp_avg = (torch.randn(numel, generator=gen) for _ in range(3))
+    exp_avg_sq = torch.rand(numel, generator=gen)
+    return [param, grad, exp_avg, exp_avg_sq]
+
+
+def _three_pass(state: list[torch.Tensor], step: int, hyper: AdamHyper, scale: float, lp: torch.Tensor) -> None:
+    """The reference: unscale the whole gradient, Adam over the whole sub-group, then cast."""
+    param, grad, exp_avg, exp_avg_sq = state
+    if scale != 1.0:
+        grad.mul_(1.0 / scale)
+    adam_update(param, grad, exp_avg, exp_avg_sq, step_tensor(step, torch.device("cpu")), hyper)
+    lp.copy_(param)
+
+
+@pytest.fixture
+def one_thread():  # noqa: ANN201
+    """torch's CPU Adam kernel computes the last few elements of each thread's chunk (fewer than a vector's
+    width) on a scalar path that can round differently; with one thread, tiles that are multiples of the
+    vector width leave exactly the same elements on that path as one call over the whole sub-group."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _run_both(numel, tile, hyper, scale, lp_dtype, steps=3):  # noqa: ANN001, ANN202
+    """Three steps of the fused update and of the three-pass reference, from the same state."""
+    ours, ref = _state(numel, seed=numel + tile), _state(numel, seed=numel + tile)
+    lp_ours, lp_ref = torch.zeros(numel, dtype=lp_dtype), torch.zeros(numel, dtype=lp_dtype)
+    for step in range(1, steps + 1):
+        grad = _state(numel, seed=100 * step + numel)[1].mul_(scale)  # gradients arrive scaled
+        ours[1].copy_(grad)
+        ref[1].copy_(grad)
+        fused_host_update(*ours, step_tensor(step, torch.device("cpu")), hyper, 1.0 / scale, lp_ours, tile=tile)
+        _three_pass(ref, step, hyper, scale, lp_ref)
+        assert torch.equal(lp_ours, ours[0].to(lp_dtype)), "the 16-bit copy is the rounded master, bit for bit"
+    return [*ours, lp_ours], [*ref, lp_ref]
+
+
+@pytest.mark.parametrize("lp_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("hyper", [ADAMW, ADAM_L2], ids=["adamw", "adam-l2"])
+@pytest.mark.parametrize("numel,tile", [(1000, 64), (1000, 1000), (4099, 1024)])
+def test_fused_update_is_bit_identical_to_three_passes(one_thread, lp_dtype, scale, hyper, numel, tile) -> None:  # noqa: ANN001
+    ours, ref = _run_both(numel, tile, hyper, scale, lp_dtype)
+    for name, mine, theirs in zip(("param", "grad", "exp_avg", "exp_avg_sq", "lp"), ours, ref):
+        assert torch.equal(mine, theirs), name
+
+
+@pytest.mark.parametrize("tile", [1, 7, 48, 1000])
+@pytest.mark.parametrize("hyper", [ADAMW, ADAM_L2], ids=["adamw", "adam-l2"])
+def test_any_tile_and_thread_count_stays_within_rounding_of_the_three_pass_path(tile, hyper) -> None:  # noqa: ANN001
+    """Odd tiles put more elements on the kernel's scalar path; those differ by a few ulp at most, well
+    inside the 1e-5 bound of the equivalence tests."""
+    ours, ref = _run_both(777, tile, hyper, 3.7 * 2.0**12, torch.bfloat16)
+    for mine, theirs in zip(ours[:4], ref[:4]):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-8)
+
+
+def test_default_tile_splits_a_large_sub_group_and_matches_plain_adamw() -> None:
+    """More elements than one tile, checked against torch.optim.AdamW fed the unscaled gradient."""
+    numel, scale = HOST_TILE_ELEMENTS + 12_345, 2.0**10
+    param, grad, exp_avg, exp_avg_sq = _state(numel, seed=7)
+    exp_avg.zero_()
+    exp_avg_sq.zero_()
+    reference = torch.nn.Parameter(param.clone())
+    opt = torch.optim.AdamW([reference], lr=ADAMW.lr, betas=(ADAMW.beta1, ADAMW.beta2), eps=ADAMW.eps,
+                            weight_decay=ADAMW.weight_decay, foreach=False)  # fmt: skip
+    reference.grad = grad.clone()
+    opt.step()
+    lp = torch.empty(numel, dtype=torch.bfloat16)
+    grad.mul_(scale)
+    fused_host_update(param, grad, exp_avg, exp_avg_sq, step_tensor(1, torch.device("cpu")), ADAMW, 1 / scale, lp)
+    torch.testing.assert_close(param, reference.detach(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(exp_avg_sq, opt.state[reference]["exp_avg_sq"], rtol=1e-5, atol=1e-12)
+    assert torch.equal(lp, param.to(torch.bfloat16))
+
+
+def test_non_finite_gradients_propagate_exactly_as_in_the_three_pass_path() -> None:
+    """With no overflow check in front (fp32/bf16), inf and NaN reach the state just as before."""
+    ours, ref = _state(500, seed=3), _state(500, seed=3)
+    for state in (ours, ref):
+        state[1][[5, 77, 300]] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    lp_ours, lp_ref = torch.zeros(500, dtype=torch.bfloat16), torch.zeros(500, dtype=torch.bfloat16)
+    fused_host_update(*ours, step_tensor(1, torch.device("cpu")), ADAMW, 2.0**-8, lp_ours, tile=64)
+    _three_pass(ref, 1, ADAMW, 2.0**8, lp_ref)
+    for mine, theirs in zip([*ours, lp_ours], [*ref, lp_ref]):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0, equal_nan=True)
+
+
+def _engine_and_inputs(grads: list[torch.Tensor], scale: float, steps: int) -> tuple[InterleavedAdam, StepInputs]:
+    engine = InterleavedAdam([300, 211], [0, 0], 64, torch.device("cpu"), torch.bfloat16)
+    engine.pool.param.copy_(_state(511, seed=11)[0])
+    lp = [torch.zeros(300, dtype=torch.bfloat16), torch.zeros(211, dtype=torch.bfloat16)]
+    return engine, StepInputs([g.clone() for g in grads], lp, [ADAMW], [steps, steps], inv_grad_scale=1 / scale)
+
+
+def test_fp16_overflow_skips_the_step_and_leaves_state_for_the_next_one() -> None:
+    """An overflowing step (non-finite scaled gradients) is skipped before any kernel runs, as DeepSpeed
+    does; the state and the 16-bit copy are untouched, and the next step matches a run that never saw it."""
+    scale = 2.0**16
+    gen = torch.Generator().manual_seed(5)
+    finite = [[torch.randn(n, generator=gen) * scale for n in (300, 211)] for _ in range(2)]
+    overflow = [g.clone() for g in finite[0]]
+    overflow[1][17] = float("inf")
+    plan = Plan(tuple(Place.DEVICE if i % 2 else Place.HOST for i in range(9)))
+
+    ours, inputs = _engine_and_inputs(finite[0], scale, steps=1)
+    ours.step(plan, inputs)
+    lp_before = [t.clone() for t in inputs.lp_targets]
+    slabs_before = [t.clone() for t in (ours.pool.param, ours.pool.exp_avg, ours.pool.exp_avg_sq)]
+    assert not all(torch.isfinite(g).all() for g in overflow)
+    ours.skip(plan)  # the adapter's decision on an fp16 overflow: no sub-group is updated
+    for before, after in zip(slabs_before, (ours.pool.param, ours.pool.exp_avg, ours.pool.exp_avg_sq)):
+        assert torch.equal(before, after)
+    _, next_inputs = _engine_and_inputs(finite[1], scale, steps=2)
+    next_inputs.lp_targets = lp_before
+    ours.step(plan, next_inputs)
+
+    reference, ref_inputs = _engine_and_inputs(finite[0], scale, steps=1)
+    reference.step(plan, ref_inputs)
+    _, ref_next = _engine_and_inputs(finite[1], scale, steps=2)
+    reference.step(plan, ref_next)
+    assert torch.equal(ours.pool.param, reference.pool.param)
+    assert torch.equal(ours.pool.exp_avg_sq, reference.pool.exp_avg_sq)
+    for mine, theirs in zip(next_inputs.lp_targets, ref_next.lp_targets):
+        assert torch.equal(mine, theirs)
+
+
+def test_host_and_device_sides_compute_bit_identical_results() -> None:
+    """Same kernel, same unscale on both sides: placement changes nothing, to the bit (sub-groups here are
+    smaller than a tile, so the host's tiling leaves the kernel's split over threads as it is)."""
+    scale = 3.7 * 2.0**12
+    grads = [torch.randn(n, generator=torch.Generator().manual_seed(n)) * scale for n in (300, 211)]
+    results = []
+    for place in (Place.HOST, Place.DEVICE, Place.RESIDENT):
+        engine, inputs = _engine_and_inputs(grads, scale, steps=1)
+        engine.step(Plan((place,) * len(engine.sub_groups)), inputs)
+        engine.flush_resident()  # resident state lives on the device until brought home
+        results.append((engine.pool.param.clone(), engine.pool.exp_avg_sq.clone(), inputs.lp_targets))
+    for param, exp_avg_sq, lp in results[1:]:
+        assert torch.equal(param, results[0][0])
+        assert torch.equal(exp_avg_sq, results[0][1])
+        assert all(torch.equal(a, b) for a, b in zip(lp, results[0][2]))
+
+
+def test_fused_host_update_refuses_bad_arguments() -> None:
+    param, grad, exp_avg, exp_avg_sq = _state(10, seed=0)
+    step = step_tensor(1, torch.device("cpu"))
+    with pytest.raises(ValueError, match="tile"):
+        fused_host_update(param, grad, exp_avg, exp_avg_sq, step, ADAMW, tile=0)
+    with pytest.raises(ValueError, match="lp_out"):
+        fused_host_update(param, grad, exp_avg, exp_avg_sq, step, ADAMW, lp_out=torch.zeros(9))
