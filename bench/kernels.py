@@ -1,7 +1,24 @@
-"""Host Adam kernels side by side: DeepSpeed's CPU Adam op against torch's fused AdamW, same buffers.
+"""The host update side by side, on the same buffers, in one run: how close it gets to the memory roofline.
 
-The engine's host side uses whichever is faster here; run this on a new machine to re-check:
-    python bench/kernels.py --numel 16000000 --repeats 10
+Rows (all on the same fp32 param, gradient and moments, with the gradient unscaled where the path can):
+  three-pass        today's path before issue 13: ``grad.mul_(1/scale)``, torch fused AdamW, cast to 16 bits
+  fused             the engine's host path: unscale, Adam and cast tile by tile, each reading the last from cache,
+                    every host thread on its own share (no barrier between kernels)
+  fused, caller     candidate: the same tiles run from the calling thread, each kernel split over torch's threads
+                    (tile 512K; three barriers per tile)
+  fused, grad_scale candidate: the engine's scheme with the unscale inside torch's kernel (it divides by
+                    ``grad_scale`` and writes the gradient back)
+  fused, fp32       the same for an fp32 model (the copy into the model's fp32 partition, no cast)
+  torch AdamW       torch's fused AdamW alone (no unscale, no cast): what one Adam pass costs
+  DeepSpeed + cast  DeepSpeed's CPU Adam followed by the cast (no unscale: stricter than stock offload,
+                    which also unscales in a pass of its own)
+  memcpy            fp32 copy: this machine's copy bandwidth
+Rounds run every row once each, interleaved, so load on the machine falls on all rows alike; the table
+gives medians (and the best sample), G elements/s, GB/s moved (a traffic model: bytes each path must
+read and write per element, counted below) and ratios.
+
+    python bench/kernels.py --numel 16000000 --rounds 15 --threads 2
+    python bench/kernels.py --tiles 65536,131072,262144,524288,1048576,2097152 --threads 1,2   # tile sweep
 """
 
 from __future__ import annotations
@@ -9,57 +26,144 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
-from lightning_dos.engine.kernels import AdamHyper, adam_update
+from lightning_dos.engine import host_threads
+from lightning_dos.engine.kernels import HOST_TILE_ELEMENTS, AdamHyper, adam_update, fused_host_update, step_tensor
+
+#: Bytes each path moves per element. Adam reads param, grad, exp_avg, exp_avg_sq (16) and writes param and
+#: the moments (12); with ``grad_scale`` torch's kernel also writes the unscaled gradient back (4). The cast
+#: reads fp32 (4) and writes 2; in the fused path the read comes from cache. The unscale pass reads and writes
+#: the gradient (8); in the fused path it works in cache and the gradient is written back once (4). memcpy reads
+#: and writes 4.
+BYTES = {
+    "three-pass": 8 + 28 + 6,
+    "fused": 16 + 16 + 2,
+    "fused, grad_scale": 16 + 16 + 2,
+    "fused, caller": 16 + 16 + 2,
+    "fused, fp32": 16 + 16 + 4,
+    "torch AdamW": 28,
+    "DeepSpeed + cast": 28 + 6,
+    "memcpy": 8,
+}
+#: A combined scale that is not a power of two (loss scale times a clip coefficient) and keeps gradients
+#: far from denormals over hundreds of repeated unscales.
+SCALE = 1.0 + 2.0**-10
+HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True)
 
 
-def _time(fn, repeats: int) -> float:  # noqa: ANN001
-    fn()  # warm up (and, for DeepSpeed, trigger the JIT build outside the timing)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--numel", type=int, default=16_000_000)
-    parser.add_argument("--repeats", type=int, default=10)
-    args = parser.parse_args()
-    n = args.numel
+def _rows(n: int, tiles: list[int]) -> dict[str, Callable[[], None]]:
     p, g, m, v = (torch.randn(n) for _ in range(4))
     v.abs_()
-    step = torch.tensor(1.0)
+    lp, lp32, dst = torch.empty(n, dtype=torch.bfloat16), torch.empty(n), torch.empty(n)
+    cpu = torch.device("cpu")
+    step, scale = step_tensor(1, cpu), torch.tensor(SCALE, dtype=torch.float32)
 
-    hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True)
+    def three_pass() -> None:
+        g.mul_(1.0 / SCALE)
+        adam_update(p, g, m, v, step, HYPER)
+        lp.copy_(p)
 
-    def fused() -> None:  # the engine's own kernel call
-        adam_update(p, g, m, v, step, hyper)
+    def fused(tile: int, out: torch.Tensor) -> Callable[[], None]:
+        return lambda: fused_host_update(p, g, m, v, step, HYPER, 1.0 / SCALE, out, tile=tile)
 
-    rows = [("torch._fused_adamw_", _time(fused, args.repeats))]
+    def caller_tiles(tile: int = 1 << 19) -> None:  # every kernel an OpenMP region over torch's threads
+        for start in range(0, n, tile):
+            span = slice(start, min(n, start + tile))
+            g[span].mul_(1.0 / SCALE)
+            adam_update(p[span], g[span], m[span], v[span], step, HYPER)
+            lp[span].copy_(p[span])
+
+    def grad_scale_tiles(begin: int, end: int) -> None:  # torch's kernel divides by grad_scale, writes it back
+        for start in range(begin, end, HOST_TILE_ELEMENTS):
+            span = slice(start, min(end, start + HOST_TILE_ELEMENTS))
+            torch._fused_adamw_(
+                [p[span]], [g[span]], [m[span]], [v[span]], [], [step], lr=HYPER.lr, beta1=HYPER.beta1,
+                beta2=HYPER.beta2, weight_decay=HYPER.weight_decay, eps=HYPER.eps, amsgrad=False,
+                maximize=False, grad_scale=scale,
+            )  # fmt: skip
+            lp[span].copy_(p[span])
+
+    def on_workers(work: Callable[[int, int], None]) -> Callable[[], None]:
+        pool, count = host_threads.workers(), torch.get_num_threads()
+        if pool is None:
+            return lambda: work(0, n)
+        return lambda: host_threads.run_shares(pool, work, host_threads.shares(n, count, 64))
+
+    rows: dict[str, Callable[[], None]] = {"three-pass": three_pass}
+    for tile in tiles:
+        rows["fused" if tile == HOST_TILE_ELEMENTS else f"fused, tile {tile}"] = fused(tile, lp)
+    rows["fused, caller"] = caller_tiles
+    rows["fused, grad_scale"] = on_workers(grad_scale_tiles)
+    rows["fused, fp32"] = fused(HOST_TILE_ELEMENTS, lp32)
+    rows["torch AdamW"] = lambda: adam_update(p, g, m, v, step, HYPER)
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        opt = DeepSpeedCPUAdam([torch.nn.Parameter(p)], lr=1e-3, weight_decay=0.1)
+        opt = DeepSpeedCPUAdam([torch.nn.Parameter(torch.empty(1))], lr=1e-3, weight_decay=0.1)
         op = opt.ds_opt_adam
 
-        def deepspeed_op() -> None:
+        def deepspeed_and_cast() -> None:
             op.adam_update(opt.opt_id, 1, 1e-3, 0.9, 0.999, 1e-8, 0.1, True, p, g, m, v)
+            lp.copy_(p)
 
-        rows.append(("DeepSpeedCPUAdam adam_update", _time(deepspeed_op, args.repeats)))
-    except Exception as error:  # noqa: BLE001 - report why the op could not run, keep the other row
+        rows["DeepSpeed + cast"] = deepspeed_and_cast
+    except Exception as error:  # noqa: BLE001 - report why the op could not run, keep the other rows
         print(f"DeepSpeed CPU Adam unavailable: {error}")
-    base = rows[0][1]
-    print(f"| kernel | {n / 1e6:.0f}M elements, s (median of {args.repeats}) | G elements/s | time vs fused |")
-    print("|---|---|---|---|")
-    for name, seconds in rows:
-        print(f"| {name} | {seconds:.4f} | {n / seconds / 1e9:.2f} | {seconds / base:.2f}x |")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    rows["memcpy"] = lambda: dst.copy_(p)
+    return rows
+
+
+def _measure(rows: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+    for fn in rows.values():
+        fn()  # warm up: page faults, thread pool, DeepSpeed's op
+    samples: dict[str, list[float]] = {name: [] for name in rows}
+    for _ in range(rounds):
+        for name, fn in rows.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def _table(n: int, samples: dict[str, list[float]], rounds: int) -> str:
+    median = {name: statistics.median(s) for name, s in samples.items()}
+    base, ds = median["three-pass"], median.get("DeepSpeed + cast")
+    lines = [
+        f"| path | median s ({n / 1e6:.0f}M elements, {rounds} rounds) | best s | G elements/s | bytes/element "
+        "| GB/s moved | vs three-pass | vs DeepSpeed + cast |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, seconds in median.items():
+        nbytes = BYTES.get(name, BYTES["fused"] if name.startswith("fused") else None)
+        gbps = f"{nbytes * n / seconds / 1e9:.1f}" if nbytes else "n/a"
+        vs_ds = f"{ds / seconds:.2f}x" if ds else "n/a"
+        lines.append(
+            f"| {name} | {seconds:.4f} | {min(samples[name]):.4f} | {n / seconds / 1e9:.2f} | {nbytes} | {gbps} "
+            f"| {base / seconds:.2f}x | {vs_ds} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--numel", type=int, default=16_000_000, help="elements per buffer")
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (one sample per row each)")
+    parser.add_argument("--threads", default=None, help="comma-separated torch thread counts (default: current)")
+    parser.add_argument("--tiles", default=str(HOST_TILE_ELEMENTS), help="comma-separated tile sizes to compare")
+    args = parser.parse_args(argv)
+    tiles = sorted({int(t) for t in args.tiles.split(",")} | {HOST_TILE_ELEMENTS})
+    threads = [int(t) for t in args.threads.split(",")] if args.threads else [torch.get_num_threads()]
+    for count in threads:
+        torch.set_num_threads(count)
+        rows = _rows(args.numel, tiles)
+        samples = _measure(rows, args.rounds)
+        print(f"\n{count} thread(s), torch {torch.__version__}, default tile {HOST_TILE_ELEMENTS} elements")
+        print(_table(args.numel, samples, args.rounds))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -9,6 +9,7 @@ from the calibrated rates. Writes the same as JSON.
     python bench/run.py                       # a model sized for this machine, every system
     python bench/run.py --preset tiny --steps 4 --warmup 1 --systems stock,stride:2,auto
     python bench/run.py --n-layer 24 --n-embd 2048 --n-head 16 --seq 2048 --precision bf16-mixed
+    python bench/run.py --preset medium --precision bf16-mixed --clip 0.05 --systems stock,auto
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def run_system(system: str, args: argparse.Namespace) -> Result:
         accelerator=args.accelerator,
         devices=1,
         precision=args.precision,
+        gradient_clip_val=args.clip,
         max_steps=args.warmup + args.steps,
         limit_val_batches=0,
         logger=False,
@@ -230,6 +232,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sub-group-size", type=int, help="elements per sub-group (default: ~1/16 of the model)")
     parser.add_argument("--precision", help="default: bf16-mixed on a GPU, 32-true on CPU")
     parser.add_argument("--accelerator", default="auto")
+    parser.add_argument("--clip", type=float, help="gradient clipping by global norm (default: none)")
     parser.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus bytes to load")
     parser.add_argument("--out", type=Path, help="JSON output (default: bench/out/<time>.json)")
     args = parser.parse_args(argv)
@@ -254,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     params = GPT.count_parameters(layers, width, args.vocab, seq)
     print(
         f"# {device}: GPT {layers}x{width} ({params / 1e6:.1f}M params), seq {seq}, batch {batch}, "
-        f"{args.precision}, sub_group_size {args.sub_group_size}, {args.warmup}+{args.steps} steps"
+        f"{args.precision}, clip {args.clip}, sub_group_size {args.sub_group_size}, {args.warmup}+{args.steps} steps"
     )
     results = [run_system(system.strip(), args) for system in args.systems.split(",") if system.strip()]
     print(table(results))
@@ -263,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": device,
         "shape": args.shape,
         "precision": args.precision,
+        "clip": args.clip,
         "params": params,
         "results": [asdict(r) for r in results],
     }

@@ -7,8 +7,9 @@ on both sides is what makes the result independent of placement. On this project
 kernel is as fast as DeepSpeed's CPU Adam op and needs no JIT build.
 
 On the host, :func:`fused_host_update` unscales, updates and casts one cache-sized tile at a time, so
-the gradient and state cross the memory bus once instead of three times (``bench/kernels.py``
-measures it against the three-pass path and DeepSpeed's CPU Adam followed by its cast).
+the gradient and state cross the memory bus once instead of three times, each host thread working through
+its own share of tiles (``host_threads``; ``bench/kernels.py`` measures it against the three-pass path and
+DeepSpeed's CPU Adam followed by its cast).
 
 Unscaling multiplies by the inverse of DeepSpeed's combined scale, as DeepSpeed's own
 ``unscale_and_clip_grads`` does and as the device side does. torch's kernels can divide by a
@@ -23,10 +24,15 @@ from dataclasses import dataclass
 
 import torch
 
-#: Elements per tile of the host update. Measured with ``bench/kernels.py --tiles`` on this project's CPU
-#: (2 threads, 1 MiB L2 per core, 32 MiB L3; bench/RESULTS.md): 256K-1M elements (4-16 MiB of fp32 state
-#: per tile) are fastest; below 128K the per-tile thread wake-ups dominate.
-HOST_TILE_ELEMENTS = 1 << 19
+from lightning_dos.engine import host_threads
+
+#: Elements per tile of the host update, per host thread: 4 MiB of fp32 state, in the shared L3. Measured with
+#: ``bench/kernels.py --tiles`` on this project's CPU (2 threads, 1 MiB L2 per core, 32 MiB L3, shared and
+#: loaded; bench/RESULTS.md): 128K-256K fastest, 16K-64K slower (per-tile Python and GIL costs), 512K-1M
+#: slightly slower.
+HOST_TILE_ELEMENTS = 1 << 18
+#: Worker shares start on multiples of this many elements, so every share's vector loop is aligned.
+_SHARE_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,10 @@ def fused_host_update(
 
     The sub-group is processed in tiles of ``tile`` elements: the tile's gradient is unscaled, Adam
     updates the tile and its fresh weights are cast into ``lp_out``, each step reading what the previous
-    one left in cache, so each byte of state and gradient crosses the memory bus once. The result is the
+    one left in cache, so each byte of state and gradient crosses the memory bus once. With more than one
+    torch thread, each host worker thread takes a contiguous share and runs its tiles on its own (no
+    barrier between kernels; see ``host_threads``); a sub-group of at most one tile per thread is run by
+    the caller, with torch's own threads. The result is the
     same as unscaling the whole gradient, running :func:`adam_update` over the whole sub-group and then
     ``lp_out.copy_(param)``: bit for bit where torch's kernel takes its vector path (everywhere but the
     last few elements of a thread's chunk, which may differ by rounding; see tests/test_kernels.py).
@@ -126,14 +135,22 @@ def fused_host_update(
     numel = param.numel()
     if lp_out is not None and lp_out.numel() != numel:
         raise ValueError(f"lp_out has {lp_out.numel()} elements where param has {numel}")
-    for start in range(0, numel, tile):
-        span = slice(start, min(numel, start + tile))
-        weights, grads = param[span], grad[span]
-        if inv_grad_scale != 1.0:
-            grads.mul_(inv_grad_scale)
-        adam_update(weights, grads, exp_avg[span], exp_avg_sq[span], step, hyper)
-        if lp_out is not None:
-            lp_out[span].copy_(weights)
+
+    def run_tiles(begin: int, end: int) -> None:
+        for start in range(begin, end, tile):
+            span = slice(start, min(end, start + tile))
+            weights, grads = param[span], grad[span]
+            if inv_grad_scale != 1.0:
+                grads.mul_(inv_grad_scale)
+            adam_update(weights, grads, exp_avg[span], exp_avg_sq[span], step, hyper)
+            if lp_out is not None:
+                lp_out[span].copy_(weights)
+
+    pool = host_threads.workers()
+    if pool is None or numel <= tile * torch.get_num_threads():
+        run_tiles(0, numel)
+        return
+    host_threads.run_shares(pool, run_tiles, host_threads.shares(numel, torch.get_num_threads(), _SHARE_ALIGN))
 
 
 def step_tensor(step: int, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,68 @@
+"""Host worker threads that each run torch's CPU kernels on one core, with no barrier between kernels.
+
+A tiled host update calls three kernels per tile. Run from the main thread, each kernel is an OpenMP
+parallel region, and every region ends in a barrier where the threads wait for the slowest: harmless on an
+idle machine, but on a busy one (data loader workers, other ranks, other jobs) a descheduled thread holds the
+others at every barrier, and three barriers per tile cost more than the memory traffic they save
+(measured: 8x slower than the three-pass path at a load average of 8 on 2 cores, bench/RESULTS.md).
+
+Instead, each worker here takes a contiguous share of the sub-group and runs all its tiles itself, one thread
+per kernel, so the only synchronisation is the join at the end. torch (OpenMP backend) keeps the intra-op
+thread count per OS thread: a worker set to 1 thread stays at 1 while the caller keeps its own count.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+_lock = threading.Lock()
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _single_threaded_worker(ready: threading.Barrier) -> None:
+    torch.get_num_threads()  # torch sets a thread's count lazily from the process-wide one: do it now ...
+    torch.set_num_threads(1)  # ... then pin this thread to one core's worth of work
+    ready.wait()  # every worker must start (and pin itself) before the caller restores its own count
+
+
+def _openmp_backend() -> bool:
+    return "OpenMP" in torch.__config__.parallel_info()
+
+
+def workers() -> ThreadPoolExecutor | None:
+    """The pool of ``torch.get_num_threads()`` single-threaded workers, made on first use; None when the
+    caller has one thread or torch's threading backend is not OpenMP (then the caller runs the tiles)."""
+    global _pool
+    count = torch.get_num_threads()
+    if count < 2 or not _openmp_backend():
+        return None
+    with _lock:
+        if _pool is None or _pool[0] != count:
+            if _pool is not None:
+                _pool[1].shutdown(wait=True)
+            pool = ThreadPoolExecutor(max_workers=count, thread_name_prefix="lightning-dos-host")
+            ready = threading.Barrier(count)
+            for future in [pool.submit(_single_threaded_worker, ready) for _ in range(count)]:
+                future.result()
+            # set_num_threads(1) in the workers also lowered torch's process-wide default; restore it.
+            torch.set_num_threads(count)
+            _pool = (count, pool)
+        return _pool[1]
+
+
+def shares(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
+    """Split ``[0, numel)`` into at most ``parts`` contiguous, non-empty ranges whose inner boundaries are
+    multiples of ``align`` (so each worker's vector loop starts aligned with the others')."""
+    step = -(-numel // parts)
+    step = -(-step // align) * align
+    return [(start, min(numel, start + step)) for start in range(0, numel, step)]
+
+
+def run_shares(pool: ThreadPoolExecutor, work: Callable[[int, int], None], ranges: Sequence[tuple[int, int]]) -> None:
+    """Run ``work(start, end)`` for every range on the workers and wait for all (re-raising the first error)."""
+    for future in [pool.submit(work, start, end) for start, end in ranges]:
+        future.result()
