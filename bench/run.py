@@ -164,6 +164,10 @@ def run_system(system: str, args: argparse.Namespace) -> Result:
         peak_accelerator_gb=torch.cuda.max_memory_allocated() / GB if torch.cuda.is_available() else None,
         predicted_update_s=_median(rows, "dos/update_predicted_s"),
     )
+    norm = strategy.deepspeed_engine.get_global_grad_norm() if args.clip else None
+    if norm is not None:
+        # The last step's global gradient norm: clipping is active (the unscale factor is not 1) above the clip value.
+        result.extra["last_grad_norm"] = float(norm)
     if ours:
         engine = strategy.dos_engine
         result.optimizer_host_gb = engine.pool.host_bytes / GB
@@ -212,6 +216,10 @@ def table(results: list[Result]) -> str:
         lines.append(f"\nFloor T(r*) of the update phase from the calibrated rates: {floor_s:.4f} s.")
     if best_tf:
         lines.append(f"Best TwinFlow ratio here: {best_tf.system}.")
+    norms = {r.system: r.extra["last_grad_norm"] for r in results if "last_grad_norm" in r.extra}
+    if norms:
+        lines.append("Last step's global gradient norm (before clipping): " + ", ".join(
+            f"{name} {norm:.3g}" for name, norm in norms.items()) + ".")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ thread count per OS thread: a worker set to 1 thread stays at 1 while the caller
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 _lock = threading.Lock()
-_pool: tuple[int, ThreadPoolExecutor] | None = None
+#: (process id, thread count, pool): a forked child inherits the object but not the threads, so it makes its own.
+_pool: tuple[int, int, ThreadPoolExecutor] | None = None
 
 
 def _single_threaded_worker(ready: threading.Barrier) -> None:
@@ -41,17 +43,17 @@ def workers() -> ThreadPoolExecutor | None:
     if count < 2 or not _openmp_backend():
         return None
     with _lock:
-        if _pool is None or _pool[0] != count:
-            if _pool is not None:
-                _pool[1].shutdown(wait=True)
+        if _pool is None or _pool[:2] != (os.getpid(), count):
+            if _pool is not None and _pool[0] == os.getpid():
+                _pool[2].shutdown(wait=True)
             pool = ThreadPoolExecutor(max_workers=count, thread_name_prefix="lightning-dos-host")
             ready = threading.Barrier(count)
             for future in [pool.submit(_single_threaded_worker, ready) for _ in range(count)]:
                 future.result()
             # set_num_threads(1) in the workers also lowered torch's process-wide default; restore it.
             torch.set_num_threads(count)
-            _pool = (count, pool)
-        return _pool[1]
+            _pool = (os.getpid(), count, pool)
+        return _pool[2]
 
 
 def shares(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
