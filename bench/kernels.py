@@ -12,6 +12,7 @@ Rows (all on the same fp32 param, gradient and moments, with the gradient unscal
   torch AdamW       torch's fused AdamW alone (no unscale, no cast): what one Adam pass costs
   DeepSpeed + cast  DeepSpeed's CPU Adam followed by the cast (no unscale: stricter than stock offload,
                     which also unscales in a pass of its own)
+  stock offload     what stock ZeRO-3 offload runs: the unscale pass, DeepSpeed's CPU Adam, the cast
   memcpy            fp32 copy: this machine's copy bandwidth
 Rounds run every row once each, interleaved, so load on the machine falls on all rows alike; the table
 gives medians (and the best sample), G elements/s, GB/s moved (a traffic model: bytes each path must
@@ -19,6 +20,7 @@ read and write per element, counted below) and ratios.
 
     python bench/kernels.py --numel 16000000 --rounds 15 --threads 2
     python bench/kernels.py --tiles 65536,131072,262144,524288,1048576,2097152 --threads 1,2   # tile sweep
+    python bench/kernels.py --numel 25500000 --sub-group-size 1592640   # as bench/run.py --preset medium updates
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ BYTES = {
     "fused, fp32": 16 + 16 + 4,
     "torch AdamW": 28,
     "DeepSpeed + cast": 28 + 6,
+    "stock offload": 8 + 28 + 6,
     "memcpy": 8,
 }
 #: A combined scale that is not a power of two (loss scale times a clip coefficient) and keeps gradients
@@ -54,10 +57,22 @@ SCALE = 1.0 + 2.0**-10
 HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True)
 
 
-def _rows(n: int, tiles: list[int]) -> dict[str, Callable[[], None]]:
-    p, g, m, v = (torch.randn(n) for _ in range(4))
-    v.abs_()
-    lp, lp32, dst = torch.empty(n, dtype=torch.bfloat16), torch.empty(n), torch.empty(n)
+def _deepspeed_op() -> tuple[object, object] | None:
+    """DeepSpeed's CPU Adam (optimizer, op), built once; None (with the reason printed) where it cannot load."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        opt = DeepSpeedCPUAdam([torch.nn.Parameter(torch.empty(1))], lr=1e-3, weight_decay=0.1)
+        return opt, opt.ds_opt_adam
+    except Exception as error:  # noqa: BLE001 - report why the op could not run, keep the other rows
+        print(f"DeepSpeed CPU Adam unavailable: {error}")
+        return None
+
+
+def _rows(buffers: list[torch.Tensor], tiles: list[int], deepspeed: tuple | None) -> dict[str, Callable[[], None]]:
+    """Every path as a closure over ``buffers`` (param, grad, moments, bf16 and fp32 targets, memcpy target)."""
+    p, g, m, v, lp, lp32, dst = buffers
+    n = p.numel()
     cpu = torch.device("cpu")
     step, scale = step_tensor(1, cpu), torch.tensor(SCALE, dtype=torch.float32)
 
@@ -99,21 +114,41 @@ def _rows(n: int, tiles: list[int]) -> dict[str, Callable[[], None]]:
     rows["fused, grad_scale"] = on_workers(grad_scale_tiles)
     rows["fused, fp32"] = fused(HOST_TILE_ELEMENTS, lp32)
     rows["torch AdamW"] = lambda: adam_update(p, g, m, v, step, HYPER)
-    try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        opt = DeepSpeedCPUAdam([torch.nn.Parameter(torch.empty(1))], lr=1e-3, weight_decay=0.1)
-        op = opt.ds_opt_adam
+    if deepspeed is not None:
+        opt, op = deepspeed
 
         def deepspeed_and_cast() -> None:
             op.adam_update(opt.opt_id, 1, 1e-3, 0.9, 0.999, 1e-8, 0.1, True, p, g, m, v)
             lp.copy_(p)
 
+        def stock_offload() -> None:  # what stock ZeRO-3 offload runs per sub-group: unscale, CPU Adam, cast
+            g.mul_(1.0 / SCALE)
+            deepspeed_and_cast()
+
         rows["DeepSpeed + cast"] = deepspeed_and_cast
-    except Exception as error:  # noqa: BLE001 - report why the op could not run, keep the other rows
-        print(f"DeepSpeed CPU Adam unavailable: {error}")
+        rows["stock offload"] = stock_offload
     rows["memcpy"] = lambda: dst.copy_(p)
     return rows
+
+
+def _all_rows(n: int, tiles: list[int], deepspeed: tuple | None, sub_group: int | None) -> dict[str, Callable]:
+    """Rows over one set of buffers, whole or cut into sub-groups (each row then runs every sub-group in turn)."""
+    p, g, m, v = (torch.randn(n) for _ in range(4))
+    v.abs_()
+    buffers = [p, g, m, v, torch.empty(n, dtype=torch.bfloat16), torch.empty(n), torch.empty(n)]
+    spans = [slice(s, min(n, s + sub_group)) for s in range(0, n, sub_group)] if sub_group else [slice(0, n)]
+    per_span = [_rows([t[span] for t in buffers], tiles, deepspeed) for span in spans]
+
+    def in_turn(name: str) -> Callable[[], None]:
+        fns = [rows[name] for rows in per_span]
+
+        def run() -> None:
+            for fn in fns:
+                fn()
+
+        return run
+
+    return {name: in_turn(name) for name in per_span[0]}
 
 
 def _measure(rows: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
@@ -153,14 +188,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (one sample per row each)")
     parser.add_argument("--threads", default=None, help="comma-separated torch thread counts (default: current)")
     parser.add_argument("--tiles", default=str(HOST_TILE_ELEMENTS), help="comma-separated tile sizes to compare")
+    parser.add_argument(
+        "--sub-group-size", type=int, help="run every path sub-group by sub-group over the buffers, as an update does"
+    )
     args = parser.parse_args(argv)
     tiles = sorted({int(t) for t in args.tiles.split(",")} | {HOST_TILE_ELEMENTS})
     threads = [int(t) for t in args.threads.split(",")] if args.threads else [torch.get_num_threads()]
+    deepspeed = _deepspeed_op()
     for count in threads:
         torch.set_num_threads(count)
-        rows = _rows(args.numel, tiles)
+        rows = _all_rows(args.numel, tiles, deepspeed, args.sub_group_size)
         samples = _measure(rows, args.rounds)
-        print(f"\n{count} thread(s), torch {torch.__version__}, default tile {HOST_TILE_ELEMENTS} elements")
+        groups = f", sub-groups of {args.sub_group_size}" if args.sub_group_size else ""
+        print(f"\n{count} thread(s), torch {torch.__version__}, default tile {HOST_TILE_ELEMENTS} elements{groups}")
         print(_table(args.numel, samples, args.rounds))
     return 0
 
