@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
@@ -65,6 +65,11 @@ def shares(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
 
 
 def run_shares(pool: ThreadPoolExecutor, work: Callable[[int, int], None], ranges: Sequence[tuple[int, int]]) -> None:
-    """Run ``work(start, end)`` for every range on the workers and wait for all (re-raising the first error)."""
-    for future in [pool.submit(work, start, end) for start, end in ranges]:
+    """Run ``work(start, end)`` for every range on the workers and wait for all, then re-raise the first error.
+
+    Every share has finished (or failed) when this returns or raises, so no worker is still writing the state
+    when the caller looks at it (to recover from the error, say)."""
+    futures = [pool.submit(work, start, end) for start, end in ranges]
+    wait(futures)
+    for future in futures:
         future.result()

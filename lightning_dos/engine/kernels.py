@@ -115,7 +115,11 @@ def fused_host_update(
     same as unscaling the whole gradient, running :func:`adam_update` over the whole sub-group and then
     ``lp_out.copy_(param)``: bit for bit where torch's kernel takes its vector path (everywhere but the
     last few elements of a thread's chunk, which may differ by rounding; see tests/test_kernels.py).
-    The gradient is left unscaled, as DeepSpeed's ``unscale_and_clip_grads`` leaves it.
+    The gradient is left unscaled, as DeepSpeed's ``unscale_and_clip_grads`` leaves it. The update of a
+    sub-group is not divisible: the engine records its unscale, update and cast as reached together once
+    this returns. Nothing here can fail part-way in practice (the kernels' argument checks fail on the first
+    tile, before any state changes, and the engine holds signals during the update); should a tile fail after
+    others succeeded, the sub-group would be left partly updated.
 
     Args:
         param: fp32 master weights (1-D, host), updated in place.
