@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_dos.engine import host_threads
+from lightning_dos.engine import host_workers
 from lightning_dos.engine.kernels import HOST_TILE_ELEMENTS, AdamHyper, adam_update, fused_host_update, step_tensor
 
 #: Bytes each path moves per element. Adam reads param, grad, exp_avg, exp_avg_sq (16) and writes param and
@@ -102,10 +102,10 @@ def _rows(buffers: list[torch.Tensor], tiles: list[int], deepspeed: tuple | None
             lp[span].copy_(p[span])
 
     def on_workers(work: Callable[[int, int], None]) -> Callable[[], None]:
-        pool, count = host_threads.workers(), torch.get_num_threads()
+        pool, count = host_workers.workers(), torch.get_num_threads()
         if pool is None:
             return lambda: work(0, n)
-        return lambda: host_threads.run_shares(pool, work, host_threads.shares(n, count, 64))
+        return lambda: host_workers.run_shares(pool, work, host_workers.shares(n, count, 64))
 
     rows: dict[str, Callable[[], None]] = {"three-pass": three_pass}
     for tile in tiles:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_dos.engine import host_threads
+from lightning_dos.engine import host_workers
 from lightning_dos.engine.kernels import HOST_TILE_ELEMENTS, AdamHyper, adam_update, fused_host_update, step_tensor
 from lightning_dos.engine.loop import InterleavedAdam, StepInputs
 from lightning_dos.engine.plan import Place, Plan
@@ -74,10 +74,10 @@ def test_worker_threads_give_the_one_thread_result_bit_for_bit() -> None:
         torch.set_num_threads(1)
         _, ref = _run_both(5007, 256, ADAMW, 3.7 * 2.0**12, torch.bfloat16)
         torch.set_num_threads(2)
-        if host_threads.workers() is None:
+        if host_workers.workers() is None:
             pytest.skip("torch is not built with OpenMP threading: the caller runs every tile")
         ours, _ = _run_both(5007, 256, ADAMW, 3.7 * 2.0**12, torch.bfloat16)
-        assert host_threads.workers() is not None and 5007 > 256 * torch.get_num_threads(), "workers ran"
+        assert host_workers.workers() is not None and 5007 > 256 * torch.get_num_threads(), "workers ran"
     finally:
         torch.set_num_threads(threads)
     for name, mine, theirs in zip(("param", "grad", "exp_avg", "exp_avg_sq", "lp"), ours, ref):
@@ -86,12 +86,12 @@ def test_worker_threads_give_the_one_thread_result_bit_for_bit() -> None:
 
 def test_worker_threads_keep_one_torch_thread_and_leave_the_callers_count() -> None:
     threads = torch.get_num_threads()
-    pool = host_threads.workers()
+    pool = host_workers.workers()
     if pool is None:
         pytest.skip("one torch thread, or torch is not built with OpenMP threading: no workers")
     assert [f.result() for f in [pool.submit(torch.get_num_threads) for _ in range(threads)]] == [1] * threads
     assert torch.get_num_threads() == threads
-    assert host_threads.shares(1000, 3, 64) == [(0, 384), (384, 768), (768, 1000)]
+    assert host_workers.shares(1000, 3, 64) == [(0, 384), (384, 768), (768, 1000)]
 
 
 @pytest.mark.parametrize("tile", [1, 7, 48, 1000])

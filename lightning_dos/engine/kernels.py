@@ -8,7 +8,7 @@ kernel is as fast as DeepSpeed's CPU Adam op and needs no JIT build.
 
 On the host, :func:`fused_host_update` unscales, updates and casts one cache-sized tile at a time, so
 the gradient and state cross the memory bus once instead of three times, each host thread working through
-its own share of tiles (``host_threads``; ``bench/kernels.py`` measures it against the three-pass path and
+its own share of tiles (``host_workers``; ``bench/kernels.py`` measures it against the three-pass path and
 DeepSpeed's CPU Adam followed by its cast).
 
 Unscaling multiplies by the inverse of DeepSpeed's combined scale, as DeepSpeed's own
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_dos.engine import host_threads
+from lightning_dos.engine import host_workers
 
 #: Elements per tile of the host update, per host thread: 4 MiB of fp32 state, in the shared L3. Measured with
 #: ``bench/kernels.py --tiles`` on this project's CPU (2 threads, 1 MiB L2 per core, 32 MiB L3, shared and
@@ -110,7 +110,7 @@ def fused_host_update(
     updates the tile and its fresh weights are cast into ``lp_out``, each step reading what the previous
     one left in cache, so each byte of state and gradient crosses the memory bus once. With more than one
     torch thread, each host worker thread takes a contiguous share and runs its tiles on its own (no
-    barrier between kernels; see ``host_threads``); a sub-group of at most one tile per thread is run by
+    barrier between kernels; see ``host_workers``); a sub-group of at most one tile per thread is run by
     the caller, with torch's own threads. The result is the
     same as unscaling the whole gradient, running :func:`adam_update` over the whole sub-group and then
     ``lp_out.copy_(param)``: bit for bit where torch's kernel takes its vector path (everywhere but the
@@ -150,11 +150,11 @@ def fused_host_update(
             if lp_out is not None:
                 lp_out[span].copy_(weights)
 
-    pool = host_threads.workers()
+    pool = host_workers.workers()
     if pool is None or numel <= tile * torch.get_num_threads():
         run_tiles(0, numel)
         return
-    host_threads.run_shares(pool, run_tiles, host_threads.shares(numel, torch.get_num_threads(), _SHARE_ALIGN))
+    host_workers.run_shares(pool, run_tiles, host_workers.shares(numel, torch.get_num_threads(), _SHARE_ALIGN))
 
 
 def step_tensor(step: int, device: torch.device) -> torch.Tensor:
