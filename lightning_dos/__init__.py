@@ -1,17 +1,69 @@
 """lightning-dos: Deep Optimizer States for PyTorch Lightning.
 
-Importing the package registers the strategy name ``"dos"``, so ``Trainer(strategy="dos")`` works.
+Importing the package registers the strategy name ``"dos"`` with Lightning, so ``Trainer(strategy="dos")``
+works. Lightning (and with it torch) is imported only when it is needed: right away when it is already
+loaded, else as soon as it is (the ``lightning-dos`` command's help and its calibrate/plan/report
+subcommands stay fast this way).
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+from __future__ import annotations
 
-from lightning_dos.engine.atomic import TornStateError, UpdateInFlightError, UpdateInterrupted
-from lightning_dos.strategy import DeepOptimizerStatesStrategy, DOSConfigError
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from typing import Any
 
 __version__ = "0.1.0.dev0"
 
-if "dos" not in StrategyRegistry:
-    DeepOptimizerStatesStrategy.register_strategies(StrategyRegistry)
+#: Public names, imported on first use.
+_LAZY = {
+    "DeepOptimizerStatesStrategy": "lightning_dos.strategy",
+    "DOSConfigError": "lightning_dos.strategy",
+    "TornStateError": "lightning_dos.engine.atomic",
+    "UpdateInFlightError": "lightning_dos.engine.atomic",
+    "UpdateInterrupted": "lightning_dos.engine.atomic",
+}
+#: Registration waits for this package to have finished loading (the registry lives in it).
+_LIGHTNING = "lightning.pytorch"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lightning_dos' has no attribute {name!r}")
+
+
+def _register() -> None:
+    # The strategy module registers "dos" as its import completes (also when this runs while it is being
+    # imported, which is how Lightning got loaded in the first place: then this returns the partial module).
+    importlib.import_module("lightning_dos.strategy")
+
+
+class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
+    """Registers ``"dos"`` right after ``lightning.pytorch`` has been imported, then steps aside."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != _LIGHTNING:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, execute = spec.loader, spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            execute(module)
+            _register()
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+if _LIGHTNING in sys.modules:
+    _register()
+elif not any(isinstance(finder, _RegisterWhenLightningLoads) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterWhenLightningLoads())
 
 __all__ = [
     "DOSConfigError",

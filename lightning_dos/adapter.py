@@ -21,7 +21,7 @@ import torch
 
 from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, TornStateError, UpdateInterrupted
 from lightning_dos.engine.loop import InterleavedAdam, StepInputs
-from lightning_dos.engine.plan import Plan
+from lightning_dos.engine.plan import Plan, auto_sub_group_size
 from lightning_dos.engine.report import StepReport
 from lightning_dos.optimizers import check_optimizer, hyper_of, uses_tensor_step
 from lightning_dos.signals import SignalHold
@@ -108,7 +108,8 @@ class ZeRO3Adapter:
 
     Args:
         zero_optimizer: ``deepspeed_engine.optimizer`` after ``deepspeed.initialize``.
-        sub_group_size: largest number of elements per engine sub-group.
+        sub_group_size: largest number of elements per engine sub-group, or ``"auto"`` to size it from this
+            rank's partition (:func:`~lightning_dos.engine.plan.auto_sub_group_size`).
         gpu_memory_budget: device bytes the update may use (None: derived from free memory).
         pin: pin the engine's host slabs.
     """
@@ -116,7 +117,7 @@ class ZeRO3Adapter:
     def __init__(
         self,
         zero_optimizer: object,
-        sub_group_size: int,
+        sub_group_size: int | str,
         gpu_memory_budget: int | None = None,
         pin: bool = True,
     ) -> None:
@@ -125,10 +126,13 @@ class ZeRO3Adapter:
         self.inner = z.optimizer
         self.flats: list[torch.Tensor] = list(z.fp32_partitioned_groups_flat)
         lp = z.fp16_partitioned_groups_flat
+        numels = [f.numel() for f in self.flats]
+        #: The engine's sub-group size in elements ("auto" resolved against this rank's partition).
+        self.sub_group_size = auto_sub_group_size(sum(numels)) if sub_group_size == "auto" else int(sub_group_size)
         self.engine = InterleavedAdam(
-            flat_numels=[f.numel() for f in self.flats],
+            flat_numels=numels,
             flat_param_groups=[z.sub_group_to_group_id[i] for i in range(len(self.flats))],
-            sub_group_size=sub_group_size,
+            sub_group_size=self.sub_group_size,
             device=lp[0].device,
             lp_dtype=lp[0].dtype,
             pin=pin,
@@ -282,6 +286,7 @@ class ZeRO3Adapter:
         z.timers(OPTIMIZER_STEP_TIMER).start()
         # A checkpoint saved by a signal handler, or from another thread, sees the state before this
         # point or after the step counts are stored with the weights; nothing in between.
+        _run_step_hooks(self.inner, "pre")  # the engine's update is the inner optimizer's step
         self.signals.hold()
         try:
             with self.engine.guard.updating():
@@ -292,6 +297,7 @@ class ZeRO3Adapter:
             self.release_signals()
             raise
         z.timers(OPTIMIZER_STEP_TIMER).stop()
+        _run_step_hooks(self.inner, "post")
         z._post_step(timer_names)
         if self.deliver_after_step:
             self.deliver()
@@ -414,3 +420,21 @@ def load_zero3_weights_for_evaluation(
     for key in ("module", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments"):
         client.pop(key, None)  # the weights, read above; what remains is Lightning's client state
     return client
+
+
+def _run_step_hooks(inner: torch.optim.Optimizer, when: str) -> None:
+    """The bookkeeping torch does around ``Optimizer.step``, whose body the engine replaces.
+
+    The step hooks registered on the inner optimizer (and globally) run as torch would run them; after the
+    step, the flag that an LR scheduler's wrapper of ``inner.step`` sets is set too, so the scheduler does
+    not warn that it stepped before the optimizer (it did not: the engine's update is the optimizer step).
+    """
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    if when == "pre":
+        hooks = [*_global_optimizer_pre_hooks.values(), *inner._optimizer_step_pre_hooks.values()]
+    else:
+        hooks = [*inner._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()]
+        inner._opt_called = True  # what torch.optim.lr_scheduler's step wrapper records
+    for hook in hooks:
+        hook(inner, (inner,), {})

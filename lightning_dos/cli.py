@@ -4,97 +4,69 @@ lightning-dos fit --config recipes/gpt-tiny.yaml
 lightning-dos calibrate --out profile.yaml     # measure this machine's rates
 lightning-dos plan --recipe recipes/gpt-7b.yaml --profile paper-h100x4
 lightning-dos report runs/gpt-tiny             # PNG of a run's metrics
+
+Only the standard library is imported here: the help and the extra subcommands start in well under a second,
+and Lightning (with torch) is imported when a training subcommand runs.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
-from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.loggers import CSVLogger
-
-import lightning_dos  # noqa: F401 - registers the strategy name "dos"
-from lightning_dos.callbacks import DOSMonitor, DOSProgressBar
-from lightning_dos.data import ByteCorpusDataModule
-from lightning_dos.recipes.gpt import GPT
-from lightning_dos.strategy import DOSConfigError
-
 DESCRIPTION = "Train with Deep Optimizer States (DeepSpeed ZeRO-3 offload, interleaved CPU/GPU updates)."
+
+#: LightningCLI's subcommands: name -> what it does.
+TRAINING_COMMANDS = {
+    "fit": "train a model (e.g. lightning-dos fit --config recipes/gpt-tiny.yaml)",
+    "validate": "run one evaluation epoch over the validation set",
+    "test": "run one evaluation epoch over the test set",
+    "predict": "run inference on your data",
+}
 
 #: Subcommands that are not LightningCLI's: name -> (module, what it does).
 EXTRA_COMMANDS = {
     "calibrate": ("lightning_dos.planner", "measure this machine's CPU/GPU/PCIe rates and write a profile"),
     "plan": ("lightning_dos.planner", "predict update and iteration time of each offload scheme for a model"),
-    "report": ("lightning_dos.report", "draw a run's logged metrics (memory, PCIe, phase split) as a PNG"),
+    "report": ("lightning_dos.report", "draw a run's logged metrics (loss, LR, phase split, memory) as a PNG"),
 }
 
 
-class SettingError(ValueError):
-    """A setting given on the command line or in a recipe was refused while building the run."""
+def usage() -> str:
+    """The top-level help: every subcommand, LightningCLI's and the extra ones."""
+    commands = {**TRAINING_COMMANDS, **{name: what for name, (_, what) in EXTRA_COMMANDS.items()}}
+    width = max(len(name) for name in commands)
+    lines = [
+        "usage: lightning-dos SUBCOMMAND [options]",
+        "",
+        DESCRIPTION,
+        "",
+        "subcommands:",
+        *(f"  {name:<{width}}  {what}" for name, what in commands.items()),
+        "",
+        "lightning-dos SUBCOMMAND --help shows a subcommand's options "
+        "(for fit/validate/test/predict: LightningCLI's, e.g. --config, --trainer.*, --model.*, --data.*).",
+    ]
+    return "\n".join(lines)
 
 
-class DOSCLI(LightningCLI):
-    """LightningCLI with the recipe GPT and byte corpus as defaults, the DOS monitor and progress bar on,
-    and CSV (plus TensorBoard, when installed) logs under ``trainer.default_root_dir``."""
-
-    def instantiate_classes(self) -> None:
-        # Settings are checked when the model, data and strategy are built, before any work: report a
-        # refusal as one message, not a traceback through jsonargparse.
-        try:
-            super().instantiate_classes()
-            check = getattr(self.model, "check_seq_len", None)
-            if check is not None and self.datamodule is not None:
-                check(getattr(self.datamodule, "seq_len", None))
-        except (ValueError, TypeError, FileNotFoundError) as error:
-            raise SettingError(str(error)) from error
-
-    def instantiate_trainer(self, **kwargs: Any) -> Any:
-        config = self.config_init[self.subcommand]["trainer"] if self.subcommand else self.config_init["trainer"]
-        root = config.get("default_root_dir") or "."
-        if config.get("logger") in (None, True):
-            loggers = [CSVLogger(root, name="csv")]
-            try:
-                from lightning.pytorch.loggers import TensorBoardLogger
-
-                importlib.import_module("tensorboard")
-                loggers.append(TensorBoardLogger(root, name="tensorboard"))
-            except ImportError:
-                pass
-            config["logger"] = loggers
-        callbacks = list(config.get("callbacks") or [])
-        if not any(isinstance(c, DOSMonitor) for c in callbacks):
-            callbacks.append(DOSMonitor())
-        if config.get("enable_progress_bar", True) is not False and not any(
-            isinstance(c, DOSProgressBar) for c in callbacks
-        ):
-            callbacks.append(DOSProgressBar())
-        for callback in callbacks:
-            # A recipe's checkpoints go beside its logs, so that `--ckpt_path ROOT/checkpoints/last.ckpt` finds them.
-            if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
-                callback.dirpath = str(Path(root) / "checkpoints")
-        config["callbacks"] = callbacks
-        return super().instantiate_trainer(**kwargs)
-
-
-def _print_extra_commands() -> None:
-    print("lightning-dos: Deep Optimizer States for PyTorch Lightning\n")
-    print(
-        "training (LightningCLI): fit, validate, test, predict   e.g. lightning-dos fit --config recipes/gpt-tiny.yaml"
-    )
-    for name, (_, what) in EXTRA_COMMANDS.items():
-        print(f"  {name:<10} {what}   (lightning-dos {name} --help)")
-    print()
+def __getattr__(name: str) -> Any:
+    # DOSCLI and SettingError live with LightningCLI, imported only when asked for.
+    if name in ("DOSCLI", "SettingError"):
+        return getattr(importlib.import_module("lightning_dos.lightning_cli"), name)
+    raise AttributeError(f"module 'lightning_dos.cli' has no attribute {name!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in EXTRA_COMMANDS:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    if argv[0] in EXTRA_COMMANDS:
         module_name = EXTRA_COMMANDS[argv[0]][0]
         try:
             module = importlib.import_module(module_name)
@@ -109,8 +81,14 @@ def main(argv: list[str] | None = None) -> int:
             return int(module.main(rest) or 0)
         except SystemExit as done:  # argparse's --help and usage errors
             return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-    if not argv or argv[0] in ("-h", "--help"):
-        _print_extra_commands()
+    from lightning_dos import quiet
+
+    quiet.install()  # before LightningCLI builds its parser, which already imports DeepSpeed
+    from lightning_dos.data import ByteCorpusDataModule
+    from lightning_dos.lightning_cli import DOSCLI, SettingError
+    from lightning_dos.recipes.gpt import GPT
+    from lightning_dos.strategy import DOSConfigError
+
     try:
         DOSCLI(
             GPT,
@@ -133,8 +111,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _has_omegaconf() -> bool:
-    try:
-        importlib.import_module("omegaconf")
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("omegaconf") is not None

@@ -14,12 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
-from lightning_dos.engine.calibrate import calibrate
 from lightning_dos.engine.perfmodel import HardwareRates, choose_plan, floor, predict
-from lightning_dos.engine.plan import stride_plan
+from lightning_dos.engine.plan import auto_sub_group_size, split_into_sub_groups, stride_plan
 from lightning_dos.profiles import load_profile, save_profile
 
 TWINFLOW_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5)
@@ -32,9 +30,23 @@ def stock_update_s(elements: float, rates: HardwareRates, lp_bytes: int) -> floa
 
 
 def twinflow_update_s(elements: float, gpu_share: float, rates: HardwareRates, lp_bytes: int) -> float:
-    """TwinFlow: a fixed share stays on the GPU, updated there, serially with the host sub-groups."""
+    """TwinFlow: a fixed share stays on the GPU (its gradients too), updated there, serially with the host
+    sub-groups."""
     gpu = gpu_share * elements / rates.device_adam_eps if rates.device_adam_eps > 0 else math.inf
     return stock_update_s((1 - gpu_share) * elements, rates, lp_bytes) + gpu
+
+
+def has_accelerator(rates: HardwareRates) -> bool:
+    """Whether a profile describes an accelerator (not the CPU standing in for one)."""
+    return rates.device_adam_eps > 0 and not rates.shared_cpu
+
+
+def device_kind(rates: HardwareRates, meta: dict[str, Any]) -> str:
+    """What the profile's ranks run on, for titles: ``GPU`` or ``CPU (no accelerator)``."""
+    if not has_accelerator(rates):
+        return "CPU (no accelerator)"
+    device = str(meta.get("device", "cuda"))
+    return "GPU" if device.startswith("cuda") else device
 
 
 def recipe_parameters(path: str) -> int:
@@ -53,25 +65,55 @@ def recipe_parameters(path: str) -> int:
 
 
 def plan_rows(params: int, gpus: int, rates: HardwareRates, meta: dict[str, Any], args: argparse.Namespace) -> dict:
-    """Every scheme's predicted update for a model of ``params`` on ``gpus`` ranks."""
-    per_rank = params / gpus
-    count = max(1, math.ceil(per_rank / args.sub_group_size))
-    sizes = [int(per_rank // count)] * count
+    """Every scheme's predicted update for a model of ``params`` on ``gpus`` ranks.
+
+    TwinFlow and the paper's strides need an accelerator; with a CPU-only profile only stock offload and ours
+    are shown. The floor is searched at every shown scheme's device share too, and "ours (auto)" searches a
+    superset of the placements shown, so within the device budget no row is below the floor and none is
+    better than ours.
+    """
+    per_rank = params // gpus
+    size = auto_sub_group_size(per_rank) if args.sub_group_size == "auto" else int(args.sub_group_size)
+    # Cut as the engine cuts a rank's partition: near-equal pieces of at most `size` elements.
+    sizes = [sg.numel for sg in split_into_sub_groups([per_rank], [0], size)]
+    count = len(sizes)
     lp = args.lp_bytes
     budget = args.budget if args.budget is not None else meta.get("device_free_bytes")
-    # (scheme, update seconds, device bytes it holds during the update)
-    rows: list[tuple[str, float, float]] = [("stock ZeRO-3 offload", stock_update_s(per_rank, rates, lp), 0)]
-    rows += [
-        # TwinFlow keeps fp32 param, moments and gradient of its share on the GPU for the whole run.
-        (f"TwinFlow ratio {g:.1f}", twinflow_update_s(per_rank, g, rates, lp), 16 * g * per_rank)
-        for g in TWINFLOW_RATIOS
+    accelerator = has_accelerator(rates)
+    # (scheme, update seconds, device bytes it holds during the update, streamed share, resident share)
+    rows: list[tuple[str, float, float, float, float]] = [
+        ("stock ZeRO-3 offload", stock_update_s(per_rank, rates, lp), 0, 0.0, 0.0)
     ]
-    for k in STRIDES:
-        stride = predict(sizes, stride_plan(count, k), rates, lp)
-        rows.append((f"paper stride {k}", stride.time_s, stride.peak_device_bytes))
+    if accelerator:
+        for g in TWINFLOW_RATIOS:
+            # DeepSpeed keeps int(g * n) whole sub-groups on the GPU: fp32 param, moments and gradient, all run.
+            share = int(g * count) / count
+            rows.append(
+                (
+                    f"TwinFlow ratio {g:.1f}",
+                    twinflow_update_s(per_rank, share, rates, lp),
+                    16 * share * per_rank,
+                    0.0,
+                    share,
+                )
+            )
+        for k in STRIDES:
+            plan = stride_plan(count, k)
+            stride = predict(sizes, plan, rates, lp)
+            rows.append((f"paper stride {k}", stride.time_s, stride.peak_device_bytes, plan.device_share(sizes), 0.0))
     ours_plan, ours = choose_plan(sizes, rates, budget, lp, allow_resident=True)
-    rows.append(("ours (auto)", ours.time_s, ours.peak_device_bytes))
-    r_star, t_floor = floor(int(per_rank), rates, lp, budget)
+    ours_shares = (
+        sum(sizes[i] for i in ours_plan.streamed_indices) / sum(sizes),
+        sum(sizes[i] for i in ours_plan.resident_indices) / sum(sizes),
+    )
+    rows.append(("ours (auto)", ours.time_s, ours.peak_device_bytes, *ours_shares))
+
+    def fits(held: float) -> bool:
+        return budget is None or held <= budget
+
+    shown = [(r, q) for _, _, held, r, q in rows if fits(held)]
+    # TwinFlow's resident share keeps its gradients on the GPU: the floor must allow that too.
+    r_star, t_floor = floor(per_rank, rates, lp, budget, shares=shown, resident_up_bytes=0)
     fwd_bwd = (args.forward_s or 0.0) + (args.backward_s or 0.0)
     table = [
         {
@@ -81,14 +123,17 @@ def plan_rows(params: int, gpus: int, rates: HardwareRates, meta: dict[str, Any]
             "iteration_s": fwd_bwd + t if args.forward_s is not None or args.backward_s is not None else None,
             "vs_floor": t / t_floor,
             "device_gb": held / 1e9,
-            "fits_budget": budget is None or held <= budget,
+            "fits_budget": fits(held),
         }
-        for name, t, held in rows
+        for name, t, held, _, _ in rows
     ]
     return {
         "params": params,
         "gpus": gpus,
+        "device": device_kind(rates, meta),
+        "sub_group_size": size,
         "sub_groups_per_rank": count,
+        "budget_gb": None if budget is None else budget / 1e9,
         "ours": {
             "device_share": ours_plan.device_share(sizes),
             "device_buffers": ours_plan.device_buffers,
@@ -104,31 +149,75 @@ def _print_plan(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    budget = result["budget_gb"]
     table = Table(
-        title=f"{result['params'] / 1e9:.1f}B params on {result['gpus']} GPU(s), "
-        f"{result['sub_groups_per_rank']} sub-groups per rank"
+        title=f"{result['params'] / 1e9:.2f}B params over {result['gpus']} rank(s), {result['device']}: "
+        f"{result['sub_groups_per_rank']} sub-group(s) of {result['sub_group_size']:,} elements per rank",
+        caption=None if budget is None else f"device memory budget per rank: {budget:.1f} GB ('over': does not fit)",
     )
     for column in ("scheme", "update s", "B params/s", "iteration s", "x floor", "GPU GB"):
-        table.add_column(column, justify="left" if column == "scheme" else "right")
+        table.add_column(column, justify="left" if column == "scheme" else "right", no_wrap=True)
     for row in result["rows"]:
-        iteration = "" if row["iteration_s"] is None else f"{row['iteration_s']:.3f}"
+        iteration = "-" if row["iteration_s"] is None else f"{row['iteration_s']:.3f}"
+        held = f"{row['device_gb']:.2f}" + ("" if row["fits_budget"] else " over")
         table.add_row(
             row["scheme"],
             f"{row['update_s']:.3f}",
             f"{row['update_params_per_s'] / 1e9:.2f}",
             iteration,
             f"{row['vs_floor']:.2f}",
+            held,
         )
     f = result["floor"]
     table.add_row(
-        "floor T(r*)", f"{f['update_s']:.3f}", f"{f['update_params_per_s'] / 1e9:.2f}", "", "1.00", end_section=True
+        "floor T(r*)",
+        f"{f['update_s']:.3f}",
+        f"{f['update_params_per_s'] / 1e9:.2f}",
+        "-",
+        "1.00",
+        "-",
+        end_section=True,
     )
     Console().print(table)
     o = result["ours"]
+    where = "on the GPU" if result["device"] == "GPU" else "on the device"
     print(
-        f"ours: {o['device_share']:.0%} of elements on the GPU ({o['streamed']} streamed through "
+        f"ours: {o['device_share']:.0%} of elements {where} ({o['streamed']} streamed through "
         f"{o['device_buffers']} buffer(s), {o['resident']} resident); floor at r* = {f['r_star']:.2f}"
     )
+    if result["device"].startswith("CPU"):
+        print("TwinFlow and the paper's strides need an accelerator; a CPU-only profile shows stock offload and ours.")
+
+
+def describe_rates(rates: HardwareRates) -> list[str]:
+    """One line per measured rate, with its unit."""
+    lines = [
+        f"host Adam          {rates.host_adam_eps / 1e9:8.3f} G elements/s",
+        f"host cast to 16 b  {rates.host_cast_eps / 1e9:8.3f} G elements/s",
+    ]
+    if rates.device_adam_eps > 0:
+        lines.append(f"device Adam        {rates.device_adam_eps / 1e9:8.3f} G elements/s")
+    lines += [
+        f"host to device     {rates.h2d_bps / 1e9:8.3f} GB/s alone, {rates.duplex_h2d_bps / 1e9:.3f} GB/s duplex",
+        f"device to host     {rates.d2h_bps / 1e9:8.3f} GB/s alone, {rates.duplex_d2h_bps / 1e9:.3f} GB/s duplex",
+    ]
+    if rates.shared_cpu:
+        lines.append("(no accelerator: the 'device' is the CPU itself, and its copies are host memory copies)")
+    return lines
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from lightning_dos.engine.calibrate import calibrate
+
+    name = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = torch.device(name)
+    rates = calibrate(device)
+    path = save_profile(args.out, rates, device=str(device), gpus_per_node=max(1, torch.cuda.device_count()))
+    print(f"wrote {path}")
+    print("\n".join(describe_rates(rates)))
+    return 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -137,7 +226,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     cal = sub.add_parser("calibrate", help="measure this machine's rates and write a profile")
-    cal.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    cal.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when there is one)")
     cal.add_argument("--out", type=Path, default=Path("profile.yaml"), help="profile file (.yaml or .json)")
     plan = sub.add_parser("plan", help="predict the update phase of each offload scheme")
     model = plan.add_mutually_exclusive_group(required=True)
@@ -145,7 +234,9 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--recipe", help="a recipe YAML (its model's parameters are counted)")
     plan.add_argument("--gpus-per-node", type=int, help="ranks the model is partitioned over (default: the profile's)")
     plan.add_argument("--profile", default="paper-h100x4", help="a named profile or a profile file")
-    plan.add_argument("--sub-group-size", type=float, default=1e8, help="elements per sub-group")
+    plan.add_argument(
+        "--sub-group-size", default="auto", help="elements per sub-group, or auto (as the strategy sizes them)"
+    )
     plan.add_argument("--lp-bytes", type=int, default=2, choices=(2, 4), help="bytes per model parameter")
     plan.add_argument("--budget", type=float, help="device bytes for the update (default: the profile's free memory)")
     plan.add_argument("--forward-s", type=float, help="forward time, to predict the iteration")
@@ -158,20 +249,20 @@ def main(argv: list[str]) -> int:
     """Run ``calibrate`` or ``plan`` (``argv`` starts with the subcommand); returns the exit status."""
     args = _parser().parse_args(argv)
     if args.command == "calibrate":
-        device = torch.device(args.device)
-        rates = calibrate(device)
-        path = save_profile(args.out, rates, device=str(device), gpus_per_node=max(1, torch.cuda.device_count()))
-        print(f"wrote {path}: {json.dumps(rates.to_dict())}")
-        return 0
+        return _calibrate(args)
     try:
         rates, meta = load_profile(args.profile)
     except (FileNotFoundError, ValueError) as error:
         print(f"lightning-dos plan: error: {error}", file=sys.stderr)
         return 2
-    if args.sub_group_size <= 0:
-        print("lightning-dos plan: error: --sub-group-size must be positive", file=sys.stderr)
-        return 2
-    args.sub_group_size = int(args.sub_group_size)
+    if args.sub_group_size != "auto":
+        try:
+            args.sub_group_size = int(float(args.sub_group_size))
+        except ValueError:
+            args.sub_group_size = 0
+        if args.sub_group_size <= 0:
+            print("lightning-dos plan: error: --sub-group-size must be 'auto' or a positive number", file=sys.stderr)
+            return 2
     args.budget = int(args.budget) if args.budget is not None else None
     params = int(args.params) if args.params is not None else recipe_parameters(args.recipe)
     gpus = args.gpus_per_node or int(meta.get("gpus_per_node", 1))

@@ -1,9 +1,11 @@
 """``lightning-dos report RUN_DIR [--out PNG]``: one PNG of a run's ``DOSMonitor`` metrics.
 
-It finds the newest CSVLogger ``metrics.csv`` under ``RUN_DIR`` and draws, step by step: memory per
-phase, PCIe throughput per direction, the forward/backward/update breakdown, the share of the update
-done on the device, the update time against the performance model's prediction, and the run's medians.
-Drawing needs matplotlib, the optional ``plot`` extra.
+It finds the newest CSVLogger ``metrics.csv`` under ``RUN_DIR`` and draws, step by step: the loss (train
+and validation), the learning rate of each param group, the forward/backward/update split of each step,
+the update time against the performance model's prediction, memory per phase, PCIe throughput and bytes
+per direction, the share of the update done on the device, and the run's medians. A panel whose metrics
+the run did not log (or logged as zero throughout, like PCIe on a CPU run) is left out. Drawing needs
+matplotlib, the optional ``plot`` extra.
 """
 
 from __future__ import annotations
@@ -147,19 +149,50 @@ def _bytes_moved(ax: Any, series: Series) -> bool:
 
 
 def _breakdown(ax: Any, series: Series) -> bool:
+    """The phase split as stacked bands over the steps, each labelled with its median share of the step."""
     parts = {phase: dict(zip(*_get(series, f"{phase}_s"))) for phase in PHASES}
     steps = sorted(set().union(*parts.values()))
     if not steps:
         return _no_data(ax, "no phase times")
-    bottom = [0.0] * len(steps)
-    for phase in PHASES:
-        heights = [parts[phase].get(s, 0.0) for s in steps]
-        ax.bar(steps, heights, bottom=bottom, color=PHASE_COLOURS[phase], label=phase, width=0.8)
-        bottom = [b + h for b, h in zip(bottom, heights)]
-    step_steps, step_s = _get(series, "step_s")
-    ax.plot(step_steps, step_s, color="black", marker="_", ls="none", markersize=12, label="step (measured)")
-    ax.set_title("Time per step, by phase")
+    heights = [[parts[phase].get(s, 0.0) for s in steps] for phase in PHASES]
+    totals = [sum(column) for column in zip(*heights)]
+    labels = []
+    for phase, values in zip(PHASES, heights):
+        shares = [v / t for v, t in zip(values, totals) if t > 0]
+        labels.append(f"{phase} ({statistics.median(shares):.0%} of the step)" if shares else phase)
+    ax.stackplot(steps, heights, labels=labels, colors=[PHASE_COLOURS[p] for p in PHASES], alpha=0.85, step="mid")
+    ax.set_title("Time per step, by phase (median share in the legend)")
     ax.set_ylabel("seconds")
+    ax.set_ylim(0, 1.4 * max(totals + [1e-9]))  # room for the legend above the bands
+    ax.legend(loc="upper right", fontsize="small")
+    return True
+
+
+def _loss(ax: Any, series: Series) -> bool:
+    train_steps, train = series.get("train/loss", ([], []))
+    val_steps, val = series.get("val/loss", ([], []))
+    if not train_steps and not val_steps:
+        return _no_data(ax, "no loss logged")
+    if train_steps:
+        ax.plot(train_steps, train, color="#4C72B0", lw=1.5, label="train/loss")
+    if val_steps:
+        ax.plot(val_steps, val, color="#C44E52", marker="o", lw=1.5, label="val/loss")
+    ax.set_title("Loss")
+    ax.set_ylabel("loss")
+    ax.legend(fontsize="small")
+    return True
+
+
+def _learning_rates(ax: Any, series: Series) -> bool:
+    keys = sorted(k for k in series if k.startswith("lr-"))
+    if not keys:
+        return _no_data(ax, "no learning rate logged")
+    for key in keys:
+        steps, values = series[key]
+        ax.plot(steps, values, marker=".", label=key)
+    ax.set_title("Learning rate of each param group")
+    ax.set_ylabel("learning rate")
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     ax.legend(fontsize="small")
     return True
 
@@ -220,29 +253,67 @@ def _medians(ax: Any, series: Series) -> None:
     ax.text(0.02, 0.95, "\n".join(text) or "no metrics", va="top", family="monospace", transform=ax.transAxes)
 
 
+#: Every panel the report can draw, by name.
+PANEL_NAMES = (
+    "loss",
+    "learning rate",
+    "phases",
+    "update",
+    "memory",
+    "reserved memory",
+    "PCIe",
+    "bytes",
+    "device share",
+)
+
+
+def _any(series: Series, *keys: str, nonzero: bool = False) -> bool:
+    """Whether any of ``keys`` was logged (with a value other than 0, when ``nonzero``)."""
+    return any(v != 0 or not nonzero for key in keys for v in series.get(key, ([], []))[1])
+
+
+def panels(series: Series) -> list[tuple[str, Any]]:
+    """The panels ``series`` has data for, in drawing order: (name, function drawing it on an axis)."""
+    mem = [f"dos/mem_peak_{p}_gb" for p in PHASES]
+    candidates = [
+        ("loss", _any(series, "train/loss", "val/loss"), lambda ax: _loss(ax, series)),
+        ("learning rate", any(k.startswith("lr-") for k in series), lambda ax: _learning_rates(ax, series)),
+        ("phases", _any(series, *(f"dos/{p}_s" for p in PHASES)), lambda ax: _breakdown(ax, series)),
+        ("update", _any(series, "dos/update_s"), lambda ax: _update_vs_predicted(ax, series)),
+        ("memory", _any(series, *mem), lambda ax: _memory(ax, series, "allocated")),
+        (
+            "reserved memory",
+            _any(series, *(f"dos/mem_reserved_peak_{p}_gb" for p in PHASES)),
+            lambda ax: _memory(ax, series, "reserved"),
+        ),
+        ("PCIe", _any(series, "dos/h2d_gbps", "dos/d2h_gbps", nonzero=True), lambda ax: _pcie(ax, series)),
+        ("bytes", _any(series, "dos/h2d_gb", "dos/d2h_gb", nonzero=True), lambda ax: _bytes_moved(ax, series)),
+        ("device share", _any(series, "dos/gpu_fraction", nonzero=True), lambda ax: _device_share(ax, series)),
+    ]
+    return [(name, draw_one) for name, present, draw_one in candidates if present]
+
+
 def draw(series: Series, out: Path, title: str) -> Path:
-    """Draw the panels of ``series`` into ``out`` (a PNG) and return its path."""
+    """Draw the panels ``series`` has data for, and the medians, into ``out`` (a PNG); return its path."""
     from matplotlib.figure import Figure
 
-    panels = (
-        lambda ax: _memory(ax, series, "allocated"),
-        lambda ax: _memory(ax, series, "reserved"),
-        lambda ax: _breakdown(ax, series),
-        lambda ax: _update_vs_predicted(ax, series),
-        lambda ax: _pcie(ax, series),
-        lambda ax: _bytes_moved(ax, series),
-        lambda ax: _device_share(ax, series),
-    )
-    fig = Figure(figsize=(14, 16), layout="constrained")
-    axes = fig.subplots(4, 2)
-    for ax, panel in zip(axes.flat, panels):
-        if panel(ax):
+    chosen = panels(series)
+    rows = math.ceil((len(chosen) + 1) / 2)  # + the medians
+    fig = Figure(figsize=(13, 3.4 * rows), layout="constrained")
+    axes = list(fig.subplots(rows, 2, squeeze=False).flat)
+    for ax, (_, draw_one) in zip(axes, chosen):
+        if draw_one(ax):
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
-    _medians(axes.flat[-1], series)
-    fig.suptitle(title, fontsize="large")
+    _medians(axes[len(chosen)], series)
+    for ax in axes[len(chosen) + 1 :]:
+        ax.set_visible(False)
+    drawn = {name for name, _ in chosen}
+    left_out = [name for name in PANEL_NAMES if name not in drawn]
+    subtitle = f"\n(no data, left out: {', '.join(left_out)})" if left_out else ""
+    fig.suptitle(title + subtitle, fontsize="large")
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
+    fig.savefig(out, dpi=72)
     return out
 
 

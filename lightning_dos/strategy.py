@@ -23,12 +23,14 @@ from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.environments import ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_dos import quiet
 from lightning_dos.adapter import ZeRO3Adapter, load_zero3_weights_for_evaluation
 from lightning_dos.engine.calibrate import calibrate
 from lightning_dos.engine.perfmodel import HardwareRates
-from lightning_dos.engine.plan import FractionSpec, parse_gpu_fraction
+from lightning_dos.engine.plan import MAX_AUTO_SUB_GROUP, FractionSpec, coarse_share_warning, parse_gpu_fraction
 from lightning_dos.engine.scheduler import PlacementScheduler
 from lightning_dos.optimizers import check_optimizer
 
@@ -39,7 +41,9 @@ if TYPE_CHECKING:
 
     from lightning_dos.engine.loop import InterleavedAdam
 
-DEFAULT_SUB_GROUP_SIZE = 100_000_000
+#: DeepSpeed's own ``sub_group_size`` (how it packs parameters into flat partitions) under ``"auto"``; the
+#: engine then cuts those flats into sub-groups sized from the rank's partition.
+DEEPSPEED_SUB_GROUP_SIZE = MAX_AUTO_SUB_GROUP
 
 
 class DOSConfigError(ValueError):
@@ -140,7 +144,8 @@ class DeepSpeedCPUStrategy(DeepSpeedStrategy):
         # Lightning validates CUDA device indices here, which CPU devices do not have.
         reset_seed()
         self.set_world_ranks()
-        self._init_deepspeed_distributed()
+        with quiet.known_prints_dropped():  # DeepSpeed prints that its CPU comm op loaded, on every start
+            self._init_deepspeed_distributed()
 
     @property
     def _device_rank(self) -> int:
@@ -210,11 +215,14 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
     state pre-step or post-step and says which (:class:`~lightning_dos.engine.atomic.UpdateInterrupted`).
 
     Args:
-        gpu_fraction: share of sub-groups updated on the accelerator each iteration: ``"auto"`` (the
-            performance model chooses; everything on the host when there is no accelerator), a number
-            in [0, 1] (that share, spread evenly), or ``"stride:K"`` (the paper's rule: sub-group x on
-            the accelerator when (x + 1) % K == 0).
-        sub_group_size: elements per optimizer sub-group (the unit of placement and of streaming).
+        gpu_fraction: share of the optimizer state's elements updated on the accelerator each iteration:
+            ``"auto"`` (the performance model chooses; everything on the host when there is no accelerator),
+            a number in [0, 1] (that share of elements, in whole sub-groups spread evenly), or ``"stride:K"``
+            (the paper's rule: sub-group x on the accelerator when (x + 1) % K == 0).
+        sub_group_size: elements per optimizer sub-group (the unit of placement and of streaming), or
+            ``"auto"``: sized from the rank's partition so that placement can be fine (about 32 sub-groups, none
+            under 1,048,576 elements nor over the paper's 1e8); the choice is logged once when fitting starts.
+            An explicit size that leaves a fixed ``gpu_fraction`` far from the asked share is warned about.
         gpu_memory_budget: bytes of accelerator memory the update phase may use; None derives it from the
             memory free after backward, less a 10% margin. With an explicit budget, ``"auto"`` may also keep
             optimizer state resident on the accelerator across iterations (it must then fit beside
@@ -242,7 +250,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
     def __init__(
         self,
         gpu_fraction: float | str = "auto",
-        sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
+        sub_group_size: int | str = "auto",
         gpu_memory_budget: int | None = None,
         accelerator: Accelerator | None = None,
         stage: int = 3,
@@ -259,9 +267,12 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
+        quiet.install()  # the pinned libraries' known per-step deprecations and start-up chatter
         self.fraction: FractionSpec = _validated_fraction(gpu_fraction)
-        if isinstance(sub_group_size, bool) or not isinstance(sub_group_size, int) or sub_group_size <= 0:
-            raise _refuse("sub_group_size", sub_group_size, "use a positive integer number of elements")
+        if sub_group_size != "auto" and (
+            isinstance(sub_group_size, bool) or not isinstance(sub_group_size, int) or sub_group_size <= 0
+        ):
+            raise _refuse("sub_group_size", sub_group_size, "use 'auto' or a positive integer number of elements")
         if gpu_memory_budget is not None and (
             isinstance(gpu_memory_budget, bool) or not isinstance(gpu_memory_budget, int) or gpu_memory_budget < 0
         ):
@@ -285,6 +296,14 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         self.sub_group_size = sub_group_size
         self.gpu_memory_budget = gpu_memory_budget
         user_config = DeepSpeedStrategy._load_config(self, config)  # resolves a JSON path or the env var
+        deepspeed_size = DEEPSPEED_SUB_GROUP_SIZE if sub_group_size == "auto" else sub_group_size
+        user_zero = user_config.get("zero_optimization") if isinstance(user_config, dict) else None
+        #: What the engine's sub-groups are sized by: a DeepSpeed config's own value wins, as it always has.
+        self.engine_sub_group_size: int | str = (
+            int(user_zero["sub_group_size"])
+            if isinstance(user_zero, dict) and "sub_group_size" in user_zero
+            else sub_group_size
+        )
         super().__init__(
             accelerator=accelerator,
             stage=3,
@@ -293,7 +312,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             offload_parameters=offload_parameters,
             offload_params_device=offload_params_device,
             pin_memory=True,
-            sub_group_size=sub_group_size,
+            sub_group_size=deepspeed_size,
             config=user_config,
             logging_level=logging_level,
             parallel_devices=parallel_devices,
@@ -303,7 +322,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             timeout=timeout,
             **kwargs,
         )
-        self.config = merge_required_config(self.config, sub_group_size)
+        self.config = merge_required_config(self.config, deepspeed_size)
         self.dos_adapter: ZeRO3Adapter | None = None
         #: Chooses each step's plan (and predicts its update time) once fitting has started.
         self.dos_scheduler: PlacementScheduler | None = None
@@ -335,11 +354,22 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         return optimizers[0], schedulers[0] if schedulers else None
 
     def _on_optimizer_ready(self, ds_optimizer: Any) -> None:
-        self.dos_adapter = ZeRO3Adapter(
+        self.dos_adapter = adapter = ZeRO3Adapter(
             ds_optimizer,
-            sub_group_size=int(self.config["zero_optimization"]["sub_group_size"]),
+            sub_group_size=self.engine_sub_group_size,
             gpu_memory_budget=self.gpu_memory_budget,
         )
+        sizes = adapter.engine.sizes
+        if self.engine_sub_group_size == "auto":
+            rank_zero_info(
+                f"lightning-dos: sub_group_size='auto' chose {adapter.sub_group_size:,} elements: "
+                f"{len(sizes)} sub-group(s) over this rank's {sum(sizes):,} optimizer elements"
+            )
+        coarse = coarse_share_warning(
+            self.fraction, sizes, adapter.sub_group_size, auto=self.engine_sub_group_size == "auto"
+        )
+        if coarse is not None:
+            rank_zero_warn(coarse)
         self.dos_scheduler = PlacementScheduler(self.fraction, self.dos_adapter.engine, calibrate=_calibrated_rates)
         self.dos_adapter.planner = self.dos_scheduler
 
@@ -447,5 +477,8 @@ def _check_deepspeed_accelerator_is_cpu() -> None:
             "set the environment variable DS_ACCELERATOR=cpu before starting Python"
         )
 
+
+if "dos" not in StrategyRegistry:  # importing lightning_dos (lazily) brings this module in: Trainer(strategy="dos")
+    DeepOptimizerStatesStrategy.register_strategies(StrategyRegistry)
 
 __all__ = ["DOSConfigError", "DeepOptimizerStatesStrategy", "DeepSpeedCPUStrategy", "merge_required_config"]

@@ -12,9 +12,15 @@ from hypothesis import strategies as st
 from lightning_dos.engine.kernels import AdamHyper
 from lightning_dos.engine.loop import InterleavedAdam, StepInputs
 from lightning_dos.engine.plan import (
+    ALIGN_ELEMENTS,
+    AUTO_SUB_GROUPS,
+    MAX_AUTO_SUB_GROUP,
+    MIN_AUTO_SUB_GROUP,
     Place,
     Plan,
     all_host,
+    auto_sub_group_size,
+    coarse_share_warning,
     even_plan,
     parse_gpu_fraction,
     random_plan,
@@ -30,7 +36,7 @@ from lightning_dos.engine.plan import (
 def test_sub_groups_tile_each_flat_partition_exactly(numels: list[int], size: int) -> None:
     groups = [i % 2 for i in range(len(numels))]
     subs = split_into_sub_groups(numels, groups, size)
-    assert all(0 < s.numel <= size for s in subs)
+    assert all(0 < s.numel < size + ALIGN_ELEMENTS for s in subs)
     for flat, numel in enumerate(numels):
         mine = [s for s in subs if s.ds_group == flat]
         assert sum(s.numel for s in mine) == numel
@@ -121,3 +127,64 @@ def test_all_host_plan_moves_nothing_on_a_cpu_device() -> None:
         all_host(3), StepInputs([torch.ones(10)], [torch.zeros(10)], [AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0, True)], [1])
     )
     assert (report.h2d_bytes, report.d2h_bytes, report.device_staging_bytes) == (0, 0, 0)
+
+
+@given(numel=st.integers(1, 10**7), size=st.integers(1, 10**7))
+def test_flats_are_cut_into_near_equal_aligned_pieces(numel: int, size: int) -> None:
+    size = max(size, numel // 500 + 1)  # at most 500 pieces: the property, not the loop, is under test
+    subs = split_into_sub_groups([numel], [0], size)
+    sizes = [s.numel for s in subs]
+    assert sum(sizes) == numel
+    if size >= ALIGN_ELEMENTS:
+        assert len(sizes) == min(-(-numel // size), -(-numel // ALIGN_ELEMENTS))
+        assert max(sizes) - min(sizes) <= ALIGN_ELEMENTS and max(sizes) < size + ALIGN_ELEMENTS
+        assert all(s.ds_offset % ALIGN_ELEMENTS == 0 for s in subs), "cuts on aligned boundaries"
+    else:
+        assert len(sizes) == -(-numel // size) and max(sizes) - min(sizes) <= 1 and max(sizes) <= size
+
+
+def test_a_flat_just_over_the_size_is_halved_not_left_with_a_small_remainder() -> None:
+    assert [s.numel for s in split_into_sub_groups([2_100_000], [0], 2_000_000)] == [1_049_984, 1_050_016]
+
+
+def test_aligned_cuts_give_bitwise_the_result_of_one_whole_update() -> None:
+    """Adam over aligned sub-groups is bitwise Adam over the whole flat (the kernels' lanes line up)."""
+    torch.manual_seed(0)
+    numel = 5000
+    hyper = [AdamHyper(3e-3, 0.9, 0.95, 1e-8, 0.1, True)]
+    results = []
+    for size in (numel, 700, 1100):
+        engine = InterleavedAdam([numel], [0], size, torch.device("cpu"), torch.float32)
+        engine.pool.param.copy_(torch.linspace(-1, 1, numel))
+        for step in (1, 2, 3):
+            grad = torch.sin(torch.arange(numel, dtype=torch.float32) * (step + 0.5))
+            engine.step(all_host(len(engine.sub_groups)), StepInputs([grad], [torch.zeros(numel)], hyper, [step]))
+        results.append(engine.param_view(0).clone())
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+@given(sizes=st.lists(st.integers(1, 1000), min_size=1, max_size=40), fraction=st.floats(0, 1))
+def test_even_plan_over_elements_lands_within_half_a_sub_group_of_the_share(sizes: list[int], fraction: float) -> None:
+    plan = even_plan(len(sizes), fraction, sizes=sizes)
+    placed = sum(sizes[i] for i in plan.device_indices)
+    assert abs(placed - fraction * sum(sizes)) <= max(sizes) / 2 + 1e-6
+
+
+def test_auto_sub_group_size_gives_fine_placement_within_bounds() -> None:
+    assert auto_sub_group_size(800_000) == MIN_AUTO_SUB_GROUP, "never below the overhead floor"
+    assert auto_sub_group_size(5 * 10**9) == MAX_AUTO_SUB_GROUP, "the paper's 1e8 is the ceiling"
+    for elements in (10**8, 3 * 10**8, 10**9):
+        count = len(split_into_sub_groups([elements], [0], auto_sub_group_size(elements)))
+        assert count == AUTO_SUB_GROUPS
+
+
+def test_a_size_that_cannot_honour_the_share_is_warned_about_naming_the_size_to_use() -> None:
+    half = parse_gpu_fraction(0.5)
+    message = coarse_share_warning(half, [800_000], 100_000_000)
+    assert message is not None and "sub_group_size=100,000,000" in message and "sub_group_size=80000" in message
+    # The suggested size does honour it.
+    sizes = [s.numel for s in split_into_sub_groups([800_000], [0], 80_000)]
+    assert coarse_share_warning(half, sizes, 80_000) is None
+    assert coarse_share_warning(parse_gpu_fraction("auto"), [800_000], 100_000_000) is None
+    assert coarse_share_warning(parse_gpu_fraction(1.0), [800_000], 100_000_000) is None
+    assert "'auto' (1,048,576)" in coarse_share_warning(half, [800_000], 1_048_576, auto=True)

@@ -14,7 +14,16 @@ import torch
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.engine.plan import Place
 from lightning_dos.strategy import DeepSpeedCPUStrategy
-from tests.helpers import LN_VOCAB, RandomPlacement, TinyLM, full_parameters, loader, max_relative_error, trainer
+from tests.helpers import (
+    FP32_RTOL,
+    LN_VOCAB,
+    RandomPlacement,
+    TinyLM,
+    full_parameters,
+    loader,
+    max_relative_error,
+    trainer,
+)
 
 SUB_GROUP = 700  # elements: the TinyLM has ~8k parameters, so about a dozen sub-groups
 STEPS = 20
@@ -54,8 +63,10 @@ def test_fixed_placements_match_plain_adamw(fraction, reference) -> None:  # noq
     # With no accelerator "auto" keeps everything on the host.
     expected_device = {0: 0, 0.25: 0.25, 0.5: 0.5, 1: 1.0, "auto": 0.0}.get(fraction)
     if expected_device is not None:
-        assert report.plan.device_share() == pytest.approx(expected_device, abs=0.5 / len(engine.sub_groups))
-    assert max_relative_error(full_parameters(model), params) < 1e-5
+        # gpu_fraction is a share of elements, placed within half a sub-group of the asked one.
+        half_sub_group = 0.5 * max(engine.sizes) / sum(engine.sizes)
+        assert report.plan.device_share(engine.sizes) == pytest.approx(expected_device, abs=half_sub_group)
+    assert max_relative_error(full_parameters(model), params) < FP32_RTOL
     assert model.losses == pytest.approx(losses, rel=1e-5)
 
 
@@ -68,7 +79,7 @@ def test_random_plan_every_step_matches_plain_adamw(reference) -> None:  # noqa:
     # Every sub-group was updated on each side at least once, so step counts crossed sides.
     for i in range(len(placement.plans[0].places)):
         assert {p.places[i] for p in placement.plans} == {Place.HOST, Place.DEVICE}
-    assert max_relative_error(full_parameters(model), params) < 1e-5
+    assert max_relative_error(full_parameters(model), params) < FP32_RTOL
 
 
 def test_random_plan_over_host_streamed_and_resident_matches_plain_adamw(reference) -> None:  # noqa: ANN001
@@ -78,7 +89,7 @@ def test_random_plan_over_host_streamed_and_resident_matches_plain_adamw(referen
     model = fit(DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=SUB_GROUP), callbacks=[placement])
     for i in range(len(placement.plans[0].places)):
         assert {p.places[i] for p in placement.plans} == {Place.HOST, Place.DEVICE, Place.RESIDENT}
-    assert max_relative_error(full_parameters(model), params) < 1e-5
+    assert max_relative_error(full_parameters(model), params) < FP32_RTOL
 
 
 def test_adam_with_l2_decay_matches_plain_adam() -> None:

@@ -127,7 +127,7 @@ def test_phases_add_up_to_the_step_time(half: Run) -> None:
 
 def test_bytes_down_are_what_the_plan_implies(half: Run, none_on_device: Run) -> None:
     engine = half.strategy.dos_engine
-    plan = even_plan(len(engine.sizes), 0.5)
+    plan = even_plan(len(engine.sizes), 0.5, sizes=engine.sizes)  # gpu_fraction is a share of elements
     device_elements = sum(engine.sizes[i] for i in plan.device_indices)
     assert device_elements > 0
     for row in half.rows.values():
@@ -247,44 +247,51 @@ class _LazyClock:
 
     def wait(self, mark: _Event) -> None:
         self.waits += 1
-        mark.done = True
+        for event in self.events[: self.events.index(mark) + 1]:  # one stream: events complete in order
+            event.done = True
 
     def seconds(self, start: _Event, end: _Event) -> float:
         assert start.done and end.done, "an event was read before it completed"
         return end.t - start.t
 
 
-def test_device_events_are_read_lazily_without_synchronising_each_step() -> None:
-    logged: list[tuple[int, dict]] = []
-    logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.append((step, metrics)))
+def test_device_events_are_read_lazily_and_waited_for_only_on_logged_steps() -> None:
+    """Between logged steps nothing waits on the device; a logged step is resolved in its own batch-end hook
+    (one wait) and goes through LightningModule.log, so it shares its row with the module's metrics."""
+    to_loggers: list[tuple[int, dict]] = []
+    through_module: list[tuple[int, dict]] = []
+    logger = SimpleNamespace(log_metrics=lambda metrics, step: to_loggers.append((step, metrics)))
     fake = SimpleNamespace(
         strategy=SimpleNamespace(root_device=torch.device("cpu")),
-        log_every_n_steps=1,
+        log_every_n_steps=3,
         loggers=[logger],
+        optimizers=[],
         global_step=0,
         global_rank=0,
         is_global_zero=True,
     )
+    module = SimpleNamespace(log_dict=lambda metrics, **kw: through_module.append((fake.global_step, dict(metrics))))
     monitor = DOSMonitor(summary=False)
     monitor.setup(fake, None, "fit")
     clock = monitor._clock = _LazyClock()
     monitor._memory = None
-    for step in range(3):
+    for step in range(6):
         fake.global_step = step
-        monitor.on_train_batch_start(fake, None, None, step)
+        monitor.on_train_batch_start(fake, module, None, step)
         for hook, seconds in ((monitor.on_before_backward, 1.0), (monitor.on_before_optimizer_step, 2.0)):
             clock.now += seconds
-            hook(fake, None, None)
+            hook(fake, module, None)
         clock.now += 3.0
-        monitor.on_train_batch_end(fake, None, None, None, step)
-        # Nothing is read while this step's events are in flight; the previous step's have completed.
-        assert [s for s, _ in logged] == list(range(step))
+        monitor.on_train_batch_end(fake, module, None, None, step)
+        # Unlogged steps are read once complete, one step late; a logged step is read at once.
+        assert len(monitor.history) == (step + 1 if step in (2, 5) else step)
         for event in clock.events:
             event.done = True
-    assert clock.waits == 0
-    monitor.on_train_end(fake, None)
-    assert [s for s, _ in logged] == [0, 1, 2]
-    assert logged[0][1] == {
+    assert clock.waits == 2, "one wait per logged step, none otherwise"
+    monitor.on_train_end(fake, module)
+    assert to_loggers == []
+    assert [s for s, _ in through_module] == [2, 5]
+    assert through_module[0][1] == {
         "dos/forward_s": 1.0,
         "dos/backward_s": 2.0,
         "dos/update_s": 3.0,

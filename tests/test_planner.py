@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lightning_dos.cli import main
+from lightning_dos.engine.perfmodel import HardwareRates
+from lightning_dos.planner import plan_rows
 from lightning_dos.profiles import load_profile
 
 # Authors' update throughput on 4x H100, B params/s: (model, stock ZeRO-3 offload, their method at stride 2).
@@ -42,13 +47,78 @@ def test_plan_from_a_recipe_with_iteration_time(capsys) -> None:  # noqa: ANN001
 def test_calibrate_on_cpu_writes_a_profile_that_loads_back(tmp_path: Path, capsys) -> None:  # noqa: ANN001
     out = tmp_path / "me.yaml"
     assert main(["calibrate", "--device", "cpu", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert str(out) in printed and "G elements/s" in printed and "GB/s" in printed, "rates are printed with units"
     rates, meta = load_profile(out)
     assert rates.host_adam_eps > 0 and rates.shared_cpu and meta["device"] == "cpu"
     assert main(["plan", "--params", "1e8", "--profile", str(out), "--json"]) == 0
-    result = json.loads(capsys.readouterr().out.split("\n", 1)[1])
+    result = json.loads(capsys.readouterr().out)
     assert result["ours"]["device_share"] == 0, "with no GPU, everything stays on the host"
+    assert result["device"] == "CPU (no accelerator)"
+    assert [r["scheme"] for r in result["rows"]] == ["stock ZeRO-3 offload", "ours (auto)"]
+    assert main(["plan", "--params", "1e8", "--profile", str(out)]) == 0
+    assert "CPU (no accelerator)" in capsys.readouterr().out and "GPU(s)" not in printed
 
 
 def test_unknown_profile_is_refused(capsys) -> None:  # noqa: ANN001
     assert main(["plan", "--params", "1e9", "--profile", "no-such-node"]) == 2
     assert "paper-h100x4" in capsys.readouterr().err
+
+
+def test_every_column_of_the_table_is_filled(capsys) -> None:  # noqa: ANN001
+    assert main(["plan", "--params", "7e9", "--forward-s", "0.5", "--backward-s", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert len(rows) == 1 + 5 + 3 + 1 + 1, out  # stock, TwinFlow x5, strides x3, ours, floor
+    for line in rows:
+        cells = [cell.strip() for cell in line.strip("│").split("│")]
+        assert len(cells) == 6 and all(cells), line
+    assert "over 4 rank(s), GPU" in out
+
+
+# Profiles within what hardware pairs in practice: PCIe 8-64 GB/s per direction (duplex 50-100% of it), host
+# Adam 0.2-4 G elements/s, a 1-20 G elements/s cast, device Adam 20-500 G elements/s, 0-80 GB of budget.
+_RATE = st.floats
+_profiles = st.builds(
+    lambda adam, cast, dev, up, down, duplex, shared: HardwareRates(
+        adam, cast, dev, up, down, up * duplex, down * duplex, shared
+    ),
+    _RATE(2e8, 4e9),
+    _RATE(1e9, 2e10),
+    _RATE(2e10, 5e11),
+    _RATE(8e9, 6.4e10),
+    _RATE(8e9, 6.4e10),
+    _RATE(0.5, 1.0),
+    st.sampled_from([False, False, False, True]),
+)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rates=_profiles,
+    per_rank=st.integers(10**6, 2 * 10**9),
+    gpus=st.integers(1, 8),
+    groups=st.one_of(st.just("auto"), st.integers(1, 20)),
+    budget=st.one_of(st.none(), st.floats(0, 8e10)),
+    lp_bytes=st.sampled_from([2, 4]),
+)
+def test_no_row_is_below_the_floor_and_none_beats_auto(rates, per_rank, gpus, groups, budget, lp_bytes) -> None:  # noqa: ANN001
+    """Within the device budget: the floor is below every scheme, and ours (auto) is at least as fast as each."""
+    params = per_rank * gpus
+    size = "auto" if groups == "auto" else max(1, per_rank // groups)
+    args = argparse.Namespace(
+        sub_group_size=size,
+        lp_bytes=lp_bytes,
+        budget=None if budget is None else int(budget),
+        forward_s=None,
+        backward_s=None,
+    )
+    result = plan_rows(params, gpus, rates, {"device": "cpu" if rates.shared_cpu else "cuda"}, args)
+    rows = {r["scheme"]: r for r in result["rows"]}
+    ours = rows["ours (auto)"]
+    assert ours["fits_budget"]
+    for row in result["rows"]:
+        if row["fits_budget"]:
+            assert row["vs_floor"] >= 1 - 1e-6, row
+            assert ours["update_s"] <= row["update_s"] * (1 + 1e-6), (row, ours)  # ties differ by rounding
+    assert result["device"] == ("CPU (no accelerator)" if rates.shared_cpu else "GPU")

@@ -148,8 +148,8 @@ def test_param_groups_schedule_test_and_predict_on_a_plain_trainer(tmp_path: Pat
     assert all(a >= b for a, b in zip(after, after[1:])), "cosine decays"
     assert factor(12) == pytest.approx(0.1)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * factor(12)), "stepped once per step"
-    assert "val/ppl" in trainer.callback_metrics and "train/tokens" in trainer.callback_metrics
-    assert float(trainer.callback_metrics["train/tokens"]) == 4 * 16
+    assert "val/ppl" in trainer.callback_metrics and "train/tokens_per_step" in trainer.callback_metrics
+    assert float(trainer.callback_metrics["train/tokens_per_step"]) == 4 * 16
 
     (tested,) = trainer.test(model, data, verbose=False)
     assert set(tested) >= {"test/loss", "test/ppl"}

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
+import warnings
 
 import lightning as L
 import pytest
@@ -136,3 +139,69 @@ def test_deepspeed_cpu_adam_is_accepted_and_matches_adamw() -> None:
     )
     plain = run(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1), "auto")
     assert max_relative_error(ours, plain) < 1e-5
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _fit_recording(strategy: DeepOptimizerStatesStrategy) -> tuple[list[str], list[str]]:
+    """Fit TinyLM (with its LR scheduler) for 3 steps; return Lightning's info lines and every warning's text."""
+    handler = _Lines()
+    log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    log.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer(strategy, steps=3).fit(TinyLM(), loader())
+    finally:
+        log.removeHandler(handler)
+    return handler.lines, [str(w.message) for w in caught]
+
+
+def test_auto_sub_groups_are_logged_once_and_an_unreachable_share_is_warned_naming_a_size() -> None:
+    """TinyLM has a few thousand parameters: "auto" (never below 1M elements) gives one sub-group, so a fixed
+    gpu_fraction=0.5 cannot be honoured; the warning names a size that can, and that size does."""
+    info, warned = _fit_recording(DeepOptimizerStatesStrategy(gpu_fraction=0.5))
+    chosen = [line for line in info if "sub_group_size='auto' chose" in line]
+    assert len(chosen) == 1, info
+    coarse = [w for w in warned if "gpu_fraction=0.5 asks for 50%" in w]
+    assert len(coarse) == 1, warned
+    suggested = int(re.search(r"use sub_group_size=(\d+)", coarse[0]).group(1))
+    assert not any("lr_scheduler.step()" in w for w in warned), "the engine's step counts as the optimizer's"
+
+    strategy = DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=suggested)
+    info, warned = _fit_recording(strategy)
+    assert not any("asks for" in w for w in warned) and not any("'auto' chose" in line for line in info)
+    engine = strategy.dos_engine
+    assert len(engine.sizes) >= 10
+    assert engine.last_report.device_share == pytest.approx(0.5, abs=0.1), "gpu_fraction is a share of elements"
+
+
+def test_default_sub_group_size_is_auto_and_deepspeed_packs_by_the_ceiling() -> None:
+    strategy = DeepOptimizerStatesStrategy()
+    assert strategy.engine_sub_group_size == "auto"
+    assert strategy.config["zero_optimization"]["sub_group_size"] == 100_000_000
+    assert DeepOptimizerStatesStrategy(sub_group_size=5000).config["zero_optimization"]["sub_group_size"] == 5000
+
+
+@pytest.mark.parametrize(
+    "imports",
+    ["import lightning_dos; import lightning", "from lightning_dos import DeepOptimizerStatesStrategy"],
+    ids=["package-then-lightning", "strategy-class-first"],
+)
+def test_the_name_dos_is_registered_whatever_the_import_order(imports: str) -> None:
+    """The package imports Lightning lazily; the name is registered as soon as Lightning is loaded."""
+    import subprocess
+    import sys
+
+    from tests.helpers import clean_env
+
+    code = f"{imports}\nfrom lightning.pytorch.strategies import StrategyRegistry\nassert 'dos' in StrategyRegistry\n"
+    done = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -169,6 +169,8 @@ class _Record:
     marks: dict[str, Any] = field(default_factory=dict)
     memory: dict[str, _MemSample] = field(default_factory=dict)
     report: StepReport | None = None
+    #: Learning rate of each param group as the batch started (the rates its update used).
+    learning_rates: dict[str, float] = field(default_factory=dict)
 
 
 def _phase_bounds(marks: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -248,7 +250,10 @@ class DOSMonitor(Callback):
     sum of their calibrated peaks), ``dos/gpu_fraction`` (share of elements updated on the device),
     ``dos/engine_update_s`` (the engine's own update loop, inside the update phase),
     ``dos/update_predicted_s`` (the performance model's prediction of that loop, when it made one) and
-    ``dos/pinned_gb``.
+    ``dos/pinned_gb``. Beside them, the learning rate each param group's update of the step used
+    (``lr-AdamW/pg1``, ... as Lightning's ``LearningRateMonitor`` names it). When the monitor logs at the trainer's
+    ``log_every_n_steps`` (the default), a step's metrics go through ``LightningModule.log``, so each logged
+    step is one row with the module's own metrics (one row per step in ``metrics.csv``).
 
     Args:
         trace_dir: folder for a Chrome trace (``dos-trace-rank<R>.json``) of the ``trace_steps``;
@@ -329,6 +334,8 @@ class DOSMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         record = _Record(step=trainer.global_step)
+        if self._logs(record.step):
+            record.learning_rates = learning_rates(trainer)
         engine = _engine(trainer)
         if engine is not None and self.trace_dir is not None and record.step in self.trace_steps:
             # Spans cost events and bookkeeping: ask for them only on the steps that are drawn.
@@ -363,7 +370,10 @@ class DOSMonitor(Callback):
             if self._timing_before is not None:
                 engine.timing, self._timing_before = self._timing_before, None
         self._pending.append(record)
-        self._drain(trainer, wait=False)
+        logged_step = self._logs(record.step)
+        # A step that is logged is resolved now (on a GPU one wait for its events, at the log interval only), so
+        # its metrics go out in the same row as the LightningModule's own (loss, ...) through Lightning's logging.
+        self._drain(trainer, wait=logged_step, current=(record, pl_module))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = _engine(trainer)
@@ -386,20 +396,34 @@ class DOSMonitor(Callback):
         if self._memory is not None:
             record.memory[name] = self._memory.read()
 
-    def _drain(self, trainer: pl.Trainer, wait: bool) -> None:
-        """Resolve, log and trace every pending batch whose last event has completed (all when ``wait``)."""
+    def _logs(self, step: int) -> bool:
+        return self._every > 0 and (step + 1) % self._every == 0
+
+    def _drain(
+        self, trainer: pl.Trainer, wait: bool, current: tuple[_Record, pl.LightningModule] | None = None
+    ) -> None:
+        """Resolve, log and trace every pending batch whose last event has completed (all when ``wait``).
+
+        ``current`` is the batch whose ``on_train_batch_end`` is running and its module: when its row is logged,
+        it goes through ``LightningModule.log`` (one row per step with the module's metrics, plus the learning
+        rates); rows resolved later than their own batch go straight to the loggers.
+        """
+        if wait and self._pending:  # events complete in order on the stream: waiting for the last one is enough
+            self._clock.wait(self._pending[-1].marks["end"])
         while self._pending:
             record = self._pending[0]
-            if wait:
-                self._clock.wait(record.marks["end"])
-            elif not self._clock.ready(record.marks["end"]):
+            if not self._clock.ready(record.marks["end"]):
                 break
             self._pending.popleft()
             row = self._resolve(record)
             self.history.append(row)
-            if self._every > 0 and (record.step + 1) % self._every == 0:
-                for logger in trainer.loggers:
-                    logger.log_metrics(row, step=record.step)
+            if self._logs(record.step):
+                if current is not None and current[0] is record and self._every == trainer.log_every_n_steps:
+                    module = current[1]
+                    module.log_dict({**row, **record.learning_rates}, on_step=True, on_epoch=False, batch_size=1)
+                else:
+                    for logger in trainer.loggers:
+                        logger.log_metrics(row, step=record.step)
             if self.trace_dir is not None and record.step in self.trace_steps:
                 self._add_traced(record, row)
                 if {t.step for t in self._traced} >= self.trace_steps:
@@ -482,6 +506,20 @@ class DOSMonitor(Callback):
             return
         rank = trainer.global_rank
         self.trace_path = write_trace(self.trace_dir / f"dos-trace-rank{rank}.json", self._traced, rank)
+
+
+def learning_rates(trainer: pl.Trainer) -> dict[str, float]:
+    """The current learning rate of every param group, named as Lightning's ``LearningRateMonitor`` names them:
+    ``lr-<Optimizer>`` for a single group, ``lr-<Optimizer>/pg<N>`` (from 1) for several."""
+    rates: dict[str, float] = {}
+    for optimizer in trainer.optimizers:
+        inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's ZeRO optimizer wraps the user's
+        name = f"lr-{type(inner).__name__}"
+        groups = optimizer.param_groups
+        for i, group in enumerate(groups):
+            if "lr" in group:
+                rates[name if len(groups) == 1 else f"{name}/pg{i + 1}"] = float(group["lr"])
+    return rates
 
 
 #: Rows of the summary: label, metric, scale, unit.

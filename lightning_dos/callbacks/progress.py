@@ -1,4 +1,4 @@
-"""A rich progress bar that shows what an offloaded step is doing: tokens/s, the phase split, PCIe."""
+"""A rich progress bar for offloaded training: loss, tokens/s and the device's share of the update, on one line."""
 
 from __future__ import annotations
 
@@ -23,14 +23,16 @@ DOS_KEYS = (
 
 
 class DOSProgressBar(RichProgressBar):
-    """Lightning's rich progress bar, plus tokens/s and, when they are available, the step time with its
-    forward/backward/update split, the device share of the update and PCIe GB/s per direction.
+    """Lightning's rich progress bar kept to one line at 100 columns: loss (``loss``, ``val``), tokens/s and the
+    share of the update done on the device (``dev``, shown with an accelerator or when above 0%).
 
-    Tokens per step come from the ``train/tokens`` metric the model logs (the recipe ``GPT`` does), or else
-    from the size of the batch's first tensor; tokens/s is a running average over the wall time between
-    training batches (validation time is left out) times the number of processes. The ``dos/*`` metrics are
-    read from ``trainer.callback_metrics`` when present there, else from the latest step of a
-    :class:`~lightning_dos.callbacks.DOSMonitor`; each item is shown only when its metric exists.
+    Phase times, PCIe rates and memory belong to :class:`~lightning_dos.callbacks.DOSMonitor`'s end-of-fit
+    table and the logs. Tokens per step come from the ``train/tokens_per_step`` metric the model logs (the
+    recipe ``GPT`` does), or else from the size of the batch's first tensor; tokens/s is a running average
+    over the wall time between training batches (validation time is left out) times the number of
+    processes. The device share is read from ``trainer.callback_metrics`` when present there, else from the
+    latest step of a :class:`~lightning_dos.callbacks.DOSMonitor`. The bar is narrower than Lightning's and
+    its it/s column is left out, to make room.
 
     Args:
         smoothing: weight of the newest batch in the tokens/s running average (0 < smoothing <= 1).
@@ -81,33 +83,54 @@ class DOSProgressBar(RichProgressBar):
             return super()._get_train_description(current_epoch)
         return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
 
+    def configure_columns(self, trainer: L.Trainer) -> list:
+        # Room for the postfix on one line at 100 columns: a shorter bar, and no it/s (tok/s says more).
+        from lightning.pytorch.callbacks.progress.rich_progress import ProcessingSpeedColumn
+
+        columns = [c for c in super().configure_columns(trainer) if not isinstance(c, ProcessingSpeedColumn)]
+        for column in columns:
+            if hasattr(column, "bar_width"):
+                column.bar_width = BAR_WIDTH
+        return columns
+
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, int | str | float]:
         items = super().get_metrics(trainer, pl_module)
-        items.pop("train/tokens", None)
+        items.pop("v_num", None)  # the logger's version: in the log folder's name already
+        items.pop("train/tokens_per_step", None)
+        for long, short in SHORT_NAMES.items():
+            if long in items:
+                items[short] = items.pop(long)
         if self._tokens_per_s is not None:
-            items["tok/s"] = f"{self._tokens_per_s:,.0f}"
-        items.update(format_dos_metrics(dos_metrics(trainer)))
+            items["tok/s"] = _compact(self._tokens_per_s)
+        on_accelerator = trainer.strategy.root_device.type != "cpu"
+        items.update(format_dos_metrics(dos_metrics(trainer), show_zero_share=on_accelerator))
         return items
 
 
-def format_dos_metrics(metrics: Mapping[str, float]) -> dict[str, str]:
-    """The compact progress-bar items for the ``dos/*`` metrics present in ``metrics`` (none when absent)."""
-    items: dict[str, str] = {}
-    if "dos/step_s" in metrics:
-        items["step"] = f"{metrics['dos/step_s']:.2f}s"
-    phases = [metrics.get(f"dos/{p}_s") for p in ("forward", "backward", "update")]
-    if all(v is not None for v in phases):
-        items["f/b/u"] = "/".join(f"{v:.2f}" for v in phases)
-    elif phases[2] is not None:
-        items["update"] = f"{phases[2]:.2f}s"
-    if "dos/gpu_fraction" in metrics:
-        items["device"] = f"{metrics['dos/gpu_fraction']:.0%}"
-    if "dos/h2d_gbps" in metrics or "dos/d2h_gbps" in metrics:
-        up, down = metrics.get("dos/h2d_gbps"), metrics.get("dos/d2h_gbps")
-        items["PCIe"] = (
-            " ".join(f"{arrow}{value:.1f}" for arrow, value in (("↑", up), ("↓", down)) if value is not None) + " GB/s"
-        )
-    return items
+#: Progress-bar names of the metrics the recipe logs with ``prog_bar=True`` (others keep their own names).
+SHORT_NAMES = {"train/loss": "loss", "val/loss": "val"}
+#: Width of the bar itself, in columns.
+BAR_WIDTH = 12
+
+
+def _compact(value: float) -> str:
+    """``29576`` -> ``29.6k``: three significant figures and a k/M suffix."""
+    for factor, suffix in ((1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+def format_dos_metrics(metrics: Mapping[str, float], show_zero_share: bool = True) -> dict[str, str]:
+    """The progress-bar item for the ``dos/*`` metrics in ``metrics``: the device's share of the update.
+
+    Phase times, PCIe rates and memory are in the monitor's end-of-fit table and in the logs; the bar keeps
+    to one line. ``show_zero_share=False`` leaves out a 0% share (a run without an accelerator).
+    """
+    share = metrics.get("dos/gpu_fraction")
+    if share is None or (share == 0 and not show_zero_share):
+        return {}
+    return {"dev": f"{share:.0%}"}
 
 
 def dos_metrics(trainer: L.Trainer) -> dict[str, float]:
@@ -138,8 +161,8 @@ def _number(value: Any) -> float | None:
 
 
 def _step_tokens(trainer: L.Trainer, batch: Any) -> float | None:
-    """Tokens of this process's batch: the logged ``train/tokens``, else the size of the first tensor."""
-    logged = _number(trainer.callback_metrics.get("train/tokens"))
+    """Tokens of this process's batch: the logged ``train/tokens_per_step``, else the size of the first tensor."""
+    logged = _number(trainer.callback_metrics.get("train/tokens_per_step"))
     if logged is not None:
         return logged
     first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch

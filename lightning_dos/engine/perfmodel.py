@@ -207,34 +207,52 @@ def choose_plan(
 
 
 def floor(
-    total_elements: int, rates: HardwareRates, lp_bytes: int, budget_bytes: int | None = None, points: int = 201
+    total_elements: int,
+    rates: HardwareRates,
+    lp_bytes: int,
+    budget_bytes: int | None = None,
+    points: int = 201,
+    shares: Sequence[tuple[float, float]] = (),
+    resident_up_bytes: int = RESIDENT_UP,
 ) -> tuple[float, float]:
     """The first-order floor of the update phase (reference notes), with the engine's byte counts.
 
     A share r of the elements streams (16 bytes up, 12 down), a share q stays resident (4 bytes up; at most
     what ``budget_bytes`` holds, none without a budget, as in the reference), the rest is updated on the host:
-    T(r, q) = max((1-r-q)N/U_host, N(16r + 4q + lp(1-r-q))/B_up, 12rN/B_down, (r+q)N/U_dev).
+    T(r, q) = max((1-r-q)N/U_host, N(16r + 4q + lp(1-r-q))/B_up, 12rN/B_down, (r+q)N/U_dev), searched on a
+    grid plus the exact ``shares`` (r, q) given (those of schemes the floor is compared with, so that it is
+    below each of them wherever their own prediction is above T at their share). ``resident_up_bytes``: bytes
+    a resident element uploads (0 for a scheme whose gradients stay on the device, as TwinFlow's do). With no
+    accelerator (a CPU "device") there is no upload and no device: T = N/U_host.
     Returns the device share r + q at the minimum, and the minimum.
     """
     n = float(total_elements)
     host = 1.0 / rates.host_adam_eps + 1.0 / rates.host_cast_eps
+    if rates.shared_cpu:  # the parameters live on the CPU too: the cast writes them, nothing is uploaded
+        return (0.0, n * host)
     best = (0.0, n * max(host, lp_bytes / rates.h2d_bps))
-    if rates.device_adam_eps <= 0 or rates.shared_cpu or n == 0:
+    if rates.device_adam_eps <= 0 or n == 0:
         return best
+
+    def t_of(r: float, q: float) -> float:
+        up = rates.duplex_h2d_bps if r > 0 else rates.h2d_bps
+        return n * max(
+            (1 - r - q) * host,
+            (STREAMED_UP * r + resident_up_bytes * q + lp_bytes * (1 - r - q)) / up,
+            STREAMED_DOWN * r / rates.duplex_d2h_bps,
+            (r + q) / rates.device_adam_eps,
+        )
+
     q_max = min(1.0, budget_bytes / (DEVICE_BYTES * n)) if budget_bytes else 0.0
-    for qi in range(points if q_max > 0 else 1):
-        q = q_max * qi / max(1, points - 1)
-        for ri in range(points):
-            r = (1 - q) * ri / (points - 1)
-            up = rates.duplex_h2d_bps if r > 0 else rates.h2d_bps
-            t = n * max(
-                (1 - r - q) * host,
-                (STREAMED_UP * r + RESIDENT_UP * q + lp_bytes * (1 - r - q)) / up,
-                STREAMED_DOWN * r / rates.duplex_d2h_bps,
-                (r + q) / rates.device_adam_eps,
-            )
-            if t < best[1]:
-                best = (r + q, t)
+    grid = [
+        ((1 - q) * ri / (points - 1), q)
+        for q in (q_max * qi / max(1, points - 1) for qi in range(points if q_max > 0 else 1))
+        for ri in range(points)
+    ]
+    for r, q in [*grid, *shares]:
+        t = t_of(r, q)
+        if t < best[1]:
+            best = (r + q, t)
     return best
 
 

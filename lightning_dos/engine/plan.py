@@ -57,10 +57,42 @@ class SubGroup:
     slab_offset: int
 
 
+#: ``sub_group_size="auto"``: the paper's size is the ceiling (larger sub-groups only coarsen placement) ...
+MAX_AUTO_SUB_GROUP = 100_000_000
+#: ... and sub-groups are never cut smaller than this: each sub-group costs some fixed work (kernel launches,
+#: events, Python; tens of microseconds), and 1M elements keep it small next to its Adam (~0.7 ms at 1.5 G
+#: elements/s on a CPU) or its streaming (28 MB, ~1 ms at 25 GB/s).
+MIN_AUTO_SUB_GROUP = 1 << 20
+#: How many sub-groups "auto" aims for: placement in steps of ~3% of the partition.
+AUTO_SUB_GROUPS = 32
+
+
+def auto_sub_group_size(partition_numel: int) -> int:
+    """The ``sub_group_size`` that ``"auto"`` chooses for a rank's partition of ``partition_numel`` elements.
+
+    About :data:`AUTO_SUB_GROUPS` sub-groups, so a share of the update can be placed finely, but none
+    smaller than :data:`MIN_AUTO_SUB_GROUP` elements nor larger than :data:`MAX_AUTO_SUB_GROUP`.
+    """
+    wanted = math.ceil(max(1, partition_numel) / AUTO_SUB_GROUPS)
+    return int(min(MAX_AUTO_SUB_GROUP, max(MIN_AUTO_SUB_GROUP, wanted)))
+
+
+#: Sub-group boundaries fall on multiples of this many elements (256 bytes of fp32) whenever sub-groups hold
+#: at least as many: the fused Adam kernels' vector lanes then line up the same whatever the cut, so the result
+#: is bitwise the same as updating each flat partition whole (unaligned cuts differ in the last bit).
+ALIGN_ELEMENTS = 64
+
+
 def split_into_sub_groups(
     flat_numels: Sequence[int], flat_param_groups: Sequence[int], sub_group_size: int
 ) -> list[SubGroup]:
-    """Cut DeepSpeed's flat partitions into sub-groups of at most ``sub_group_size`` elements.
+    """Cut DeepSpeed's flat partitions into near-equal sub-groups of about ``sub_group_size`` elements at most.
+
+    A flat of ``numel`` elements becomes ``ceil(numel / sub_group_size)`` pieces of near-equal size, not
+    full-size pieces plus a small remainder (which a placement would then pick unevenly). With
+    ``sub_group_size >= ALIGN_ELEMENTS`` every cut falls on a multiple of :data:`ALIGN_ELEMENTS`: sizes then
+    differ by at most that many elements and may exceed ``sub_group_size`` by less than that many; below it,
+    sizes differ by at most one element and never exceed it.
 
     Args:
         flat_numels: element count of each DeepSpeed flat partition, in order.
@@ -69,12 +101,21 @@ def split_into_sub_groups(
     """
     if sub_group_size <= 0:
         raise ValueError(f"sub_group_size must be a positive integer, got {sub_group_size}")
+    align = ALIGN_ELEMENTS if sub_group_size >= ALIGN_ELEMENTS else 1
     groups: list[SubGroup] = []
     slab_offset = 0
     for ds_group, (numel, param_group) in enumerate(zip(flat_numels, flat_param_groups, strict=True)):
-        for start in range(0, numel, sub_group_size):
-            size = min(sub_group_size, numel - start)
+        units = math.ceil(numel / align)  # whole aligned blocks, the last one possibly short
+        pieces = min(max(1, math.ceil(numel / sub_group_size)), max(1, units))
+        base, extra = divmod(units, pieces)
+        start = 0
+        for piece in range(pieces):
+            # The larger pieces come last: the last one holds the short final block, keeping sizes near-equal.
+            size = min((base + (1 if piece >= pieces - extra else 0)) * align, numel - start)
+            if size <= 0:
+                continue
             groups.append(SubGroup(len(groups), ds_group, start, size, param_group, slab_offset + start))
+            start += size
         slab_offset += numel
     return groups
 
@@ -132,12 +173,27 @@ def all_host(n: int) -> Plan:
     return Plan((Place.HOST,) * n)
 
 
-def even_plan(n: int, fraction: float, device_buffers: int = 2) -> Plan:
-    """Place ``round(fraction * n)`` of ``n`` sub-groups on the device, spread evenly.
+def even_plan(n: int, fraction: float, device_buffers: int = 2, sizes: Sequence[int] | None = None) -> Plan:
+    """Place a ``fraction`` of ``n`` sub-groups (of their elements, when ``sizes`` is given) on the device,
+    spread evenly.
 
     Spreading keeps device and host work interleaved through the whole partition, so neither side
-    starts late; ``fraction = 1/k`` gives the same count as the paper's stride ``k``.
+    starts late; ``fraction = 1/k`` gives the same count as the paper's stride ``k``. With ``sizes``,
+    ``fraction`` is a share of elements: walking the sub-groups in order, each goes to the device when
+    that brings the elements placed so far closer to ``fraction`` of the elements seen so far, so the
+    total lands within half a sub-group of the asked share.
     """
+    if sizes is not None:
+        if len(sizes) != n:
+            raise ValueError(f"even_plan got {len(sizes)} sizes for {n} sub-groups")
+        places = [Place.HOST] * n
+        seen = placed = 0
+        for i, size in enumerate(sizes):
+            seen += size
+            if placed + size / 2 < fraction * seen:  # a tie stays on the host, as with equal sizes above
+                places[i] = Place.DEVICE
+                placed += size
+        return Plan(tuple(places), device_buffers)
     count = round(fraction * n)
     places = [Place.HOST] * n
     for j in range(count):
@@ -173,12 +229,14 @@ class FractionSpec:
     fraction: float = 0.0
     stride: int = 0
 
-    def plan(self, n: int, device_buffers: int = 2) -> Plan:
-        """The fixed plan this spec gives for ``n`` sub-groups (``"auto"`` is resolved elsewhere)."""
+    def plan(self, n: int, device_buffers: int = 2, sizes: Sequence[int] | None = None) -> Plan:
+        """The fixed plan this spec gives for ``n`` sub-groups (``"auto"`` is resolved elsewhere).
+
+        With ``sizes`` (elements per sub-group), a fixed fraction is a share of elements."""
         if self.mode == "stride":
             return stride_plan(n, self.stride, device_buffers)
         if self.mode == "fixed":
-            return even_plan(n, self.fraction, device_buffers)
+            return even_plan(n, self.fraction, device_buffers, sizes)
         raise ValueError("an 'auto' gpu_fraction is resolved by the performance model, not by a fixed rule")
 
 
@@ -204,3 +262,37 @@ def parse_gpu_fraction(value: float | int | str) -> FractionSpec:
     if isinstance(value, (int, float)) and math.isfinite(value) and 0.0 <= float(value) <= 1.0:
         return FractionSpec("fixed", fraction=float(value))
     raise ValueError(f"gpu_fraction={value!r} is not valid; use {VALID_GPU_FRACTION}")
+
+
+#: How far (in share of elements) a fixed placement may land from the asked one before it is warned about.
+SHARE_TOLERANCE = 0.1
+
+
+def coarse_share_warning(
+    spec: FractionSpec, sizes: Sequence[int], sub_group_size: int, auto: bool = False
+) -> str | None:
+    """A warning when ``sub_group_size`` makes a fixed ``gpu_fraction`` impossible to honour, else None.
+
+    The device share a fixed spec gets over sub-groups of ``sizes`` is compared with the asked one (``1/K``
+    for ``stride:K``); when it is more than :data:`SHARE_TOLERANCE` off, the message names the size to use.
+    ``auto`` says that ``sub_group_size`` was chosen by ``"auto"``.
+    """
+    if spec.mode == "auto" or not sizes:
+        return None
+    asked = spec.fraction if spec.mode == "fixed" else 1.0 / spec.stride
+    if asked in (0.0, 1.0):
+        return None
+    got = spec.plan(len(sizes), sizes=sizes).device_share(sizes)
+    if abs(got - asked) <= SHARE_TOLERANCE:
+        return None
+    total = sum(sizes)
+    suggested = auto_sub_group_size(total)
+    if suggested >= sub_group_size or suggested >= total:  # a partition too small for "auto" to split
+        suggested = math.ceil(total / math.ceil(1 / SHARE_TOLERANCE))  # enough pieces to land within tolerance
+    size_text = f"'auto' ({sub_group_size:,})" if auto else f"{sub_group_size:,}"
+    setting = f"gpu_fraction={spec.fraction:g}" if spec.mode == "fixed" else f"gpu_fraction='stride:{spec.stride}'"
+    return (
+        f"{setting} asks for {asked:.0%} of the update on the device, but sub_group_size={size_text} cuts "
+        f"this rank's {total:,} elements into {len(sizes)} sub-group(s), so {got:.0%} is placed; use "
+        f"sub_group_size={suggested} for a finer split"
+    )

@@ -68,7 +68,7 @@ class PlacementScheduler:
         self._observe_last_report()
         n = len(self.engine.sub_groups)
         if self.spec.mode != "auto":
-            self._plan = self._plan or self.spec.plan(n)
+            self._plan = self._plan or self.spec.plan(n, sizes=self.engine.sizes)
         elif not self.has_accelerator:
             # No accelerator: the host is the only place worth using; no search is needed.
             self._plan = self._plan or all_host(n)

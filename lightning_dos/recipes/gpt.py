@@ -189,7 +189,7 @@ class GPT(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, _ = self._loss(batch)
         self.log("train/loss", loss, prog_bar=True)
-        self.log("train/tokens", float(batch[1].numel()), reduce_fx="sum")
+        self.log("train/tokens_per_step", float(batch[1].numel()), reduce_fx="sum")
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
