@@ -7,7 +7,9 @@ done inside ``engine.backward``), *update* from there to ``on_train_batch_end`` 
 the Deep Optimizer States engine inside), and *step* the whole batch.
 
 On a GPU the boundaries are CUDA events on the current stream and are read one step late, when they
-have completed anyway, so the monitor adds no synchronisation; on CPU they are ``time.perf_counter``.
+have completed anyway, so the monitor adds no synchronisation, except once per logged step (every
+``log_every_n_steps``), whose events it waits for so that its metrics share the step's row in the logs;
+on CPU they are ``time.perf_counter``.
 Memory is sampled at the same boundaries: the CUDA caching allocator's counters on a GPU, host RSS
 from ``/proc`` (or psutil) on CPU.
 """
