@@ -23,6 +23,7 @@ from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, TornStateError, Upd
 from lightning_dos.engine.loop import InterleavedAdam, StepInputs
 from lightning_dos.engine.plan import Plan, auto_sub_group_size
 from lightning_dos.engine.report import StepReport
+from lightning_dos.engine.streams import Streams
 from lightning_dos.optimizers import check_optimizer, hyper_of, uses_tensor_step
 from lightning_dos.signals import SignalHold
 
@@ -112,6 +113,7 @@ class ZeRO3Adapter:
             rank's partition (:func:`~lightning_dos.engine.plan.auto_sub_group_size`).
         gpu_memory_budget: device bytes the update may use (None: derived from free memory).
         pin: pin the engine's host slabs.
+        streams_factory: builds the engine's streams for the model's device; None uses the real ones.
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class ZeRO3Adapter:
         sub_group_size: int | str,
         gpu_memory_budget: int | None = None,
         pin: bool = True,
+        streams_factory: Callable[[torch.device], Streams] | None = None,
     ) -> None:
         check_zero3_optimizer(zero_optimizer)
         self.zero = z = zero_optimizer
@@ -137,6 +140,7 @@ class ZeRO3Adapter:
             lp_dtype=lp[0].dtype,
             pin=pin,
             gpu_memory_budget=gpu_memory_budget,
+            streams=streams_factory(lp[0].device) if streams_factory is not None else None,
         )
         for i in range(len(self.flats)):
             self._adopt_master(i)

@@ -12,6 +12,7 @@ import argparse
 import copy
 import functools
 import logging
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ from lightning_dos.engine.calibrate import calibrate
 from lightning_dos.engine.perfmodel import HardwareRates
 from lightning_dos.engine.plan import MAX_AUTO_SUB_GROUP, FractionSpec, coarse_share_warning, parse_gpu_fraction
 from lightning_dos.engine.scheduler import PlacementScheduler
+from lightning_dos.engine.streams import Streams
 from lightning_dos.optimizers import check_optimizer
 
 if TYPE_CHECKING:
@@ -227,6 +229,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             memory free after backward, less a 10% margin. With an explicit budget, ``"auto"`` may also keep
             optimizer state resident on the accelerator across iterations (it must then fit beside
             activations); without one it only streams.
+        streams_factory: builds the engine's streams for the model's device; None (the default) uses the
+            real ones. Tests and tools pass ``lightning_dos.sim``'s simulated accelerator here to check the
+            engine's stream ordering on CPU; it is never chosen automatically.
         accelerator: the accelerator, usually chosen by the Trainer.
         stage: ZeRO stage; only 3 is valid (kept so that configs written for DeepSpeedStrategy parse).
         offload_optimizer: must stay True: the optimizer state lives in host memory.
@@ -252,6 +257,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         gpu_fraction: float | str = "auto",
         sub_group_size: int | str = "auto",
         gpu_memory_budget: int | None = None,
+        streams_factory: Callable[[torch.device], Streams] | None = None,
         accelerator: Accelerator | None = None,
         stage: int = 3,
         offload_optimizer: bool = True,
@@ -295,6 +301,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         kwargs.pop("pin_memory", None)
         self.sub_group_size = sub_group_size
         self.gpu_memory_budget = gpu_memory_budget
+        if streams_factory is not None and not callable(streams_factory):
+            raise _refuse("streams_factory", streams_factory, "use None or a callable taking the device")
+        self.streams_factory = streams_factory
         user_config = DeepSpeedStrategy._load_config(self, config)  # resolves a JSON path or the env var
         deepspeed_size = DEEPSPEED_SUB_GROUP_SIZE if sub_group_size == "auto" else sub_group_size
         user_zero = user_config.get("zero_optimization") if isinstance(user_config, dict) else None
@@ -358,6 +367,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             ds_optimizer,
             sub_group_size=self.engine_sub_group_size,
             gpu_memory_budget=self.gpu_memory_budget,
+            streams_factory=self.streams_factory,
         )
         sizes = adapter.engine.sizes
         if self.engine_sub_group_size == "auto":

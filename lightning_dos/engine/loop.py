@@ -30,7 +30,7 @@ from lightning_dos.engine.plan import Place, Plan, SubGroup, split_into_sub_grou
 from lightning_dos.engine.pool import STAGING_BYTES_PER_ELEMENT, BufferPool, DeviceBuffer
 from lightning_dos.engine.recovery import settle_interrupted_update
 from lightning_dos.engine.report import Span, StepReport
-from lightning_dos.engine.streams import Streams
+from lightning_dos.engine.streams import Streams, make_streams
 
 FP32_BYTES = 4
 #: fp32 bytes a streamed sub-group moves each way besides its gradient: param, exp_avg, exp_avg_sq.
@@ -110,6 +110,9 @@ class InterleavedAdam:
         pin: pin host memory when CUDA is available.
         gpu_memory_budget: bytes of device memory the update may use for staging; None derives it from
             the memory free at the start of each update, less a 10% margin.
+        streams: the streams all asynchronous work is issued through; None picks the real ones for
+            ``device`` (CUDA streams on a GPU, synchronous no-ops on CPU). Tests and tools pass a simulated
+            accelerator (``lightning_dos.sim``) here; it must be for ``device``.
     """
 
     def __init__(
@@ -121,7 +124,10 @@ class InterleavedAdam:
         lp_dtype: torch.dtype,
         pin: bool = True,
         gpu_memory_budget: int | None = None,
+        streams: Streams | None = None,
     ) -> None:
+        #: Side streams, made once: the same streams every step, so their order is easy to follow in a profiler.
+        self.streams = streams if streams is not None else make_streams(device)
         self.sub_groups: list[SubGroup] = split_into_sub_groups(flat_numels, flat_param_groups, sub_group_size)
         self.sizes = tuple(sg.numel for sg in self.sub_groups)
         self.flat_offsets = [0]
@@ -130,7 +136,14 @@ class InterleavedAdam:
         self.device = device
         self.lp_dtype = lp_dtype
         self.lp_bytes = torch.empty((), dtype=lp_dtype).element_size()
-        self.pool = BufferPool(self.flat_offsets[-1], lp_dtype, device, pin)
+        self.pool = BufferPool(
+            self.flat_offsets[-1],
+            lp_dtype,
+            device,
+            pin,
+            stage_lp=self.streams.is_async,
+            allocate=self.streams.empty,
+        )
         self.gpu_memory_budget = gpu_memory_budget
         #: Record a span per operation (the monitor turns this on; off costs nothing).
         self.timing = False
@@ -140,8 +153,6 @@ class InterleavedAdam:
         self.rates = None
         #: Sub-groups whose state lives on the device across iterations, by index.
         self.resident: dict[int, DeviceBuffer] = {}
-        #: Side streams, made once: the same streams every step, so their order is easy to follow in a profiler.
-        self.streams = Streams(device)
         self._warned_fallback = False
         #: Readers of the optimizer state (checkpoints) wait on this while an update is in flight.
         self.guard = UpdateGuard()
@@ -378,8 +389,9 @@ class InterleavedAdam:
         if not indices:
             return
         streams = self.streams
-        # The download reads what the compute stream last wrote.
-        streams.wait(streams.d2h, streams.record(streams.compute))
+        # No device-side wait: this runs between steps or before a step issues any work, and every step
+        # ends with the host waiting on all its streams' tails, so the compute stream's last writes to the
+        # resident state are complete before this download is issued (the stream-race test checks it).
         with streams.on(streams.d2h):
             for index in indices:
                 sg, buf = self.sub_groups[index], self.resident[index]

@@ -16,6 +16,7 @@ Pinning needs CUDA; without it the slabs are ordinary pageable memory and the re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,16 +52,29 @@ class BufferPool:
         lp_dtype: dtype of the model's parameters (bf16, fp16 or fp32), for the staging slab.
         device: where the 16-bit parameters live; a CPU device needs no 16-bit staging.
         pin: pin the host slabs (ignored, with pageable memory used instead, when CUDA is absent).
+        stage_lp: keep a host staging slab for 16-bit uploads; None decides by the device (not on a CPU
+            device). A simulated accelerator sets it so that its staging path runs on CPU.
+        allocate: allocates ``(numel, dtype)`` of device memory; None uses ``torch.empty`` on ``device``.
     """
 
-    def __init__(self, total_numel: int, lp_dtype: torch.dtype, device: torch.device, pin: bool = True) -> None:
+    def __init__(
+        self,
+        total_numel: int,
+        lp_dtype: torch.dtype,
+        device: torch.device,
+        pin: bool = True,
+        stage_lp: bool | None = None,
+        allocate: Callable[[int, torch.dtype], torch.Tensor] | None = None,
+    ) -> None:
         self.device = device
+        self._allocate = allocate or (lambda numel, dtype: torch.empty(numel, dtype=dtype, device=device))
         self.pinned = bool(pin and torch.cuda.is_available())
         self.param = _host_empty(total_numel, torch.float32, self.pinned)
         self.exp_avg = _host_empty(total_numel, torch.float32, self.pinned).zero_()
         self.exp_avg_sq = _host_empty(total_numel, torch.float32, self.pinned).zero_()
         # The 16-bit copy of a host sub-group needs a host staging area only when it must cross PCIe.
-        self.lp_staging = _host_empty(total_numel, lp_dtype, self.pinned) if device.type != "cpu" else None
+        stage_lp = device.type != "cpu" if stage_lp is None else stage_lp
+        self.lp_staging = _host_empty(total_numel, lp_dtype, self.pinned) if stage_lp else None
         self.device_bytes_in_use = 0
         #: Device bytes held across iterations by resident sub-groups (param, moments, gradient).
         self.resident_bytes = 0
@@ -79,14 +93,14 @@ class BufferPool:
         """
         buffers = []
         for _ in range(count):
-            block = torch.empty(4 * capacity, dtype=torch.float32, device=self.device)
+            block = self._allocate(4 * capacity, torch.float32)
             buffers.append(DeviceBuffer(*block.split(capacity)))
         self.device_bytes_in_use = count * capacity * STAGING_BYTES_PER_ELEMENT
         return buffers
 
     def allocate_resident(self, capacity: int) -> DeviceBuffer:
         """Persistent device state for one resident sub-group (may raise OutOfMemoryError)."""
-        block = torch.empty(4 * capacity, dtype=torch.float32, device=self.device)
+        block = self._allocate(4 * capacity, torch.float32)
         self.resident_bytes += 4 * capacity * FP32_BYTES
         return DeviceBuffer(*block.split(capacity))
 

@@ -1,4 +1,4 @@
-"""Transfer streams and events, with a synchronous stand-in on a CPU "device".
+"""Transfer streams and events: the interface the engine issues its asynchronous work through.
 
 On CUDA the engine uses three side streams: ``h2d`` uploads device sub-groups' fp32 state,
 ``lp_h2d`` uploads host-cast 16-bit parameters, ``d2h`` downloads updated state. Host-side 16-bit
@@ -6,40 +6,99 @@ uploads get a stream of their own so that they never queue behind a device uploa
 for a free staging buffer (a FIFO stream would hold them, and the PCIe link, idle). Kernels run on
 the caller's current stream.
 
-On a CPU device every operation is synchronous, so streams and events are no-ops; the engine's code
-path is the same, which is how CI on a machine with no GPU exercises every branch of the loop.
+Three implementations share one interface:
+
+- :class:`CudaStreams`: real CUDA streams and events.
+- :class:`SyncStreams`: a CPU "device", where every operation is synchronous, so streams and events
+  are no-ops and the engine skips the staging that only an accelerator needs.
+- a simulated accelerator (``lightning_dos.sim``, chosen explicitly by tests and tools): synchronous
+  too, but every stream and event has an identity, so a checker can verify the engine's waits.
+
+Whether the engine stages its 16-bit uploads in pinned host memory is :attr:`Streams.is_async`, a
+property of the streams object, not of the device type, so a simulated accelerator takes the same
+path as CUDA.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 
 class Streams:
-    """The engine's side streams on ``device`` (no-ops on CPU)."""
+    """The engine's side streams on ``device``; this base class is the synchronous CPU stand-in.
+
+    Attributes:
+        device: where the engine's device-side tensors live.
+        is_async: True when work issued on a stream may still be running after the call returns (CUDA,
+            or a simulation of it); the engine then stages host-cast 16-bit parameters for an upload.
+        timing: record events with timing enabled (the monitor turns this on).
+        h2d: host-to-device stream for device sub-groups' fp32 state (None when synchronous).
+        lp_h2d: host-to-device stream for host-cast 16-bit parameters (None when synchronous).
+        d2h: device-to-host stream for updated state (None when synchronous).
+    """
+
+    is_async = False
 
     def __init__(self, device: torch.device, timing: bool = False) -> None:
         self.device = device
-        self.is_async = device.type == "cuda"
         self.timing = timing
-        if self.is_async:
-            self.h2d = torch.cuda.Stream(device)
-            self.lp_h2d = torch.cuda.Stream(device)
-            self.d2h = torch.cuda.Stream(device)
-        else:
-            self.h2d = self.lp_h2d = self.d2h = None
+        self.h2d: Any = None
+        self.lp_h2d: Any = None
+        self.d2h: Any = None
 
     @property
-    def compute(self) -> torch.cuda.Stream | None:
+    def compute(self) -> Any:
         """Kernels run on the caller's current stream, read at each use (the caller may change it)."""
-        return torch.cuda.current_stream(self.device) if self.is_async else None
+        return None
+
+    @contextlib.contextmanager
+    def on(self, stream: Any) -> Iterator[None]:
+        """Issue the enclosed work on ``stream`` (nothing to switch when synchronous)."""
+        yield
+
+    def record(self, stream: Any) -> Any:
+        """Record an event at the current tail of ``stream``; None when synchronous (work is already done)."""
+        return None
+
+    def wait(self, stream: Any, event: Any) -> None:
+        """Make ``stream`` wait (on the device, not the host) for ``event``."""
+
+    def host_wait(self, event: Any) -> None:
+        """Block the host until ``event`` has completed."""
+
+    def device_synchronize(self) -> None:
+        """Wait for all work on the device, DeepSpeed's side streams included."""
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Allocate ``numel`` elements of device memory (staging and resident blocks come from here)."""
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+
+class SyncStreams(Streams):
+    """A CPU "device": every operation is synchronous, so there is nothing to order."""
+
+
+class CudaStreams(Streams):
+    """Real CUDA side streams on ``device``."""
+
+    is_async = True
+
+    def __init__(self, device: torch.device, timing: bool = False) -> None:
+        super().__init__(device, timing)
+        self.h2d = torch.cuda.Stream(device)
+        self.lp_h2d = torch.cuda.Stream(device)
+        self.d2h = torch.cuda.Stream(device)
+
+    @property
+    def compute(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
 
     @contextlib.contextmanager
     def on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
-        """Issue the enclosed work on ``stream`` (nothing to switch on CPU)."""
         if stream is None:
             yield
         else:
@@ -47,26 +106,24 @@ class Streams:
                 yield
 
     def record(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
-        """Record an event at the current tail of ``stream``; None on CPU, where work is already done."""
         if stream is None:
             return None
         event = torch.cuda.Event(enable_timing=self.timing)
         event.record(stream)
         return event
 
-    @staticmethod
-    def wait(stream: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
-        """Make ``stream`` wait (on the device, not the host) for ``event``."""
+    def wait(self, stream: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
         if stream is not None and event is not None:
             stream.wait_event(event)
 
-    @staticmethod
-    def host_wait(event: torch.cuda.Event | None) -> None:
-        """Block the host until ``event`` has completed."""
+    def host_wait(self, event: torch.cuda.Event | None) -> None:
         if event is not None:
             event.synchronize()
 
     def device_synchronize(self) -> None:
-        """Wait for all work on the device, DeepSpeed's side streams included."""
-        if self.is_async:
-            torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(self.device)
+
+
+def make_streams(device: torch.device) -> Streams:
+    """The streams a real ``device`` needs: CUDA streams on a GPU, the synchronous stand-in otherwise."""
+    return CudaStreams(device) if device.type == "cuda" else SyncStreams(device)

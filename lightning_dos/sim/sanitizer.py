@@ -1,0 +1,508 @@
+"""A stream-race checker for the engine on a simulated accelerator (CUDA's ordering rules, checked on CPU).
+
+It is torch's CUDA sanitizer algorithm (``torch.cuda._sanitizer``: per-stream vector clocks, events that
+copy a clock, waits that merge one) extended to what the engine needs checked on a machine with no GPU:
+
+- **Every aten op** is seen by a ``TorchDispatchMode`` and classified into reads and writes from its
+  schema (as CSAN does). An op touching device memory is a kernel or copy on the simulated stream that is
+  current (:class:`~lightning_dos.sim.simstreams.SimStreams`); an op touching only host memory runs on a
+  **host pseudo-stream**, in program order. CSAN ignores host tensors; here host reads of slabs that a
+  download writes (a checkpoint after a flush without its host wait) are races like any other.
+- **Issue order.** Work issued on a stream is ordered after everything the host did before issuing it.
+- **Aliasing.** Accesses are keyed by byte ranges, not ``data_ptr()``: views of one slab start at
+  different offsets (DeepSpeed's whole-flat all-gather against the engine's per-sub-group writes).
+- **Device vs host memory.** Device memory is what the engine allocated through its streams (staging and
+  resident blocks) plus what the caller declares (DeepSpeed's 16-bit partitions).
+- **The caching allocator.** A device block may be freed only once every access to it is ordered before
+  what the allocator may hand it to next (its allocation stream's later work); a new allocation starts a
+  fresh history.
+- **DeepSpeed's side**, which never runs asynchronously on CPU, is modelled from its source
+  (:meth:`StreamSanitizer.watch`): gradient copies into the host buffers on its reduce stream during
+  backward (the host waits for that stream at the end of backward, unless the accelerator resolves data
+  dependencies itself), and the next forward's all-gather reading the 16-bit partitions on a stream of its
+  own, without waiting on the engine's streams.
+
+Blind spots (docs/stream-sanitizer.md): C++ extension ops that bypass the dispatcher, NCCL, copies inside
+libraries that do not go through aten, and every DeepSpeed access not modelled here.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_dos.sim.simstreams import COMPUTE, D2H, H2D, LP_H2D, STREAM_NAMES, SimEvent, SimStream, SimStreams
+
+#: torch versions whose private ``torch.cuda._sanitizer`` this module was tested with.
+TESTED_TORCH = ("2.6", "2.13")
+
+#: Pseudo-streams: the host thread, and DeepSpeed's streams as modelled.
+HOST, DS_REDUCE, DS_ALLGATHER = 100, 101, 102
+NAMES = {**STREAM_NAMES, HOST: "host", DS_REDUCE: "deepspeed.reduce", DS_ALLGATHER: "deepspeed.allgather"}
+
+
+class SanitizerUnavailableError(RuntimeError):
+    """torch's private CUDA-sanitizer classes are missing or changed."""
+
+
+def _torch_sanitizer() -> Any:
+    """torch's ``StreamSynchronizations`` and ``zip_arguments``, checked; a clear error if they changed."""
+    try:
+        from torch.cuda import _sanitizer as csan
+    except ImportError as error:  # pragma: no cover - depends on the torch build
+        raise SanitizerUnavailableError(f"torch {torch.__version__} has no torch.cuda._sanitizer ({error})") from None
+    needed = {
+        "StreamSynchronizations": (
+            "create_stream",
+            "create_event",
+            "update_seq_num",
+            "record_state",
+            "stream_wait_for_event",
+            "is_ordered_after",
+            "_state_wait_for_other",
+            "current_sync_states",
+        ),
+        "zip_arguments": (),
+    }
+    for name, members in needed.items():
+        owner = getattr(csan, name, None)
+        probe = owner() if name == "StreamSynchronizations" and owner is not None else owner
+        missing = [m for m in members if not hasattr(probe, m)]
+        if owner is None or missing:
+            raise SanitizerUnavailableError(
+                f"torch {torch.__version__}'s torch.cuda._sanitizer.{name} lacks {missing or 'itself'}; the stream "
+                f"sanitizer was tested with torch {TESTED_TORCH[0]} to {TESTED_TORCH[1]}"
+            )
+    return csan
+
+
+@dataclass(frozen=True)
+class Access:
+    """One read or write of a byte range by one operation."""
+
+    start: int
+    end: int
+    write: bool
+    stream: int
+    seq: int
+    op: str
+    where: str
+
+    def describe(self) -> str:
+        verb = "wrote" if self.write else "read"
+        return f"{self.op} on {NAMES.get(self.stream, self.stream)} {verb} it ({self.where})"
+
+
+@dataclass(frozen=True)
+class Race:
+    """Two accesses to overlapping memory, at least one a write, with nothing ordering them (or a free
+    before an access to the freed block was ordered)."""
+
+    memory: str
+    current: Access | None
+    previous: Access
+
+    def __str__(self) -> str:
+        now = f"{self.current.describe()}" if self.current is not None else "the caching allocator freed it"
+        return f"race on {self.memory}: {now}, unordered with an earlier {self.previous.describe()}"
+
+
+@dataclass(frozen=True)
+class LoggedOp:
+    """One entry of the operation log, in host program order (what the replay consumes).
+
+    ``kind`` is ``op`` (work on ``stream``: ``lane`` says which, ``elements`` and ``nbytes`` how much),
+    ``record`` / ``wait`` (``event`` on ``stream``), ``host_wait`` (the host blocks on ``event``),
+    ``stream_sync`` (the host blocks on ``stream``), or ``sync`` (the host waits for the whole device).
+    """
+
+    kind: str
+    stream: int = HOST
+    lane: str = ""
+    elements: int = 0
+    nbytes: int = 0
+    event: int = 0
+
+
+@dataclass
+class _Region:
+    start: int
+    end: int
+    name: str
+    device: bool
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int] | None:
+    if t.numel() == 0:
+        return None
+    span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
+    start = t.data_ptr()
+    return start, start + span * t.element_size()
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+def _caller() -> str:
+    """The innermost frame in lightning_dos (outside this module), or any frame that looks like the engine."""
+    frame = sys._getframe(2)
+    fallback = ""
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "lightning_dos" in name and "/sim/" not in name or "loop" in name:
+            return f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno} in {frame.f_code.co_name}"
+        if not fallback and "torch" not in name:
+            fallback = f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+        frame = frame.f_back
+    return fallback
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, checker: StreamSanitizer) -> None:
+        super().__init__()
+        self.checker = checker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        return self.checker._dispatch(func, args, kwargs or {})
+
+
+class StreamSanitizer:
+    """Checks happens-before between every access the engine (and modelled DeepSpeed) makes.
+
+    Use :meth:`streams` to build the engine's simulated streams, :meth:`watch` to run the engine's calls
+    under the checker with DeepSpeed's side modelled, or :meth:`active` around calls of your own.
+
+    Args:
+        memory_limit: bytes of simulated device memory (None: unlimited).
+        raise_on_race: raise :class:`StreamRaceError` at the first race instead of collecting them.
+    """
+
+    def __init__(self, memory_limit: int | None = None, raise_on_race: bool = False) -> None:
+        csan = _torch_sanitizer()
+        self._zip_arguments = csan.zip_arguments
+        self.syncs = csan.StreamSynchronizations()
+        for stream in (H2D, LP_H2D, D2H, HOST, DS_REDUCE, DS_ALLGATHER):
+            self.syncs.create_stream(stream)
+        self.memory_limit = memory_limit
+        self.raise_on_race = raise_on_race
+        self.seq = 0
+        self.races: list[Race] = []
+        self.log: list[LoggedOp] = []
+        self.regions: list[_Region] = []
+        self._accesses: dict[int, list[Access]] = {}
+        self._sim: SimStreams | None = None
+        self._depth = 0
+
+    # -- setting up -------------------------------------------------------------------------------
+
+    def streams(self, device: torch.device | str = "cpu") -> SimStreams:
+        """Simulated streams reporting to this checker (pass as ``streams=`` or ``streams_factory=``)."""
+        self._sim = SimStreams(torch.device(device), listener=self, memory_limit=self.memory_limit)
+        return self._sim
+
+    def name(self, tensor: torch.Tensor, name: str, device: bool = False) -> None:
+        """Name a block of memory for race messages; ``device=True`` declares it device memory."""
+        extent = _byte_range(tensor)
+        if extent is None:
+            return
+        for region in self.regions:
+            if (region.start, region.end) == extent:
+                region.name, region.device = name, region.device or device
+                return
+        self.regions.append(_Region(*extent, name, device))
+
+    @functools.cached_property
+    def _mode(self) -> _Mode:
+        return _Mode(self)
+
+    def active(self) -> Any:
+        """A context in which every aten op is checked."""
+        return _Active(self)
+
+    # -- StreamListener (called by SimStreams) ----------------------------------------------------
+
+    def _issue(self, stream: int) -> None:
+        """Work issued on ``stream`` is ordered after everything the host has done or waited for."""
+        states = self.syncs.current_sync_states
+        self.syncs._state_wait_for_other(states[stream], states[HOST])
+
+    def on_record(self, event: SimEvent) -> None:
+        self._issue(event.stream.id)
+        self.syncs.create_event(event.id)
+        self.syncs.record_state(event.id, event.stream.id)
+        self.log.append(LoggedOp("record", event.stream.id, event=event.id))
+
+    def on_wait(self, stream: SimStream, event: SimEvent) -> None:
+        self._issue(stream.id)
+        self.syncs.stream_wait_for_event(stream.id, event.id)
+        self.log.append(LoggedOp("wait", stream.id, event=event.id))
+
+    def on_host_wait(self, event: SimEvent) -> None:
+        self.syncs.stream_wait_for_event(HOST, event.id)
+        self.log.append(LoggedOp("host_wait", event=event.id))
+
+    def on_device_synchronize(self) -> None:
+        host = self.syncs.current_sync_states[HOST]
+        for state in list(self.syncs.current_sync_states.values()):
+            self.syncs._state_wait_for_other(host, state)
+        self.log.append(LoggedOp("sync"))
+
+    def stream_synchronize(self, stream: int) -> None:
+        """The host blocks until ``stream``'s work is done (``stream.synchronize()``)."""
+        states = self.syncs.current_sync_states
+        self.syncs._state_wait_for_other(states[HOST], states[stream])
+        self.log.append(LoggedOp("stream_sync", stream))
+
+    def stream_wait_stream(self, waiter: int, target: int) -> None:
+        """``waiter`` waits for all work issued so far on ``target`` (``waiter.wait_stream(target)``)."""
+        self._issue(waiter)
+        states = self.syncs.current_sync_states
+        self.syncs._state_wait_for_other(states[waiter], states[target])
+
+    def on_alloc(self, tensor: torch.Tensor, stream: SimStream) -> None:
+        extent = _byte_range(tensor)
+        if extent is None:
+            return
+        self._accesses.pop(extent[0], None)  # a new allocation: a fresh history
+        self.regions = [r for r in self.regions if r.end <= extent[0] or r.start >= extent[1]]
+        self.regions.append(_Region(*extent, f"device block of {tensor.numel()} x {tensor.dtype}", True))
+
+    def on_free(self, start: int, end: int, stream: SimStream) -> None:
+        memory = self._label(start)
+        for previous in self._accesses.pop(start, []):
+            if previous.stream == stream.id:
+                continue
+            if not (
+                self.syncs.is_ordered_after(stream.id, previous.seq, previous.stream)
+                or self.syncs.is_ordered_after(HOST, previous.seq, previous.stream)
+            ):
+                self._report(Race(memory, None, previous))
+        self.regions = [r for r in self.regions if not (r.start == start and r.end == end)]
+
+    # -- modelled accesses (DeepSpeed's side) -------------------------------------------------------
+
+    def model_access(
+        self, stream: int, op: str, reads: Sequence[torch.Tensor] = (), writes: Sequence[torch.Tensor] = ()
+    ) -> None:
+        """Record an access that did not go through aten on its real stream (a modelled DeepSpeed copy)."""
+        self._launch(stream, op, list(reads), list(writes), where="modelled")
+
+    # -- the checks ---------------------------------------------------------------------------------
+
+    def _region(self, start: int) -> _Region | None:
+        for region in self.regions:
+            if region.start <= start < region.end:
+                return region
+        return None
+
+    def _label(self, start: int) -> str:
+        region = self._region(start)
+        if region is None:
+            return f"host memory at {start:#x}"
+        return f"{region.name} (+{start - region.start} bytes)"
+
+    def _is_device(self, tensors: Iterable[torch.Tensor]) -> bool:
+        for t in tensors:
+            extent = _byte_range(t)
+            region = self._region(extent[0]) if extent is not None else None
+            if region is not None and region.device:
+                return True
+        return False
+
+    def _report(self, race: Race) -> None:
+        self.races.append(race)
+        if self.raise_on_race:
+            raise StreamRaceError([race])
+
+    def _launch(self, stream: int, op: str, reads: list[torch.Tensor], writes: list[torch.Tensor], where: str) -> None:
+        if stream != HOST:
+            self._issue(stream)
+        self.seq += 1
+        self.syncs.update_seq_num(stream, self.seq)
+        written = {id(t) for t in writes}
+        accesses = [(t, False) for t in reads if id(t) not in written] + [(t, True) for t in writes]
+        for tensor, write in accesses:
+            extent = _byte_range(tensor)
+            if extent is None:
+                continue
+            key = tensor.untyped_storage().data_ptr()
+            current = Access(*extent, write, stream, self.seq, op, where)
+            history = self._accesses.setdefault(key, [])
+            kept = []
+            for previous in history:
+                overlaps = previous.start < current.end and current.start < previous.end
+                if not overlaps:
+                    kept.append(previous)
+                    continue
+                ordered = self.syncs.is_ordered_after(stream, previous.seq, previous.stream)
+                if not ordered and (write or previous.write):
+                    self._report(Race(self._label(max(previous.start, current.start)), current, previous))
+                covered = current.start <= previous.start and previous.end <= current.end
+                # Anything ordered after `current` is ordered after what it covers, so that can go; a read
+                # never replaces a write (a later read on another stream must still be checked against it).
+                if not (ordered and covered and (write or not previous.write)):
+                    kept.append(previous)
+            kept.append(current)
+            self._accesses[key] = kept
+
+    def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        schema = func._schema
+        reads: list[torch.Tensor] = []
+        writes: list[torch.Tensor] = []
+        blocking = True
+        for argument, value in self._zip_arguments(schema, args, kwargs):
+            if argument.name == "non_blocking":
+                blocking = not value
+            alias = argument.alias_info
+            if alias is not None and not alias.is_write:
+                continue  # a view: metadata only
+            (writes if alias is not None else reads).extend(_tensors(value))
+        out = func(*args, **kwargs)
+        fresh = []
+        results = (out,) if len(schema.returns) == 1 else (out or ())
+        for result, value in zip(schema.returns, results, strict=False):
+            if result.alias_info is None:
+                fresh.extend(_tensors(value))
+        for t in fresh:  # a new allocation: a fresh history
+            extent = _byte_range(t)
+            if extent is not None:
+                self._accesses.pop(t.untyped_storage().data_ptr(), None)
+        touched = reads + writes + fresh
+        if not touched:
+            return out  # metadata only (a view)
+        device = self._is_device(touched)
+        stream = self._sim.current.id if device and self._sim is not None else HOST
+        op = schema.name.split("::")[-1]
+        self._launch(stream, op, reads, writes + fresh, where=_caller())
+        self.log.append(self._classify(op, stream, reads, writes + fresh))
+        crosses = device and not all(self._is_device([t]) for t in touched)
+        if crosses and (blocking and op == "copy_" or op == "_local_scalar_dense"):
+            self.stream_synchronize(stream)  # a blocking transfer or a .item(): the host waits for the stream
+        return out
+
+    def _classify(self, op: str, stream: int, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> LoggedOp:
+        """Which lane of the update an op belongs to, and how much work it is (for the replay)."""
+        elements = max((t.numel() for t in writes), default=0)
+        if op.startswith("_fused_adam"):
+            lane = "host_adam" if stream == HOST else "device_adam"
+            return LoggedOp("op", stream, lane, elements=sum(t.numel() for t in _tensors(writes[:1])))
+        if op == "copy_" and writes and reads:
+            dst, src = writes[0], reads[0]
+            nbytes = src.numel() * src.element_size()
+            if stream == HOST:
+                return LoggedOp("op", stream, "host_cast", elements=dst.numel(), nbytes=nbytes)
+            dst_device, src_device = self._is_device([dst]), self._is_device([src])
+            if dst_device and not src_device:
+                return LoggedOp("op", stream, "lp_upload" if stream == LP_H2D else "upload", dst.numel(), nbytes)
+            if src_device and not dst_device:
+                return LoggedOp("op", stream, "download", dst.numel(), nbytes)
+            return LoggedOp("op", stream, "cast", elements=dst.numel(), nbytes=nbytes)
+        if elements <= 1:
+            return LoggedOp("op", stream, "scalar")
+        return LoggedOp("op", stream, "host_elementwise" if stream == HOST else "device_elementwise", elements)
+
+    # -- DeepSpeed's side around the engine's calls -------------------------------------------------
+
+    def watch(self, engine: Any, backward_sync: bool = True) -> None:
+        """Run ``engine``'s step, flush and drop under the checker, with DeepSpeed's accesses modelled.
+
+        Args:
+            engine: an :class:`~lightning_dos.engine.loop.InterleavedAdam` built on :meth:`streams`.
+            backward_sync: DeepSpeed's ``reduce_and_partition_stream.synchronize()`` at the end of backward,
+                which it skips on accelerators that resolve data dependencies themselves.
+        """
+        pool = engine.pool
+        for slab, label in (
+            (pool.param, "param slab"),
+            (pool.exp_avg, "exp_avg slab"),
+            (pool.exp_avg_sq, "exp_avg_sq slab"),
+        ):
+            self.name(slab, label)
+        if pool.lp_staging is not None:
+            self.name(pool.lp_staging, "16-bit staging slab")
+        step, flush, drop = engine.step, engine.flush_resident, engine.drop_resident
+
+        def watched_step(plan: Any, inputs: Any) -> Any:
+            for i, (grad, lp) in enumerate(zip(inputs.grads, inputs.lp_targets, strict=True)):
+                self.name(grad, f"gradient buffer {i}")
+                self.name(lp, f"16-bit partition {i}", device=True)
+            # Forward and backward use the gathered parameters on the default stream once it has waited for
+            # the all-gather (partitioned_param_coordinator: current_stream().wait_stream(allgather_stream)).
+            self.stream_wait_stream(COMPUTE, DS_ALLGATHER)
+            # Backward: the reduce stream waits for the default stream (stage3: wait_stream(current_stream()))
+            # and copies each gradient partition into the host buffers.
+            self.stream_wait_stream(DS_REDUCE, COMPUTE)
+            self.model_access(DS_REDUCE, "deepspeed.partition_grads", writes=inputs.grads)
+            if backward_sync:
+                self.stream_synchronize(DS_REDUCE)
+            with self.active():
+                report = step(plan, inputs)
+            # The next forward: DeepSpeed all-gathers each whole 16-bit partition on its own stream, waiting
+            # for nothing of ours (it relies on the step having ended with everything landed).
+            self.model_access(DS_ALLGATHER, "deepspeed.allgather", reads=inputs.lp_targets)
+            return report
+
+        def watched_flush() -> None:
+            with self.active():
+                flush()
+            # The checkpoint then reads the host slabs.
+            self.model_access(HOST, "checkpoint.save", reads=[pool.param, pool.exp_avg, pool.exp_avg_sq])
+
+        def watched_drop() -> None:
+            # A checkpoint load has just written the host slabs.
+            self.model_access(HOST, "checkpoint.load", writes=[pool.param, pool.exp_avg, pool.exp_avg_sq])
+            with self.active():
+                drop()
+
+        engine.step, engine.flush_resident, engine.drop_resident = watched_step, watched_flush, watched_drop
+
+    def check(self) -> None:
+        """Raise :class:`StreamRaceError` if any race was found."""
+        if self.races:
+            raise StreamRaceError(self.races)
+
+
+class _Active:
+    def __init__(self, checker: StreamSanitizer) -> None:
+        self.checker = checker
+
+    def __enter__(self) -> None:
+        if self.checker._depth == 0:
+            self.checker._mode.__enter__()
+        self.checker._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.checker._depth -= 1
+        if self.checker._depth == 0:
+            self.checker._mode.__exit__(*exc)
+
+
+class StreamRaceError(AssertionError):
+    """The engine's stream ordering has a race (each one listed)."""
+
+    def __init__(self, races: Sequence[Race]) -> None:
+        self.races = list(races)
+        shown = "\n  ".join(str(r) for r in self.races[:10])
+        more = f"\n  ... and {len(self.races) - 10} more" if len(self.races) > 10 else ""
+        super().__init__(f"{len(self.races)} stream race(s):\n  {shown}{more}")
+
+
+__all__ = [
+    "DS_ALLGATHER",
+    "DS_REDUCE",
+    "HOST",
+    "Access",
+    "LoggedOp",
+    "Race",
+    "SanitizerUnavailableError",
+    "StreamRaceError",
+    "StreamSanitizer",
+]

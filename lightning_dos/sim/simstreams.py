@@ -1,0 +1,161 @@
+"""Simulated CUDA streams on a CPU device: every stream and event has an identity, work stays synchronous.
+
+With :class:`SimStreams` the engine takes its accelerator path on a CPU (device staging, pinned-style
+16-bit staging and the ``lp_h2d`` upload for host sub-groups), and every record, wait, host wait,
+device synchronisation, device allocation and free is reported to an optional :class:`StreamListener`
+(the race checker). Nothing runs asynchronously: the simulation gives CI the *order* the engine
+states, and the checker decides whether that order would be enough on a real GPU.
+
+Never chosen automatically: a test or tool passes it to the engine (``streams=``) or to the strategy
+(``streams_factory=``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from lightning_dos.engine.streams import Streams
+
+#: Stream ids. 0 is CUDA's default stream, which the engine's kernels (the caller's stream) run on.
+COMPUTE, H2D, LP_H2D, D2H = 0, 1, 2, 3
+STREAM_NAMES = {COMPUTE: "compute", H2D: "h2d", LP_H2D: "lp_h2d", D2H: "d2h"}
+
+
+@dataclass(frozen=True)
+class SimStream:
+    """One simulated stream: an id and a name."""
+
+    id: int
+    name: str
+
+
+@dataclass(eq=False)
+class SimEvent:
+    """One recorded event: the stream it was recorded on and the wall clock then (for the timeline)."""
+
+    id: int
+    stream: SimStream
+    wall_s: float = field(default_factory=time.perf_counter)
+
+    def elapsed_time(self, later: SimEvent) -> float:
+        """Milliseconds from this event to ``later``, like ``torch.cuda.Event.elapsed_time``."""
+        return (later.wall_s - self.wall_s) * 1000.0
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        """Work is synchronous: nothing to wait for."""
+
+
+class StreamListener(Protocol):
+    """What a checker hears from :class:`SimStreams` (every method is called synchronously)."""
+
+    def on_record(self, event: SimEvent) -> None: ...
+    def on_wait(self, stream: SimStream, event: SimEvent) -> None: ...
+    def on_host_wait(self, event: SimEvent) -> None: ...
+    def on_device_synchronize(self) -> None: ...
+    def on_alloc(self, tensor: torch.Tensor, stream: SimStream) -> None: ...
+    def on_free(self, start: int, end: int, stream: SimStream) -> None: ...
+
+
+class SimStreams(Streams):
+    """The engine's streams on a simulated accelerator whose memory is CPU memory.
+
+    Args:
+        device: must be a CPU device (the tensors are ordinary CPU tensors).
+        listener: told about every synchronisation and device allocation; None for none.
+        memory_limit: bytes of "device" memory; an allocation beyond it raises ``torch.OutOfMemoryError``
+            as the CUDA caching allocator would (None: no limit).
+    """
+
+    is_async = True
+
+    def __init__(
+        self, device: torch.device, listener: StreamListener | None = None, memory_limit: int | None = None
+    ) -> None:
+        if device.type != "cpu":
+            raise ValueError(f"SimStreams simulates an accelerator on a CPU device; got device={device}")
+        super().__init__(device)
+        self.listener = listener
+        self.memory_limit = memory_limit
+        self.default = SimStream(COMPUTE, STREAM_NAMES[COMPUTE])
+        self.h2d = SimStream(H2D, STREAM_NAMES[H2D])
+        self.lp_h2d = SimStream(LP_H2D, STREAM_NAMES[LP_H2D])
+        self.d2h = SimStream(D2H, STREAM_NAMES[D2H])
+        self._current: list[SimStream] = [self.default]
+        self._event_ids = itertools.count(1)
+        #: Bytes of simulated device memory allocated and not yet freed.
+        self.allocated_bytes = 0
+
+    @property
+    def current(self) -> SimStream:
+        """The stream work is issued on now."""
+        return self._current[-1]
+
+    @property
+    def compute(self) -> SimStream:
+        return self.current
+
+    @contextlib.contextmanager
+    def on(self, stream: SimStream | None) -> Iterator[None]:
+        if stream is None:
+            yield
+            return
+        self._current.append(stream)
+        try:
+            yield
+        finally:
+            self._current.pop()
+
+    def record(self, stream: SimStream | None) -> SimEvent | None:
+        if stream is None:
+            return None
+        event = SimEvent(next(self._event_ids), stream)
+        if self.listener is not None:
+            self.listener.on_record(event)
+        return event
+
+    def wait(self, stream: SimStream | None, event: SimEvent | None) -> None:
+        if stream is not None and event is not None and self.listener is not None:
+            self.listener.on_wait(stream, event)
+
+    def host_wait(self, event: SimEvent | None) -> None:
+        if event is not None and self.listener is not None:
+            self.listener.on_host_wait(event)
+
+    def device_synchronize(self) -> None:
+        if self.listener is not None:
+            self.listener.on_device_synchronize()
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Device memory: a CPU tensor the listener knows as device memory, freed when it is dropped."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if self.memory_limit is not None and self.allocated_bytes + nbytes > self.memory_limit:
+            raise torch.OutOfMemoryError(
+                f"simulated device out of memory: {nbytes} bytes requested, "
+                f"{self.memory_limit - self.allocated_bytes} of {self.memory_limit} free"
+            )
+        tensor = torch.empty(numel, dtype=dtype, device=self.device)
+        # The caching allocator ties a block to the stream current at allocation: that stream may reuse
+        # it as soon as the host drops it.
+        stream = self.current
+        self.allocated_bytes += nbytes
+        start = tensor.data_ptr()
+        weakref.finalize(tensor, self._free, start, start + nbytes, nbytes, stream)
+        if self.listener is not None:
+            self.listener.on_alloc(tensor, stream)
+        return tensor
+
+    def _free(self, start: int, end: int, nbytes: int, stream: SimStream) -> None:
+        self.allocated_bytes -= nbytes
+        if self.listener is not None:
+            self.listener.on_free(start, end, stream)
