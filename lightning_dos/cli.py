@@ -31,6 +31,7 @@ EXTRA_COMMANDS = {
     "calibrate": ("lightning_dos.planner", "measure this machine's CPU/GPU/PCIe rates and write a profile"),
     "plan": ("lightning_dos.planner", "predict update and iteration time of each offload scheme for a model"),
     "report": ("lightning_dos.report", "draw a run's logged metrics (loss, LR, phase split, memory) as a PNG"),
+    "simulate": ("lightning_dos.sim.simulate", "time the engine's schedule on a virtual node (simulated figures)"),
 }
 
 

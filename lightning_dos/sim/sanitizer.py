@@ -48,6 +48,10 @@ HOST, DS_REDUCE, DS_ALLGATHER = 100, 101, 102
 NAMES = {**STREAM_NAMES, HOST: "host", DS_REDUCE: "deepspeed.reduce", DS_ALLGATHER: "deepspeed.allgather"}
 
 
+#: Ops that only allocate memory: no work for the replay.
+ALLOCATIONS = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"})
+
+
 class SanitizerUnavailableError(RuntimeError):
     """torch's private CUDA-sanitizer classes are missing or changed."""
 
@@ -391,6 +395,8 @@ class StreamSanitizer:
     def _classify(self, op: str, stream: int, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> LoggedOp:
         """Which lane of the update an op belongs to, and how much work it is (for the replay)."""
         elements = max((t.numel() for t in writes), default=0)
+        if op in ALLOCATIONS:
+            return LoggedOp("op", stream, "alloc")
         if op.startswith("_fused_adam"):
             lane = "host_adam" if stream == HOST else "device_adam"
             return LoggedOp("op", stream, lane, elements=sum(t.numel() for t in _tensors(writes[:1])))

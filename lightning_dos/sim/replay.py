@@ -1,0 +1,260 @@
+"""Replays the engine's logged schedule on a virtual node: a discrete-event model of one rank's hardware.
+
+The input is the stream-race checker's operation log (:class:`~lightning_dos.sim.sanitizer.LoggedOp`):
+the order in which the engine *actually* issued its work, with every stream, event, wait and host wait.
+The model:
+
+- the **host thread** walks the log in program order: host Adam at ``host_adam_eps``, casts and other
+  element-wise host work at ``host_cast_eps``; issuing device work costs nothing; a host wait or device
+  synchronisation blocks it until the awaited work has finished;
+- each **stream** runs its work in order; a wait holds it until the event's work has finished;
+- one **copy engine per direction** (uploads on ``h2d`` and ``lp_h2d`` share one, downloads use the other)
+  serves one copy at a time, at the profile's solo rate, or its duplex rate while the other direction is
+  busy too (rates change as copies start and end);
+- the **compute stream** runs device Adam at ``device_adam_eps``; other device kernels (the 16-bit cast,
+  gradient scaling) are memory-bound and run at that rate scaled by the bytes each element moves.
+
+Sizes scale: every logged amount is multiplied by ``scale``, so a test-sized run replays as the real model.
+The figures are simulated, not measured.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_dos.engine.perfmodel import HardwareRates
+from lightning_dos.sim.sanitizer import HOST, LoggedOp
+
+#: Bytes one element of device Adam moves (fp32 param, grad, two moments read; param and moments written).
+DEVICE_ADAM_BYTES = 28
+#: Bytes per element of other device kernels: the cast reads fp32 and writes 16 bits; scaling reads and writes fp32.
+DEVICE_KERNEL_BYTES = {"cast": 6, "device_elementwise": 8}
+COPY_LANES = {"upload": "h2d", "lp_upload": "h2d", "download": "d2h"}
+_EPS = 1e-15
+
+
+@dataclass
+class ReplaySpan:
+    """One operation on the virtual node's clock."""
+
+    lane: str
+    stream: str
+    start_s: float
+    end_s: float
+    amount: float
+
+
+@dataclass
+class ReplayResult:
+    """What the replayed update did.
+
+    Attributes:
+        time_s: update time: from the first operation to the host's return from its last wait.
+        busy_s: seconds each resource worked: ``host``, ``h2d`` and ``d2h`` copy engines, ``compute``.
+        h2d_bytes: bytes uploaded.
+        d2h_bytes: bytes downloaded.
+        spans: every operation, for a trace.
+    """
+
+    time_s: float
+    busy_s: dict[str, float]
+    h2d_bytes: float
+    d2h_bytes: float
+    spans: list[ReplaySpan] = field(default_factory=list)
+
+    def busy_share(self) -> dict[str, float]:
+        return {k: (v / self.time_s if self.time_s > 0 else 0.0) for k, v in self.busy_s.items()}
+
+
+@dataclass
+class _Item:
+    kind: str  # "op", "record", "wait"
+    issued: float
+    lane: str = ""
+    amount: float = 0.0
+    event: int = 0
+    remaining: float = 0.0
+    started: float = -1.0
+
+
+class _Device:
+    """Streams, copy engines and the compute stream, advanced only as far as the host needs."""
+
+    def __init__(self, rates: HardwareRates) -> None:
+        self.rates = rates
+        self.now = 0.0
+        self.queues: dict[int, deque[_Item]] = {}
+        self.done_events: dict[int, float] = {}
+        self.active: dict[str, tuple[int, _Item]] = {}  # resource -> (stream, item)
+        self.spans: list[ReplaySpan] = []
+        self.busy = {"h2d": 0.0, "d2h": 0.0, "compute": 0.0}
+
+    def submit(self, stream: int, item: _Item) -> None:
+        self.queues.setdefault(stream, deque()).append(item)
+
+    def _resource(self, lane: str) -> str:
+        return COPY_LANES.get(lane, "compute")
+
+    def _rate(self, resource: str) -> float:
+        r = self.rates
+        if resource == "compute":
+            return 1.0  # compute items carry seconds of work already
+        duplex = ("d2h" if resource == "h2d" else "h2d") in self.active
+        if resource == "h2d":
+            return r.duplex_h2d_bps if duplex else r.h2d_bps
+        return r.duplex_d2h_bps if duplex else r.d2h_bps
+
+    def _start_ready(self) -> None:
+        progressed = True
+        while progressed:
+            progressed = False
+            candidates: list[tuple[float, int, int, _Item]] = []
+            for stream, queue in self.queues.items():
+                if not queue or any(s == stream for s, _ in self.active.values()):
+                    continue
+                head = queue[0]
+                if head.issued > self.now + _EPS:
+                    continue
+                if head.kind == "record":
+                    self.done_events[head.event] = self.now
+                    queue.popleft()
+                    progressed = True
+                elif head.kind == "wait":
+                    if head.event in self.done_events:
+                        queue.popleft()
+                        progressed = True
+                else:
+                    candidates.append((head.issued, stream, id(head), head))
+            for _, stream, _, head in sorted(candidates, key=lambda c: (c[0], c[1])):
+                resource = self._resource(head.lane)
+                if resource in self.active:
+                    continue
+                head.started = self.now
+                self.active[resource] = (stream, head)
+                progressed = True
+
+    def _next_time(self) -> float | None:
+        times = [self.now + item.remaining / self._rate(res) for res, (_, item) in self.active.items()]
+        times += [q[0].issued for q in self.queues.values() if q and q[0].issued > self.now + _EPS]
+        return min(times) if times else None
+
+    def advance(self, until: Any) -> None:
+        """Run the device until ``until()`` is true (or nothing is left to run)."""
+        while True:
+            self._start_ready()
+            if until():
+                return
+            t = self._next_time()
+            if t is None:
+                return
+            dt = max(0.0, t - self.now)
+            rates = {res: self._rate(res) for res in self.active}
+            finished = []
+            for res, (_, item) in self.active.items():
+                item.remaining -= rates[res] * dt
+                self.busy[res] += dt
+                if item.remaining <= max(_EPS, 1e-9 * item.amount):
+                    finished.append(res)
+            self.now = t
+            for res in finished:
+                stream, item = self.active.pop(res)
+                self.queues[stream].popleft()
+                self.spans.append(ReplaySpan(item.lane, str(stream), item.started, self.now, item.amount))
+
+    def idle(self, stream: int | None = None) -> bool:
+        queues = self.queues.values() if stream is None else [self.queues.get(stream, deque())]
+        return all(not q for q in queues)
+
+
+def _kernel_seconds(lane: str, elements: float, rates: HardwareRates) -> float:
+    if lane == "device_adam":
+        return elements / rates.device_adam_eps
+    per_element = DEVICE_KERNEL_BYTES.get(lane, DEVICE_KERNEL_BYTES["device_elementwise"])
+    return elements / (rates.device_adam_eps * DEVICE_ADAM_BYTES / per_element)
+
+
+def _host_seconds(lane: str, elements: float, rates: HardwareRates) -> float:
+    if lane == "host_adam":
+        return elements / rates.host_adam_eps
+    if lane in ("scalar", "alloc"):
+        return 0.0
+    return elements / rates.host_cast_eps  # the cast and other element-wise host work: memory-bound alike
+
+
+def replay(log: Sequence[LoggedOp], rates: HardwareRates, scale: float = 1.0) -> ReplayResult:
+    """Replay ``log`` on the node ``rates`` describes, every amount multiplied by ``scale``."""
+    if rates.device_adam_eps <= 0:
+        raise ValueError("replay needs a profile with an accelerator (device_adam_eps > 0)")
+    device = _Device(rates)
+    host_t = 0.0
+    host_busy = 0.0
+    host_spans: list[ReplaySpan] = []
+    h2d_bytes = d2h_bytes = 0.0
+    for entry in log:
+        if entry.kind == "op" and entry.stream == HOST:
+            seconds = _host_seconds(entry.lane, entry.elements * scale, rates)
+            if seconds > 0:
+                host_spans.append(ReplaySpan(entry.lane, "host", host_t, host_t + seconds, entry.elements * scale))
+            host_t += seconds
+            host_busy += seconds
+        elif entry.kind == "op":
+            if entry.lane in COPY_LANES:
+                amount = entry.nbytes * scale
+                if COPY_LANES[entry.lane] == "h2d":
+                    h2d_bytes += amount
+                else:
+                    d2h_bytes += amount
+                work = amount
+            elif entry.lane in ("scalar", "alloc"):
+                continue
+            else:
+                amount = entry.elements * scale
+                work = _kernel_seconds(entry.lane, amount, rates)
+            device.submit(entry.stream, _Item("op", host_t, entry.lane, amount, remaining=work))
+        elif entry.kind in ("record", "wait"):
+            device.submit(entry.stream, _Item(entry.kind, host_t, event=entry.event))
+        elif entry.kind == "host_wait":
+            device.advance(lambda e=entry.event: e in device.done_events)
+            host_t = max(host_t, device.done_events.get(entry.event, host_t))
+        elif entry.kind in ("sync", "stream_sync"):
+            stream = None if entry.kind == "sync" else entry.stream
+            device.advance(lambda s=stream: device.idle(s))
+            host_t = max(host_t, device.now)
+    device.advance(lambda: device.idle())  # anything not waited for still counts
+    end = max([host_t, device.now] + [s.end_s for s in device.spans])
+    busy = {"host": host_busy, **device.busy}
+    spans = sorted(host_spans + device.spans, key=lambda s: (s.start_s, s.lane))
+    return ReplayResult(end, busy, h2d_bytes, d2h_bytes, spans)
+
+
+def write_perfetto(path: str | Path, result: ReplayResult, title: str = "lightning-dos simulate") -> Path:
+    """Write ``result`` as a Chrome/Perfetto trace: one lane per operation kind, microseconds."""
+    lanes = sorted({s.lane for s in result.spans})
+    tids = {lane: i + 1 for i, lane in enumerate(lanes)}
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "pid": 0, "name": "process_name", "args": {"name": f"{title} (simulated, not measured)"}}
+    ]
+    events += [
+        {"ph": "M", "pid": 0, "tid": tid, "name": "thread_name", "args": {"name": lane}} for lane, tid in tids.items()
+    ]
+    for span in result.spans:
+        events.append(
+            {
+                "ph": "X",
+                "pid": 0,
+                "tid": tids[span.lane],
+                "name": span.lane,
+                "ts": span.start_s * 1e6,
+                "dur": (span.end_s - span.start_s) * 1e6,
+                "args": {"stream": span.stream, "amount": span.amount},
+            }
+        )
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    return path
