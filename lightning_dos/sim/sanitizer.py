@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_dos.sim.simstreams import COMPUTE, D2H, H2D, LP_H2D, STREAM_NAMES, SimEvent, SimStream, SimStreams
 
 #: torch versions whose private ``torch.cuda._sanitizer`` this module was tested with.
-TESTED_TORCH = ("2.6", "2.13")
+TESTED_TORCH = "2.13"
 
 #: Pseudo-streams: the host thread, and DeepSpeed's streams as modelled.
 HOST, DS_REDUCE, DS_ALLGATHER = 100, 101, 102
@@ -82,7 +82,7 @@ def _torch_sanitizer() -> Any:
         if owner is None or missing:
             raise SanitizerUnavailableError(
                 f"torch {torch.__version__}'s torch.cuda._sanitizer.{name} lacks {missing or 'itself'}; the stream "
-                f"sanitizer was tested with torch {TESTED_TORCH[0]} to {TESTED_TORCH[1]}"
+                f"sanitizer was tested with torch {TESTED_TORCH}"
             )
     return csan
 
