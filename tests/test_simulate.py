@@ -12,7 +12,7 @@ from lightning_dos.profiles import load_profile
 from lightning_dos.sim.replay import replay
 from lightning_dos.sim.sanitizer import HOST, LoggedOp
 from lightning_dos.sim.simstreams import D2H, H2D
-from lightning_dos.sim.simulate import simulate, sub_group_sizes
+from lightning_dos.sim.simulate import auto_plan, simulate, sub_group_sizes
 
 RATES = HardwareRates(1e9, 1e10, 1e11, 50e9, 50e9, 25e9, 20e9)
 
@@ -47,8 +47,10 @@ def test_replay_orders_work_by_waits_and_blocks_the_host_on_host_waits() -> None
 def test_replayed_engine_schedule_agrees_with_the_performance_model(params: float, resident: bool) -> None:
     rates, meta = load_profile("paper-h100x4")
     sizes = sub_group_sizes(int(params), meta["gpus_per_node"], 100_000_000)
-    budget = meta["device_free_bytes"] if resident else int(0.9 * meta["device_free_bytes"])
-    plan, _ = choose_plan(sizes, rates, budget, 2, allow_resident=resident)
+    if resident:  # as `lightning-dos plan` and `simulate` choose it
+        plan = auto_plan(sizes, rates, 2, meta["device_free_bytes"])
+    else:  # as the strategy chooses it without a user budget: streaming only, within 90% of the free memory
+        plan, _ = choose_plan(sizes, rates, int(0.9 * meta["device_free_bytes"]), 2, allow_resident=False)
     assert plan.device_indices, "auto puts work on the GPU at this size"
     result = simulate(sizes, plan, rates, 2)
     assert result.races == 0

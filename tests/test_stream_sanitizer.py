@@ -143,6 +143,21 @@ def test_the_lp_h2d_branch_runs_and_its_upload_is_what_the_next_forward_reads() 
     assert len(uploads) == 2 * N_SUB_GROUPS and all(op.stream == 2 for op in uploads)
 
 
+def test_timing_on_the_simulated_accelerator_gives_a_span_per_lane() -> None:
+    """The monitor's timeline (events on streams) works on simulated streams too, and stays race-free."""
+    checker = StreamSanitizer()
+    engine = loop_module.InterleavedAdam(
+        NUMELS, GROUPS, SUB_GROUP, torch.device("cpu"), torch.bfloat16, streams=checker.streams()
+    )
+    checker.watch(engine)
+    engine.timing = True
+    grads, lp = [torch.randn(n) for n in NUMELS], [torch.zeros(n, dtype=torch.bfloat16) for n in NUMELS]
+    report = engine.step(Plan(mixed(H, D, R), 2), StepInputs(grads, lp, HYPERS, [1] * len(NUMELS)))
+    checker.check()
+    assert {s.lane for s in report.spans} == {"host_adam", "upload", "device_adam", "cast", "download", "lp_upload"}
+    assert all(s.end_s >= s.start_s >= 0 for s in report.spans)
+
+
 def test_a_missing_host_wait_before_a_checkpoint_read_is_a_race() -> None:
     """The prototype's blind spot: host memory. A download not waited for before the checkpoint reads."""
     checker = StreamSanitizer()

@@ -12,6 +12,7 @@ lightning-dos simulate --recipe recipes/gpt-13b.yaml --gpu-fraction stride:2 --t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -97,7 +98,14 @@ def sub_group_sizes(params: int, gpus: int, sub_group_size: int) -> list[int]:
 
 
 def auto_plan(sizes: Sequence[int], rates: HardwareRates, lp_bytes: int, budget: int | None) -> Plan:
-    """The plan ``gpu_fraction="auto"`` chooses (as ``lightning-dos plan`` shows it: residency allowed)."""
+    """The plan ``gpu_fraction="auto"`` chooses (as ``lightning-dos plan`` shows it: residency allowed within
+    the budget)."""
+    return _auto_plan(tuple(sizes), rates, lp_bytes, budget)
+
+
+@functools.lru_cache(maxsize=16)
+def _auto_plan(sizes: tuple[int, ...], rates: HardwareRates, lp_bytes: int, budget: int | None) -> Plan:
+    # The search takes seconds at 50 sub-groups; the same question is asked again by tests and repeated runs.
     return choose_plan(sizes, rates, budget, lp_bytes, allow_resident=budget is not None)[0]
 
 
