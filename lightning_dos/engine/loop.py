@@ -29,7 +29,7 @@ from lightning_dos.engine.kernels import AdamHyper, adam_update, fused_host_upda
 from lightning_dos.engine.plan import Place, Plan, SubGroup, split_into_sub_groups
 from lightning_dos.engine.pool import STAGING_BYTES_PER_ELEMENT, BufferPool, DeviceBuffer
 from lightning_dos.engine.recovery import settle_interrupted_update
-from lightning_dos.engine.report import Span, StepReport
+from lightning_dos.engine.report import StepReport
 from lightning_dos.engine.streams import Streams, make_streams
 
 FP32_BYTES = 4
@@ -58,44 +58,6 @@ class StepInputs:
     steps: Sequence[int]
     inv_grad_scale: float = 1.0
     predicted_s: float | None = None
-
-
-class _Timeline:
-    """Collects spans: host spans from the wall clock, device spans from stream events (timing only)."""
-
-    def __init__(self, streams: Streams, enabled: bool) -> None:
-        self.enabled = enabled
-        self.streams = streams
-        self.t0 = time.perf_counter()
-        self.origin = streams.record(streams.compute) if enabled else None
-        self.spans: list[Span] = []
-        self._pending: list[tuple[str, int, object, object, int]] = []
-
-    def now(self) -> object:
-        return time.perf_counter() if self.enabled else None
-
-    def mark(self, stream: torch.cuda.Stream | None) -> object:
-        """A point on ``stream``: an event on an accelerator, the wall clock on CPU (where work is done).
-
-        Nothing at all when timing is off, so an unmonitored step records no extra events."""
-        if not self.enabled:
-            return None
-        return self.streams.record(stream) if stream is not None else time.perf_counter()
-
-    def add(self, lane: str, sub_group: int, start: object, end: object, nbytes: int) -> None:
-        if self.enabled:
-            self._pending.append((lane, sub_group, start, end, nbytes))
-
-    def resolve(self) -> list[Span]:
-        """Turn marks into seconds; call after the step's final wait, so no event is still pending."""
-        for lane, sub_group, start, end, nbytes in self._pending:
-            self.spans.append(Span(lane, sub_group, self._seconds(start), self._seconds(end), nbytes))
-        return sorted(self.spans, key=lambda s: (s.lane, s.start_s))
-
-    def _seconds(self, mark: object) -> float:
-        if isinstance(mark, float):
-            return mark - self.t0
-        return self.origin.elapsed_time(mark) / 1000.0  # type: ignore[union-attr]
 
 
 class InterleavedAdam:
@@ -262,12 +224,11 @@ class InterleavedAdam:
 
     def _update(self, plan: Plan, inputs: StepInputs, progress: UpdateProgress) -> StepReport:
         streams = self.streams
-        streams.timing = self.timing
         # DeepSpeed copies gradients to the host buffers with non-blocking copies on its own side
         # streams during backward. We cannot name those streams' events, so one device-wide wait marks
         # them complete before any host Adam reads a gradient or any upload re-reads one.
         streams.device_synchronize()
-        timeline = _Timeline(streams, self.timing)
+        streams.start_timeline(self.timing)
         wall_start = time.perf_counter()
 
         requested = plan
@@ -288,9 +249,9 @@ class InterleavedAdam:
         report.device_staging_bytes = self.pool.device_bytes_in_use + self.pool.resident_bytes
         report.pinned_bytes = self.pool.host_bytes
 
-        self._run_resident(plan, inputs, streams, timeline, report)
-        tails = self._launch_device_side(plan, buffers, inputs, streams, timeline, report)
-        tails += self._run_host_side(plan, inputs, streams, timeline, report)
+        self._run_resident(plan, inputs, streams, report)
+        tails = self._launch_device_side(plan, buffers, inputs, streams, report)
+        tails += self._run_host_side(plan, inputs, streams, report)
         # Resident sub-groups end on the compute stream (their cast), with no download behind them.
         tails.append(streams.record(streams.compute))
 
@@ -301,7 +262,7 @@ class InterleavedAdam:
         del buffers
         self.pool.release_device()
         report.update_s = time.perf_counter() - wall_start
-        report.spans = timeline.resolve() if self.timing else []
+        report.spans = streams.spans() if self.timing else []
         self.last_report = report
         return report
 
@@ -351,23 +312,18 @@ class InterleavedAdam:
             self.resident[index] = buf
         return plan.with_host(failed) if failed else plan
 
-    def _run_resident(
-        self, plan: Plan, inputs: StepInputs, streams: Streams, tl: _Timeline, report: StepReport
-    ) -> None:
+    def _run_resident(self, plan: Plan, inputs: StepInputs, streams: Streams, report: StepReport) -> None:
         """Upload only the gradient, update on the device, cast into the 16-bit partition; nothing comes down."""
         step_tensors: dict[int, torch.Tensor] = {}
         for index in plan.resident_indices:
             sg, buf = self.sub_groups[index], self.resident[index]
             _, _, _, grad, lp = self._slices(sg, inputs)
-            with streams.on(streams.h2d):
-                start = tl.mark(streams.h2d)
+            with streams.lane("upload", index, FP32_BYTES * sg.numel, streams.h2d):
                 buf.grad.copy_(grad, non_blocking=True)
-                uploaded = streams.record(streams.h2d)
-                tl.add("upload", index, start, tl.mark(streams.h2d), FP32_BYTES * sg.numel)
-            with streams.on(streams.compute):
-                # Adam reads the gradient (and, the first time, the state) the h2d stream brought up.
-                streams.wait(streams.compute, uploaded)
-                start = tl.mark(streams.compute)
+            uploaded = streams.record(streams.h2d)
+            # Adam reads the gradient (and, the first time, the state) the h2d stream brought up.
+            streams.wait(streams.compute, uploaded)
+            with streams.lane("device_adam", index, FP32_BYTES * sg.numel, streams.compute):
                 if inputs.inv_grad_scale != 1.0:
                     buf.grad.mul_(inputs.inv_grad_scale)
                 if sg.ds_group not in step_tensors:
@@ -375,12 +331,9 @@ class InterleavedAdam:
                 hyper = inputs.hypers[sg.param_group]
                 adam_update(buf.param, buf.grad, buf.exp_avg, buf.exp_avg_sq, step_tensors[sg.ds_group], hyper)
                 self._reached("updated", index)
-                mid = tl.mark(streams.compute)
+            with streams.lane("cast", index, self.lp_bytes * sg.numel, streams.compute):
                 lp.copy_(buf.param)
-                end = tl.mark(streams.compute)
-                self._reached("done", index)
-                tl.add("device_adam", index, start, mid, FP32_BYTES * sg.numel)
-                tl.add("cast", index, mid, end, self.lp_bytes * sg.numel)
+            self._reached("done", index)
             report.h2d_bytes += FP32_BYTES * sg.numel
             report.device_elements += sg.numel
 
@@ -429,13 +382,7 @@ class InterleavedAdam:
         )
 
     def _launch_device_side(
-        self,
-        plan: Plan,
-        buffers: list[DeviceBuffer],
-        inputs: StepInputs,
-        streams: Streams,
-        tl: _Timeline,
-        report: StepReport,
+        self, plan: Plan, buffers: list[DeviceBuffer], inputs: StepInputs, streams: Streams, report: StepReport
     ) -> list:
         """Queue upload -> Adam + cast -> download for every device sub-group; return the tail events."""
         step_tensors: dict[int, torch.Tensor] = {}
@@ -446,56 +393,45 @@ class InterleavedAdam:
             buf = buffers[slot]
             param, exp_avg, exp_avg_sq, grad, lp = self._slices(sg, inputs)
             d_param, d_avg, d_avg_sq, d_grad = (t[:n] for t in (buf.param, buf.exp_avg, buf.exp_avg_sq, buf.grad))
-            with streams.on(streams.h2d):
-                # Reuse the slot only after the download of its previous sub-group has finished.
-                streams.wait(streams.h2d, slot_free[slot])
-                start = tl.mark(streams.h2d)
+            # Reuse the slot only after the download of its previous sub-group has finished.
+            streams.wait(streams.h2d, slot_free[slot])
+            with streams.lane("upload", index, 4 * FP32_BYTES * n, streams.h2d):
                 for dst, src in ((d_param, param), (d_avg, exp_avg), (d_avg_sq, exp_avg_sq), (d_grad, grad)):
                     dst.copy_(src, non_blocking=True)
-                uploaded = streams.record(streams.h2d)
-                tl.add("upload", index, start, tl.mark(streams.h2d), 4 * FP32_BYTES * n)
-            with streams.on(streams.compute):
-                # Adam reads what the upload wrote.
-                streams.wait(streams.compute, uploaded)
-                start = tl.mark(streams.compute)
+            uploaded = streams.record(streams.h2d)
+            # Adam reads what the upload wrote.
+            streams.wait(streams.compute, uploaded)
+            with streams.lane("device_adam", index, FP32_BYTES * n, streams.compute):
                 if inputs.inv_grad_scale != 1.0:
                     d_grad.mul_(inputs.inv_grad_scale)
                 if sg.ds_group not in step_tensors:
                     step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], self.device)
                 adam_update(d_param, d_grad, d_avg, d_avg_sq, step_tensors[sg.ds_group], inputs.hypers[sg.param_group])
                 self._reached("computed", index)
-                mid = tl.mark(streams.compute)
-                # Cast on the device, straight into DeepSpeed's 16-bit partition: no 16-bit upload needed.
+            # Cast on the device, straight into DeepSpeed's 16-bit partition: no 16-bit upload needed.
+            with streams.lane("cast", index, self.lp_bytes * n, streams.compute):
                 lp.copy_(d_param)
-                computed = streams.record(streams.compute)
-                end = tl.mark(streams.compute)
-                tl.add("device_adam", index, start, mid, FP32_BYTES * n)
-                tl.add("cast", index, mid, end, self.lp_bytes * n)
-            with streams.on(streams.d2h):
-                # The download must not start before Adam and the cast have finished with the buffer.
-                streams.wait(streams.d2h, computed)
-                start = tl.mark(streams.d2h)
+            computed = streams.record(streams.compute)
+            # The download must not start before Adam and the cast have finished with the buffer.
+            streams.wait(streams.d2h, computed)
+            with streams.lane("download", index, STATE_BYTES_PER_ELEMENT * n, streams.d2h):
                 self._reached("downloading", index, (d_param, d_avg, d_avg_sq))
                 for dst, src in ((param, d_param), (exp_avg, d_avg), (exp_avg_sq, d_avg_sq)):
                     dst.copy_(src, non_blocking=True)
                 self._reached("done", index)
-                slot_free[slot] = streams.record(streams.d2h)
-                tl.add("download", index, start, tl.mark(streams.d2h), STATE_BYTES_PER_ELEMENT * n)
+            slot_free[slot] = streams.record(streams.d2h)
             report.h2d_bytes += 4 * FP32_BYTES * n
             report.d2h_bytes += STATE_BYTES_PER_ELEMENT * n
             report.device_elements += n
         return [e for e in slot_free if e is not None]
 
-    def _run_host_side(
-        self, plan: Plan, inputs: StepInputs, streams: Streams, tl: _Timeline, report: StepReport
-    ) -> list:
+    def _run_host_side(self, plan: Plan, inputs: StepInputs, streams: Streams, report: StepReport) -> list:
         """Adam on the CPU for every host sub-group, each followed by an asynchronous 16-bit upload."""
         step_tensors: dict[int, torch.Tensor] = {}
         last_upload = None
         for index in plan.host_indices:
             sg = self.sub_groups[index]
             param, exp_avg, exp_avg_sq, grad, lp = self._slices(sg, inputs)
-            start = tl.now()
             if sg.ds_group not in step_tensors:
                 step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], torch.device("cpu"))
             # The 16-bit partition is in host memory already (CPU device): cast straight into it; otherwise
@@ -504,19 +440,17 @@ class InterleavedAdam:
             if self.pool.lp_staging is not None:
                 staging = self.pool.lp_staging[sg.slab_offset : sg.slab_offset + sg.numel]
             hyper, step = inputs.hypers[sg.param_group], step_tensors[sg.ds_group]
-            fused_host_update(param, grad, exp_avg, exp_avg_sq, step, hyper, inputs.inv_grad_scale, staging)
+            with streams.lane("host_adam", index, FP32_BYTES * sg.numel):
+                fused_host_update(param, grad, exp_avg, exp_avg_sq, step, hyper, inputs.inv_grad_scale, staging)
             report.host_elements += sg.numel
             # One pass unscaled, updated and (on a CPU device) cast it: every point is recorded before any
             # hook runs, so an interruption at any of them finds the sub-group's true progress.
             self._reached_together(("unscaled", "updated", "done") if staging is lp else ("unscaled", "updated"), index)
-            tl.add("host_adam", index, start, tl.now(), FP32_BYTES * sg.numel)
-            if self.pool.lp_staging is None:
+            if staging is lp:
                 continue
-            with streams.on(streams.lp_h2d):
-                start = tl.mark(streams.lp_h2d)
+            with streams.lane("lp_upload", index, self.lp_bytes * sg.numel, streams.lp_h2d):
                 lp.copy_(staging, non_blocking=True)
-                last_upload = streams.record(streams.lp_h2d)
-                tl.add("lp_upload", index, start, tl.mark(streams.lp_h2d), self.lp_bytes * sg.numel)
+            last_upload = streams.record(streams.lp_h2d)
             self._reached("done", index)
             report.h2d_bytes += self.lp_bytes * sg.numel
         return [last_upload] if last_upload is not None else []

@@ -22,10 +22,13 @@ path as CUDA.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from lightning_dos.engine.report import Span
 
 
 class Streams:
@@ -49,6 +52,30 @@ class Streams:
         self.h2d: Any = None
         self.lp_h2d: Any = None
         self.d2h: Any = None
+        self._timeline = Timeline(self, enabled=False)
+
+    # -- issuing work: one operation of one lane at a time ------------------------------------------
+
+    def start_timeline(self, enabled: bool) -> None:
+        """Start this step's timeline; with ``enabled`` False nothing is recorded (no extra events)."""
+        self.timing = enabled
+        self._timeline = Timeline(self, enabled)
+
+    @contextlib.contextmanager
+    def lane(self, lane: str, sub_group: int, nbytes: int, stream: Any = None) -> Iterator[None]:
+        """Issue the enclosed work on ``stream`` (None: the host thread) as one operation of ``lane`` on
+        ``sub_group``, moving ``nbytes``: the timeline records its span, a simulation knows its lane."""
+        timeline = self._timeline
+        with self.on(stream):
+            start = timeline.mark(stream)
+            yield
+            timeline.add(lane, sub_group, start, timeline.mark(stream), nbytes)
+
+    def spans(self) -> list[Span]:
+        """The spans of the step's timeline; call after the step's final wait, so no event is pending."""
+        return self._timeline.resolve()
+
+    # -- streams and events -------------------------------------------------------------------------
 
     @property
     def compute(self) -> Any:
@@ -76,6 +103,38 @@ class Streams:
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Allocate ``numel`` elements of device memory (staging and resident blocks come from here)."""
         return torch.empty(numel, dtype=dtype, device=self.device)
+
+
+class Timeline:
+    """Collects spans: host spans from the wall clock, device spans from stream events (timing only)."""
+
+    def __init__(self, streams: Streams, enabled: bool) -> None:
+        self.enabled = enabled
+        self.streams = streams
+        self.t0 = time.perf_counter()
+        self.origin = streams.record(streams.compute) if enabled else None
+        self._pending: list[tuple[str, int, object, object, int]] = []
+
+    def mark(self, stream: Any) -> object:
+        """A point on ``stream``: an event on an accelerator, the wall clock on the host (or on a CPU device,
+        where work is done when issued). Nothing at all when timing is off."""
+        if not self.enabled:
+            return None
+        return self.streams.record(stream) if stream is not None else time.perf_counter()
+
+    def add(self, lane: str, sub_group: int, start: object, end: object, nbytes: int) -> None:
+        if self.enabled:
+            self._pending.append((lane, sub_group, start, end, nbytes))
+
+    def resolve(self) -> list[Span]:
+        """Turn marks into seconds since the timeline started."""
+        spans = [Span(lane, sg, self._seconds(a), self._seconds(b), nbytes) for lane, sg, a, b, nbytes in self._pending]
+        return sorted(spans, key=lambda s: (s.lane, s.start_s))
+
+    def _seconds(self, mark: object) -> float:
+        if isinstance(mark, float):
+            return mark - self.t0
+        return self.origin.elapsed_time(mark) / 1000.0  # type: ignore[union-attr]
 
 
 class SyncStreams(Streams):

@@ -47,6 +47,7 @@ class ReplaySpan:
     start_s: float
     end_s: float
     amount: float
+    sub_group: int = -1
 
 
 @dataclass
@@ -80,6 +81,7 @@ class _Item:
     event: int = 0
     remaining: float = 0.0
     started: float = -1.0
+    sub_group: int = -1
 
 
 class _Device:
@@ -164,7 +166,8 @@ class _Device:
             for res in finished:
                 stream, item = self.active.pop(res)
                 self.queues[stream].popleft()
-                self.spans.append(ReplaySpan(item.lane, str(stream), item.started, self.now, item.amount))
+                span = ReplaySpan(item.lane, str(stream), item.started, self.now, item.amount, item.sub_group)
+                self.spans.append(span)
 
     def idle(self, stream: int | None = None) -> bool:
         queues = self.queues.values() if stream is None else [self.queues.get(stream, deque())]
@@ -199,7 +202,8 @@ def replay(log: Sequence[LoggedOp], rates: HardwareRates, scale: float = 1.0) ->
         if entry.kind == "op" and entry.stream == HOST:
             seconds = _host_seconds(entry.lane, entry.elements * scale, rates)
             if seconds > 0:
-                host_spans.append(ReplaySpan(entry.lane, "host", host_t, host_t + seconds, entry.elements * scale))
+                span = ReplaySpan(entry.lane, "host", host_t, host_t + seconds, entry.elements * scale, entry.sub_group)
+                host_spans.append(span)
             host_t += seconds
             host_busy += seconds
         elif entry.kind == "op":
@@ -215,7 +219,8 @@ def replay(log: Sequence[LoggedOp], rates: HardwareRates, scale: float = 1.0) ->
             else:
                 amount = entry.elements * scale
                 work = _kernel_seconds(entry.lane, amount, rates)
-            device.submit(entry.stream, _Item("op", host_t, entry.lane, amount, remaining=work))
+            item = _Item("op", host_t, entry.lane, amount, remaining=work, sub_group=entry.sub_group)
+            device.submit(entry.stream, item)
         elif entry.kind in ("record", "wait"):
             device.submit(entry.stream, _Item(entry.kind, host_t, event=entry.event))
         elif entry.kind == "host_wait":
@@ -251,7 +256,7 @@ def write_perfetto(path: str | Path, result: ReplayResult, title: str = "lightni
                 "name": span.lane,
                 "ts": span.start_s * 1e6,
                 "dur": (span.end_s - span.start_s) * 1e6,
-                "args": {"stream": span.stream, "amount": span.amount},
+                "args": {"stream": span.stream, "amount": span.amount, "sub_group": span.sub_group},
             }
         )
     path = Path(path)

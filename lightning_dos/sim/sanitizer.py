@@ -28,6 +28,7 @@ libraries that do not go through aten, and every DeepSpeed access not modelled h
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from collections.abc import Iterable, Sequence
@@ -125,6 +126,7 @@ class LoggedOp:
     ``kind`` is ``op`` (work on ``stream``: ``lane`` says which, ``elements`` and ``nbytes`` how much),
     ``record`` / ``wait`` (``event`` on ``stream``), ``host_wait`` (the host blocks on ``event``),
     ``stream_sync`` (the host blocks on ``stream``), or ``sync`` (the host waits for the whole device).
+    ``sub_group`` is the engine's sub-group the op worked on, when the engine named it (-1 otherwise).
     """
 
     kind: str
@@ -133,6 +135,7 @@ class LoggedOp:
     elements: int = 0
     nbytes: int = 0
     event: int = 0
+    sub_group: int = -1
 
 
 @dataclass
@@ -386,7 +389,9 @@ class StreamSanitizer:
         stream = self._sim.current.id if device and self._sim is not None else HOST
         op = schema.name.split("::")[-1]
         self._launch(stream, op, reads, writes + fresh, where=_caller())
-        self.log.append(self._classify(op, stream, reads, writes + fresh))
+        logged = self._classify(op, stream, reads, writes + fresh)
+        operation = self._sim.operation if self._sim is not None else None
+        self.log.append(dataclasses.replace(logged, sub_group=operation[1]) if operation else logged)
         crosses = device and not all(self._is_device([t]) for t in touched)
         if crosses and (blocking and op == "copy_" or op == "_local_scalar_dense"):
             self.stream_synchronize(stream)  # a blocking transfer or a .item(): the host waits for the stream

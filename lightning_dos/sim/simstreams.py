@@ -92,9 +92,26 @@ class SimStreams(Streams):
         self.lp_h2d = SimStream(LP_H2D, STREAM_NAMES[LP_H2D])
         self.d2h = SimStream(D2H, STREAM_NAMES[D2H])
         self._current: list[SimStream] = [self.default]
+        #: The engine's (lane, sub-group) of the operations being issued, innermost last.
+        self.operations: list[tuple[str, int]] = []
         self._event_ids = itertools.count(1)
         #: Bytes of simulated device memory allocated and not yet freed.
         self.allocated_bytes = 0
+
+    @contextlib.contextmanager
+    def lane(self, lane: str, sub_group: int, nbytes: int, stream: SimStream | None = None) -> Iterator[None]:
+        """As the base class; the operation's lane and sub-group are known to the checker meanwhile."""
+        self.operations.append((lane, sub_group))
+        try:
+            with super().lane(lane, sub_group, nbytes, stream):
+                yield
+        finally:
+            self.operations.pop()
+
+    @property
+    def operation(self) -> tuple[str, int] | None:
+        """The engine's lane and sub-group of the work being issued now (None outside any)."""
+        return self.operations[-1] if self.operations else None
 
     @property
     def current(self) -> SimStream:
