@@ -141,6 +141,8 @@ def test_the_lp_h2d_branch_runs_and_its_upload_is_what_the_next_forward_reads() 
     checker, _, _ = run(SCENARIOS[0])
     uploads = [op for op in checker.log if op.lane == "lp_upload"]
     assert len(uploads) == 2 * N_SUB_GROUPS and all(op.stream == 2 for op in uploads)
+    # The engine names each operation's sub-group through streams.lane; the log carries it.
+    assert sorted({op.sub_group for op in uploads}) == list(range(N_SUB_GROUPS))
 
 
 def test_timing_on_the_simulated_accelerator_gives_a_span_per_lane() -> None:

@@ -14,6 +14,10 @@ Three implementations share one interface:
 - a simulated accelerator (``lightning_dos.sim``, chosen explicitly by tests and tools): synchronous
   too, but every stream and event has an identity, so a checker can verify the engine's waits.
 
+The engine issues every operation as ``with streams.lane(lane, sub_group, nbytes, stream): ...``: that one
+call switches streams, records the operation's span for the monitor's timeline, and tells a simulation
+which operation is being issued, so the engine's loop reads as the algorithm alone.
+
 Whether the engine stages its 16-bit uploads in pinned host memory is :attr:`Streams.is_async`, a
 property of the streams object, not of the device type, so a simulated accelerator takes the same
 path as CUDA.
