@@ -25,7 +25,7 @@ from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.engine.kernels import AdamHyper
 from lightning_dos.engine.loop import StepInputs
 from lightning_dos.engine.plan import Place, Plan
-from lightning_dos.sim.sanitizer import StreamSanitizer
+from lightning_dos.sim.sanitizer import SanitizerUnavailableError, StreamSanitizer
 from tests.helpers import RandomPlacement, TinyLM, full_parameters, loader, max_relative_error, trainer
 
 H, D, R = Place.HOST, Place.DEVICE, Place.RESIDENT
@@ -200,6 +200,17 @@ def test_freeing_a_block_before_its_last_use_is_ordered_is_a_race() -> None:
         torch.zeros(32).copy_(block, non_blocking=True)
     del block  # the allocator may hand it to compute-stream work now; the download is not ordered before it
     assert len(checker.races) == 1 and "freed" in str(checker.races[0])
+
+
+def test_a_changed_torch_sanitizer_fails_with_a_clear_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.cuda import _sanitizer
+
+    class Renamed:  # what a torch release that reworked its private CSAN classes might leave
+        pass
+
+    monkeypatch.setattr(_sanitizer, "StreamSynchronizations", Renamed)
+    with pytest.raises(SanitizerUnavailableError, match=r"StreamSynchronizations lacks .*tested with torch 2\.13"):
+        StreamSanitizer()
 
 
 # -- the mutation test -------------------------------------------------------------------------------
