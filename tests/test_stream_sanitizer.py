@@ -22,6 +22,7 @@ import torch
 
 import lightning_dos.engine.loop as loop_module
 from lightning_dos import DeepOptimizerStatesStrategy
+from lightning_dos.engine.atomic import UpdateInterrupted
 from lightning_dos.engine.kernels import AdamHyper
 from lightning_dos.engine.loop import StepInputs
 from lightning_dos.engine.plan import Place, Plan
@@ -48,6 +49,8 @@ class Scenario:
     budget: int | None = None
     inv_grad_scale: float = 1.0
     expect_fallback: bool = False
+    #: ``(point, sub_group, exception)`` raised once inside the second step (the interrupted-update paths).
+    fail_at: tuple | None = None
 
 
 SCENARIOS = (
@@ -62,6 +65,18 @@ SCENARIOS = (
     Scenario("out of memory", (Plan(mixed(D, R), 2),) * 2, memory_limit=0, expect_fallback=True),
     Scenario("budget shrink", (Plan(mixed(D, R, H), 4),) * 2, budget=700, expect_fallback=True),
     Scenario("fp16 skip", (Plan(mixed(D, H, R)), "skip", Plan(mixed(D, H, R)), "skip", Plan(mixed(H, D)))),
+    Scenario(
+        "interrupted mid-stream",
+        (Plan(mixed(D, R, H), 1),) * 3,
+        inv_grad_scale=0.5,
+        fail_at=("computed", 3, RuntimeError("a kernel failed")),
+    ),
+    Scenario(
+        "out of memory mid-stream",
+        (Plan(mixed(D, R, H), 1),) * 3,
+        fail_at=("downloading", 6, torch.OutOfMemoryError("simulated")),
+        expect_fallback=True,
+    ),
 )
 
 
@@ -119,10 +134,29 @@ def run(
                 plain.step()
                 taken += 1
                 inputs = StepInputs(grads, lp, HYPERS, [taken] * len(NUMELS), inv_grad_scale=scenario.inv_grad_scale)
-                report = engine.step(action, inputs)
-                assert bool(report.fallback_host) == scenario.expect_fallback, scenario.name
+                failing = scenario.fail_at is not None and taken == 2
+                fired: list[bool] = []
+                engine.on_point = _fail_once(*scenario.fail_at, fired) if failing else None
+                try:
+                    report = engine.step(action, inputs)
+                except UpdateInterrupted as interrupted:  # the rest was finished on the host: post-step
+                    assert failing and interrupted.state == "post-step", interrupted
+                    continue
+                finally:
+                    assert fired or not failing, f"{scenario.name}: the failure was never injected"
+                expected = scenario.expect_fallback and (scenario.fail_at is None or failing)
+                assert bool(report.fallback_host) == expected, scenario.name
         engine.flush_resident()  # the host slabs are current for the comparison (a checkpoint would read them)
     return checker, [p.detach() for p in reference], engine
+
+
+def _fail_once(point: str, sub_group: int, error: BaseException, fired: list[bool]) -> object:
+    def on_point(at: str, index: int) -> None:
+        if (at, index) == (point, sub_group) and not fired:
+            fired.append(True)
+            raise error
+
+    return on_point
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
