@@ -194,6 +194,27 @@ def test_timing_on_the_simulated_accelerator_gives_a_span_per_lane() -> None:
     assert all(s.end_s >= s.start_s >= 0 for s in report.spans)
 
 
+def test_the_host_update_of_a_large_sub_group_is_seen_although_it_would_run_on_worker_threads() -> None:
+    """Dispatch modes are per thread: under the checker the one-pass host update runs its tiles on the
+    calling thread (same program order), so none of its work escapes the check or the log."""
+    from lightning_dos.engine import host_workers
+    from lightning_dos.engine.kernels import HOST_TILE_ELEMENTS
+
+    numel = 2 * HOST_TILE_ELEMENTS * max(2, torch.get_num_threads()) + 5  # more than one tile per thread
+    checker = StreamSanitizer()
+    engine = loop_module.InterleavedAdam(
+        [numel], [0], numel, torch.device("cpu"), torch.bfloat16, streams=checker.streams()
+    )
+    checker.watch(engine)
+    workers = host_workers.workers
+    grads, lp = [torch.randn(numel)], [torch.zeros(numel, dtype=torch.bfloat16)]
+    engine.step(Plan((H,)), StepInputs(grads, lp, HYPERS[:1], [1], inv_grad_scale=0.5))
+    checker.check()
+    assert host_workers.workers is workers, "the worker pool is given back after the check"
+    assert sum(op.elements for op in checker.log if op.lane == "host_adam") == numel
+    assert sum(op.elements for op in checker.log if op.lane == "host_cast") == numel
+
+
 def test_a_missing_host_wait_before_a_checkpoint_read_is_a_race() -> None:
     """The prototype's blind spot: host memory. A download not waited for before the checkpoint reads."""
     checker = StreamSanitizer()

@@ -4,9 +4,10 @@ The input is the stream-race checker's operation log (:class:`~lightning_dos.sim
 the order in which the engine *actually* issued its work, with every stream, event, wait and host wait.
 The model:
 
-- the **host thread** walks the log in program order: host Adam at ``host_adam_eps``, casts and other
-  element-wise host work at ``host_cast_eps``; issuing device work costs nothing; a host wait or device
-  synchronisation blocks it until the awaited work has finished;
+- the **host thread** walks the log in program order: host Adam (with the gradient's unscale, which the
+  one-pass host update does alongside) at ``host_adam_eps``, the 16-bit cast at ``host_cast_eps``; issuing
+  device work costs nothing; a host wait or device synchronisation blocks it until the awaited work has
+  finished;
 - each **stream** runs its work in order; a wait holds it until the event's work has finished;
 - one **copy engine per direction** (uploads on ``h2d`` and ``lp_h2d`` share one, downloads use the other)
   serves one copy at a time, at the profile's solo rate, or its duplex rate while the other direction is
@@ -184,9 +185,11 @@ def _kernel_seconds(lane: str, elements: float, rates: HardwareRates) -> float:
 def _host_seconds(lane: str, elements: float, rates: HardwareRates) -> float:
     if lane == "host_adam":
         return elements / rates.host_adam_eps
-    if lane in ("scalar", "alloc"):
-        return 0.0
-    return elements / rates.host_cast_eps  # the cast and other element-wise host work: memory-bound alike
+    if lane == "host_cast":
+        return elements / rates.host_cast_eps
+    # The gradient's unscale is part of the one-pass host update whose rate host_adam_eps is (calibrate
+    # measures unscale + Adam together); allocations and scalars cost nothing here.
+    return 0.0
 
 
 def replay(log: Sequence[LoggedOp], rates: HardwareRates, scale: float = 1.0) -> ReplayResult:

@@ -39,6 +39,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_dos.engine import host_workers
 from lightning_dos.sim.simstreams import COMPUTE, D2H, H2D, LP_H2D, STREAM_NAMES, SimEvent, SimStream, SimStreams
 
 #: torch versions whose private ``torch.cuda._sanitizer`` this module was tested with.
@@ -482,11 +483,18 @@ class StreamSanitizer:
 
 
 class _Active:
+    """Checks every aten op of this thread. Dispatch modes are per thread, so the engine's host worker
+    threads are switched off meanwhile: the host update then runs its tiles on the calling thread, which is
+    the same host program order (the workers are joined before the update returns), now visible."""
+
     def __init__(self, checker: StreamSanitizer) -> None:
         self.checker = checker
+        self._workers: Any = None
 
     def __enter__(self) -> None:
         if self.checker._depth == 0:
+            self._workers = host_workers.workers
+            host_workers.workers = lambda: None
             self.checker._mode.__enter__()
         self.checker._depth += 1
 
@@ -494,6 +502,7 @@ class _Active:
         self.checker._depth -= 1
         if self.checker._depth == 0:
             self.checker._mode.__exit__(*exc)
+            host_workers.workers = self._workers
 
 
 class StreamRaceError(AssertionError):
