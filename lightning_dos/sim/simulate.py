@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ import torch
 from lightning_dos.engine.kernels import AdamHyper
 from lightning_dos.engine.loop import InterleavedAdam, StepInputs
 from lightning_dos.engine.perfmodel import HardwareRates, Prediction, choose_plan, predict
-from lightning_dos.engine.plan import Plan, parse_gpu_fraction
+from lightning_dos.engine.plan import Plan, parse_gpu_fraction, split_into_sub_groups
 from lightning_dos.sim.replay import ReplayResult, replay, write_perfetto
 from lightning_dos.sim.sanitizer import StreamSanitizer
 
@@ -91,10 +90,9 @@ def simulate(sizes: Sequence[int], plan: Plan, rates: HardwareRates, lp_bytes: i
 
 
 def sub_group_sizes(params: int, gpus: int, sub_group_size: int) -> list[int]:
-    """Per-rank sub-group sizes, cut as ``lightning-dos plan`` cuts them."""
-    per_rank = params / gpus
-    count = max(1, math.ceil(per_rank / sub_group_size))
-    return [int(per_rank // count)] * count
+    """Per-rank sub-group sizes, cut as ``lightning-dos plan`` and the engine cut them."""
+    per_rank = params // gpus
+    return [sg.numel for sg in split_into_sub_groups([per_rank], [0], sub_group_size)]
 
 
 def auto_plan(sizes: Sequence[int], rates: HardwareRates, lp_bytes: int, budget: int | None) -> Plan:
