@@ -50,6 +50,12 @@ REQUIRED_ATTRIBUTES = (
     "state_dict",
     "load_state_dict",
     "refresh_fp32_params",
+    "grad_position",
+    "get_param_id",
+    "get_full_hp_param",
+    "set_full_hp_param",
+    "get_local_fp32_param",
+    "set_local_hp_param",
 )
 TESTED_DEEPSPEED = "0.19.5 to 0.19.8"
 
@@ -103,6 +109,27 @@ def check_zero3_optimizer(zero_optimizer: object) -> None:
     check_optimizer(z.optimizer)
 
 
+def engine_device(accelerator_device: str | torch.device, lp_device: torch.device) -> torch.device:
+    """The device the engine updates device sub-groups on: the accelerator DeepSpeed runs on.
+
+    The 16-bit partitions say where DeepSpeed keeps the model's parameters, not where it computes: with
+    parameter offload they live in host memory while training still runs on the accelerator.
+
+    Args:
+        accelerator_device: DeepSpeed's current device (``get_accelerator().current_device_name()``).
+        lp_device: the device of the 16-bit partitions (``fp16_partitioned_groups_flat[0].device``).
+    """
+    if lp_device.type != "cpu":
+        return lp_device
+    return torch.device(accelerator_device)
+
+
+def _accelerator_device() -> str:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().current_device_name()
+
+
 class ZeRO3Adapter:
     """Hands DeepSpeed's ZeRO-3 update phase to an :class:`InterleavedAdam` engine.
 
@@ -133,10 +160,11 @@ class ZeRO3Adapter:
             flat_numels=numels,
             flat_param_groups=[z.sub_group_to_group_id[i] for i in range(len(self.flats))],
             sub_group_size=self.sub_group_size,
-            device=lp[0].device,
+            device=engine_device(_accelerator_device(), lp[0].device),
             lp_dtype=lp[0].dtype,
             pin=pin,
             gpu_memory_budget=gpu_memory_budget,
+            lp_device=lp[0].device,
         )
         for i in range(len(self.flats)):
             self._adopt_master(i)
@@ -176,6 +204,45 @@ class ZeRO3Adapter:
                 engine.drop_resident()
 
         z.state_dict, z.load_state_dict, z.refresh_fp32_params = state_dict, load_state_dict, refresh_fp32_params
+        self._wrap_param_accessors(z)
+
+    def _wrap_param_accessors(self, z: object) -> None:
+        """Keep DeepSpeed's per-parameter accessors consistent with resident device state.
+
+        ``deepspeed.utils.safe_get_full_fp32_param``, ``safe_get_full_optimizer_state``, their local
+        variants and the ``safe_set_*`` family all go through these four ZeRO-3 methods, which read and
+        write the host slabs. Before a read the parameter's resident sub-groups are brought home; after a
+        write their device copies are dropped, so the next step uploads the written values.
+        """
+        engine = self.engine
+
+        def sub_groups(param: torch.Tensor) -> list[int]:
+            flat, offset, numel = z.grad_position[z.get_param_id(param)]
+            return engine.sub_groups_of(flat, offset, numel)
+
+        def reading(method: Callable) -> Callable:
+            def read(param: torch.Tensor, *args: object, **kwargs: object) -> object:
+                if engine.resident and param.requires_grad:
+                    engine.flush_resident(sub_groups(param))
+                return method(param, *args, **kwargs)
+
+            return read
+
+        def writing(method: Callable) -> Callable:
+            def write(value: torch.Tensor, param: torch.Tensor, *args: object, **kwargs: object) -> object:
+                touched = sub_groups(param) if engine.resident and param.requires_grad else []
+                # The rest of each touched sub-group must be current on the host before its copy is dropped.
+                engine.flush_resident(touched)
+                result = method(value, param, *args, **kwargs)
+                engine.drop_resident(touched)
+                return result
+
+            return write
+
+        z.get_full_hp_param = reading(z.get_full_hp_param)
+        z.get_local_fp32_param = reading(z.get_local_fp32_param)
+        z.set_full_hp_param = writing(z.set_full_hp_param)
+        z.set_local_hp_param = writing(z.set_local_hp_param)
 
     @contextlib.contextmanager
     def reading_state(self, what: str) -> Iterator[None]:
