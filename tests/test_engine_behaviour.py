@@ -200,13 +200,18 @@ def test_checkpoint_while_state_is_resident_resumes_exactly(tmp_path) -> None:  
 
 
 def test_zero_memory_budget_puts_every_sub_group_on_the_host_with_one_warning() -> None:
+    """One warning per run, but every step's fallback is in its report and logged as dos/fallback_subgroups."""
+    from lightning_dos.callbacks.monitor import DOSMonitor
+
     L.seed_everything(0, verbose=False)
-    model, probe = TinyLM(), Probe()
+    model, probe, monitor = TinyLM(), Probe(), DOSMonitor(summary=False, log_every_n_steps=1)
     with pytest.warns(RuntimeWarning, match="did not fit the device memory budget") as caught:
-        trainer(dos(1.0, gpu_memory_budget=0), steps=4, callbacks=[probe]).fit(model, loader())
+        trainer(dos(1.0, gpu_memory_budget=0), steps=4, callbacks=[probe, monitor]).fit(model, loader())
     assert sum("lightning-dos" in str(w.message) for w in caught) == 1
     assert all(set(r.plan.places) == {Place.HOST} for r in probe.reports)
     assert all(r.fallback_host and r.device_staging_bytes == 0 for r in probe.reports)
+    logged = [row["dos/fallback_subgroups"] for row in monitor.history]
+    assert logged == [float(len(r.fallback_host)) for r in probe.reports] and logged[0] > 0
 
 
 def test_budget_limits_device_staging() -> None:
