@@ -358,6 +358,10 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
     def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:
         if optimizer is not None:
             self._check_host_memory(model)
+            # Calibrate now, before DeepSpeed and the engine allocate the optimizer state: the measuring
+            # buffers are freed by then, so they never add to the run's peak host memory (and on a GPU
+            # the measurement sees a device with nothing else on it).
+            _calibrated_rates(self.root_device)
         return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
 
     def _check_host_memory(self, model: torch.nn.Module) -> None:
