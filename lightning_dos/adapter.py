@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, TornStateError, UpdateInterrupted
+from lightning_dos.engine.hostmem import return_freed_memory
 from lightning_dos.engine.loop import InterleavedAdam, StepInputs
 from lightning_dos.engine.plan import Plan, auto_sub_group_size
 from lightning_dos.engine.report import StepReport
@@ -58,6 +59,8 @@ REQUIRED_ATTRIBUTES = (
     "set_local_hp_param",
 )
 TESTED_DEEPSPEED = "0.19.5 to 0.19.8"
+#: While adopting DeepSpeed's fp32 partitions, hand freed heap memory back after about this many bytes.
+TRIM_EVERY_BYTES = 256 << 20
 
 #: Planner signature: given the step about to run, return its plan and the predicted update time.
 Planner = Callable[[int], tuple[Plan, float | None]]
@@ -166,8 +169,14 @@ class ZeRO3Adapter:
             gpu_memory_budget=gpu_memory_budget,
             lp_device=lp[0].device,
         )
+        freed = 0
         for i in range(len(self.flats)):
-            self._adopt_master(i)
+            freed += self._adopt_master(i)
+            if freed >= TRIM_EVERY_BYTES:  # keep the copy-then-free transient to about this much
+                return_freed_memory()
+                freed = 0
+        # DeepSpeed's replaced partitions (and its start-up temporaries) leave the resident set now.
+        return_freed_memory()
         #: Chooses each step's plan; the strategy installs the scheduler here.
         self.planner: Planner | None = None
         #: SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 arriving during an update are held until :meth:`deliver`.
@@ -278,12 +287,15 @@ class ZeRO3Adapter:
 
     # -- keeping DeepSpeed's tensors as views of the engine's slabs -------------------------------
 
-    def _adopt_master(self, i: int) -> None:
-        """Point DeepSpeed's fp32 partition ``i`` at the engine's slab (copying its values in)."""
+    def _adopt_master(self, i: int) -> int:
+        """Point DeepSpeed's fp32 partition ``i`` at the engine's slab (copying its values in); return the
+        bytes of DeepSpeed's own tensor that this frees."""
         view, flat = self.engine.param_view(i), self.flats[i]
-        if flat.data.data_ptr() != view.data_ptr():
-            view.copy_(flat.data.reshape(-1))
-            flat.data = view
+        if flat.data.data_ptr() == view.data_ptr():
+            return 0
+        view.copy_(flat.data.reshape(-1))
+        flat.data = view
+        return view.numel() * view.element_size()
 
     def _adopt_state(self, i: int) -> int:
         """Make the inner optimizer's state for partition ``i`` views of the slabs; return its step count.

@@ -71,6 +71,28 @@ def test_16_bit_staging_is_a_ring_of_two_sub_groups_not_a_copy_of_the_model() ->
     assert pool.pinned_bytes == 0 or torch.cuda.is_available()
 
 
+def test_host_sub_groups_cast_through_the_ring_give_the_same_16_bit_parameters() -> None:
+    """16-bit parameters that live elsewhere than the host (``lp_device`` stands for the accelerator here):
+    every host sub-group goes through one of the ring's two slots, and the result is what a direct cast gives."""
+    numels, hypers = [1000, 300], [AdamHyper(1e-2, 0.9, 0.99, 1e-8, 0.1, True)] * 2
+    ringed = InterleavedAdam(numels, [0, 1], 128, torch.device("cpu"), torch.bfloat16, lp_device=torch.device("meta"))
+    direct = InterleavedAdam(numels, [0, 1], 128, torch.device("cpu"), torch.bfloat16)
+    assert ringed.pool.lp_staging.storage.numel() == 2 * 128 and direct.pool.lp_staging is None
+    start = torch.randn(sum(numels))
+    ringed.pool.param.copy_(start)
+    direct.pool.param.copy_(start)
+    lp_ringed = [torch.zeros(n, dtype=torch.bfloat16) for n in numels]
+    lp_direct = [torch.zeros(n, dtype=torch.bfloat16) for n in numels]
+    plan = even_plan(len(ringed.sub_groups), 0.25)
+    for step in (1, 2):
+        grads = [torch.randn(n) for n in numels]
+        ringed.step(plan, StepInputs([g.clone() for g in grads], lp_ringed, hypers, [step] * 2))
+        direct.step(plan, StepInputs([g.clone() for g in grads], lp_direct, hypers, [step] * 2))
+    for a, b in zip(lp_ringed, lp_direct, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(ringed.pool.param, direct.pool.param)
+
+
 class _Landed:
     """An upload's completion, as the ring sees a CUDA event: something to wait for."""
 

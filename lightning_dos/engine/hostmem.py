@@ -169,3 +169,27 @@ def check_host_memory(needed: int, what: str, fix: str, memory: HostMemory | Non
         f"{max(0, memory.headroom) / gb:.2f} GB more (limit {memory.limit / gb:.2f} GB from {memory.source}, "
         f"{memory.in_use / gb:.2f} GB in use). {fix}"
     )
+
+
+def return_freed_memory() -> bool:
+    """Give the C allocator's freed heap pages back to the system (glibc ``malloc_trim``); False elsewhere.
+
+    Buffers under glibc's mmap threshold (up to 32 MB) are carved from the heap, and freeing them does not
+    lower the resident set: DeepSpeed's fp32 partitions, once the engine's slabs have replaced them, and
+    the temporaries of DeepSpeed's start-up would otherwise stay resident for the whole run.
+    """
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim is False:
+        return False
+    _malloc_trim(0)
+    return True
+
+
+_malloc_trim = None
