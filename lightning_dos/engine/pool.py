@@ -45,9 +45,8 @@ def _register(tensor: torch.Tensor) -> None:
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return
-    # cudaHostRegisterDefault (0): portable pinning of memory malloc'd elsewhere.
-    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
-    code = getattr(err, "value", err)
+    # cudaHostRegisterPortable (1): pinned for every CUDA context, as torch's own pin_memory_utils does.
+    code = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 1))
     if code != 0:
         raise RuntimeError(
             f"lightning-dos: cudaHostRegister of {nbytes / 1e9:.2f} GB of host memory failed (CUDA error {code}); "
