@@ -55,6 +55,17 @@ def test_parameter_offload_runs_and_matches_without_it() -> None:
         assert torch.equal(with_offload[key], value), key
 
 
+def test_the_model_accounts_for_16_bit_parameters_in_host_memory() -> None:
+    """With parameter offload host sub-groups upload nothing and device ones download their 16-bit result."""
+    from lightning_dos.engine.perfmodel import predict
+
+    sizes, rates = [1000] * 4, _rates(10e9)
+    plan = Plan((Place.DEVICE, Place.HOST, Place.RESIDENT, Place.HOST))
+    on_device, on_host = predict(sizes, plan, rates, 2), predict(sizes, plan, rates, 2, lp_on_host=True)
+    assert on_device.h2d_bytes - on_host.h2d_bytes == 2 * 2 * 1000  # the two host sub-groups' uploads
+    assert on_host.d2h_bytes - on_device.d2h_bytes == 2 * 2 * 1000  # the two device sub-groups' downloads
+
+
 # -- 3. host memory ----------------------------------------------------------------------------------
 
 

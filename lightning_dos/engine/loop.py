@@ -226,10 +226,13 @@ class InterleavedAdam:
         while plan.device_indices and self.device_bytes(plan, plan.device_buffers) > budget:
             trims = self._trims(plan)
             if self.rates is not None and len(trims) > 1:
-                plan = min(trims, key=lambda p: predict(self.sizes, p, self.rates, self.lp_bytes).time_s)
+                plan = min(trims, key=self._predicted_s)
             else:
                 plan = trims[0]
         return plan
+
+    def _predicted_s(self, plan: Plan) -> float:
+        return predict(self.sizes, plan, self.rates, self.lp_bytes, self.lp_downloads).time_s
 
     def _trims(self, plan: Plan) -> list[Plan]:
         """The ways to shrink ``plan``'s device memory by one step; each needs strictly less."""
