@@ -231,20 +231,23 @@ class ZeRO3Adapter:
 
         def reading(method: Callable) -> Callable:
             def read(param: torch.Tensor, *args: object, **kwargs: object) -> object:
-                if engine.resident and param.requires_grad:
-                    engine.flush_resident(sub_groups(param))
-                return method(param, *args, **kwargs)
+                # Whole, like a checkpoint: after an update in flight on another thread, never a torn state.
+                with self.reading_state("reading a parameter's fp32 or optimizer state"):
+                    if engine.resident and param.requires_grad:
+                        engine.flush_resident(sub_groups(param))
+                    return method(param, *args, **kwargs)
 
             return read
 
         def writing(method: Callable) -> Callable:
             def write(value: torch.Tensor, param: torch.Tensor, *args: object, **kwargs: object) -> object:
-                touched = sub_groups(param) if engine.resident and param.requires_grad else []
-                # The rest of each touched sub-group must be current on the host before its copy is dropped.
-                engine.flush_resident(touched)
-                result = method(value, param, *args, **kwargs)
-                engine.drop_resident(touched)
-                return result
+                with engine.guard.reading("writing a parameter's fp32 or optimizer state"):
+                    touched = sub_groups(param) if engine.resident and param.requires_grad else []
+                    # The rest of each touched sub-group must be current on the host before its copy is dropped.
+                    engine.flush_resident(touched)
+                    result = method(value, param, *args, **kwargs)
+                    engine.drop_resident(touched)
+                    return result
 
             return write
 

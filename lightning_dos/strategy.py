@@ -404,13 +404,6 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             ),
         )
 
-    def teardown(self) -> None:
-        # Resident optimizer state comes home (the host slabs are the state of record after fit) and the
-        # engine's persistent device staging is given back.
-        if self.dos_adapter is not None:
-            self.dos_adapter.engine.release_device_memory()
-        super().teardown()
-
     def _on_optimizer_ready(self, ds_optimizer: Any) -> None:
         self.dos_adapter = adapter = ZeRO3Adapter(
             ds_optimizer,
@@ -482,6 +475,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         if adapter is not None:
             adapter.release_signals()
             adapter.deliver_after_step = True
+            # Resident optimizer state comes home (the host slabs are the state of record after fit) and the
+            # engine's persistent device staging is given back.
+            adapter.engine.release_device_memory()
         callbacks = self._callbacks_of
         if callbacks is not None:
             callbacks[:] = [c for c in callbacks if not isinstance(c, _DeliverHeldSignals)]

@@ -353,8 +353,14 @@ class InterleavedAdam:
             return None
 
     def release_device_memory(self) -> None:
-        """Bring resident state home and free every device buffer the engine holds (at teardown)."""
-        self._evict(list(self.resident))
+        """Bring resident state home and free every device buffer the engine holds (at teardown).
+
+        A torn state (see :class:`~lightning_dos.engine.atomic.TornStateError`) is not brought home: the
+        host slabs must not take a mix of two steps."""
+        if self.torn is None:
+            self._evict(list(self.resident))
+        else:
+            self.drop_resident()
         self.pool.release_staging()
 
     def _warn_fallback(self, why: str) -> None:
