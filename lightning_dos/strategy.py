@@ -31,7 +31,13 @@ from lightning_dos.adapter import ZeRO3Adapter, load_zero3_weights_for_evaluatio
 from lightning_dos.engine.calibrate import calibrate
 from lightning_dos.engine.hostmem import LIMIT_ENV, check_host_memory
 from lightning_dos.engine.perfmodel import HardwareRates
-from lightning_dos.engine.plan import MAX_AUTO_SUB_GROUP, FractionSpec, coarse_share_warning, parse_gpu_fraction
+from lightning_dos.engine.plan import (
+    MAX_AUTO_SUB_GROUP,
+    FractionSpec,
+    auto_sub_group_size,
+    coarse_share_warning,
+    parse_gpu_fraction,
+)
 from lightning_dos.engine.pool import BufferPool
 from lightning_dos.engine.scheduler import PlacementScheduler
 from lightning_dos.optimizers import check_optimizer
@@ -387,7 +393,11 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             per_rank,
             lp_dtype,
             lp_on_host=params_on_host or not on_accelerator,
-            largest_sub_group=int(zero["sub_group_size"]),
+            largest_sub_group=(
+                auto_sub_group_size(per_rank)
+                if self.engine_sub_group_size == "auto"
+                else int(self.engine_sub_group_size)
+            ),
         )
         deepspeed_bytes = 4 * per_rank + (lp_bytes * per_rank if params_on_host and on_accelerator else 0)
         local_ranks = max(1, len(self.parallel_devices or [None]))
