@@ -190,16 +190,17 @@ def _inputs(numel: int, step: int = 1) -> StepInputs:
 def test_device_staging_persists_across_steps_and_shrinks_with_the_budget() -> None:
     engine = InterleavedAdam([1000], [0], 100, torch.device("cpu"), torch.float32)
     plan = even_plan(len(engine.sub_groups), 0.5, device_buffers=3)
+    one_buffer = 16 * max(engine.sizes)
     held = []
     for step in (1, 2, 3):
         engine.step(plan, _inputs(1000, step))
         held.append([b.param.data_ptr() for b in engine.pool.staging])
     assert engine.pool.staging_allocations == 1 and held[0] == held[1] == held[2]
-    assert engine.pool.device_bytes_in_use == 3 * 16 * 100
-    engine.gpu_memory_budget = 16 * 100  # room for one buffer now
+    assert engine.pool.device_bytes_in_use == 3 * one_buffer
+    engine.gpu_memory_budget = one_buffer  # room for one buffer now
     report = engine.step(plan, _inputs(1000, 4))
-    assert engine.pool.staging_allocations == 2 and engine.pool.device_bytes_in_use <= 16 * 100
-    assert report.device_staging_bytes <= 16 * 100 and report.plan.streamed_indices
+    assert engine.pool.staging_allocations == 2 and engine.pool.device_bytes_in_use <= one_buffer
+    assert report.device_staging_bytes <= one_buffer and report.plan.streamed_indices
     engine.release_device_memory()
     assert engine.pool.device_bytes_in_use == 0
 
@@ -209,9 +210,10 @@ def _rates(link_bps: float) -> HardwareRates:
 
 
 def test_over_budget_the_model_chooses_between_fewer_buffers_and_fewer_device_sub_groups() -> None:
-    engine = InterleavedAdam([4000], [0], 1000, torch.device("cpu"), torch.float32)
+    engine = InterleavedAdam([4096], [0], 1024, torch.device("cpu"), torch.float32)
+    assert engine.sizes == (1024,) * 4
     plan = Plan((Place.DEVICE, Place.DEVICE, Place.HOST, Place.HOST), device_buffers=2)
-    budget = 16 * 1000  # one staging buffer
+    budget = 16 * max(engine.sizes)  # one staging buffer
     # A fast link: streaming through one buffer still beats the host, so the buffer goes.
     engine.rates = _rates(50e9)
     fast = engine.fit_to_budget(plan, budget)
