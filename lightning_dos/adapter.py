@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, TornStateError, UpdateInterrupted
+from lightning_dos.engine.hostmem import return_freed_memory
 from lightning_dos.engine.loop import InterleavedAdam, StepInputs
 from lightning_dos.engine.plan import Plan, auto_sub_group_size
 from lightning_dos.engine.report import StepReport
@@ -51,8 +52,16 @@ REQUIRED_ATTRIBUTES = (
     "state_dict",
     "load_state_dict",
     "refresh_fp32_params",
+    "grad_position",
+    "get_param_id",
+    "get_full_hp_param",
+    "set_full_hp_param",
+    "get_local_fp32_param",
+    "set_local_hp_param",
 )
 TESTED_DEEPSPEED = "0.19.5 to 0.19.8"
+#: While adopting DeepSpeed's fp32 partitions, hand freed heap memory back after about this many bytes.
+TRIM_EVERY_BYTES = 256 << 20
 
 #: Planner signature: given the step about to run, return its plan and the predicted update time.
 Planner = Callable[[int], tuple[Plan, float | None]]
@@ -104,6 +113,27 @@ def check_zero3_optimizer(zero_optimizer: object) -> None:
     check_optimizer(z.optimizer)
 
 
+def engine_device(accelerator_device: str | torch.device, lp_device: torch.device) -> torch.device:
+    """The device the engine updates device sub-groups on: the accelerator DeepSpeed runs on.
+
+    The 16-bit partitions say where DeepSpeed keeps the model's parameters, not where it computes: with
+    parameter offload they live in host memory while training still runs on the accelerator.
+
+    Args:
+        accelerator_device: DeepSpeed's current device (``get_accelerator().current_device_name()``).
+        lp_device: the device of the 16-bit partitions (``fp16_partitioned_groups_flat[0].device``).
+    """
+    if lp_device.type != "cpu":
+        return lp_device
+    return torch.device(accelerator_device)
+
+
+def _accelerator_device() -> str:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().current_device_name()
+
+
 class ZeRO3Adapter:
     """Hands DeepSpeed's ZeRO-3 update phase to an :class:`InterleavedAdam` engine.
 
@@ -132,18 +162,28 @@ class ZeRO3Adapter:
         numels = [f.numel() for f in self.flats]
         #: The engine's sub-group size in elements ("auto" resolved against this rank's partition).
         self.sub_group_size = auto_sub_group_size(sum(numels)) if sub_group_size == "auto" else int(sub_group_size)
+        device = engine_device(_accelerator_device(), lp[0].device)
         self.engine = InterleavedAdam(
             flat_numels=numels,
             flat_param_groups=[z.sub_group_to_group_id[i] for i in range(len(self.flats))],
             sub_group_size=self.sub_group_size,
-            device=lp[0].device,
+            device=device,
             lp_dtype=lp[0].dtype,
             pin=pin,
             gpu_memory_budget=gpu_memory_budget,
-            streams=streams_factory(lp[0].device) if streams_factory is not None else None,
+            streams=streams_factory(device) if streams_factory is not None else None,
+            # Only offloaded 16-bit parameters are "on the host": on a simulated accelerator the model's own
+            # 16-bit partitions sit in CPU memory too, standing for device memory.
+            lp_device=lp[0].device if getattr(z, "offload_param", False) else None,
         )
+        freed = 0
         for i in range(len(self.flats)):
-            self._adopt_master(i)
+            freed += self._adopt_master(i)
+            if freed >= TRIM_EVERY_BYTES:  # keep the copy-then-free transient to about this much
+                return_freed_memory()
+                freed = 0
+        # DeepSpeed's replaced partitions (and its start-up temporaries) leave the resident set now.
+        return_freed_memory()
         #: Chooses each step's plan; the strategy installs the scheduler here.
         self.planner: Planner | None = None
         #: SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 arriving during an update are held until :meth:`deliver`.
@@ -180,6 +220,48 @@ class ZeRO3Adapter:
                 engine.drop_resident()
 
         z.state_dict, z.load_state_dict, z.refresh_fp32_params = state_dict, load_state_dict, refresh_fp32_params
+        self._wrap_param_accessors(z)
+
+    def _wrap_param_accessors(self, z: object) -> None:
+        """Keep DeepSpeed's per-parameter accessors consistent with resident device state.
+
+        ``deepspeed.utils.safe_get_full_fp32_param``, ``safe_get_full_optimizer_state``, their local
+        variants and the ``safe_set_*`` family all go through these four ZeRO-3 methods, which read and
+        write the host slabs. Before a read the parameter's resident sub-groups are brought home; after a
+        write their device copies are dropped, so the next step uploads the written values.
+        """
+        engine = self.engine
+
+        def sub_groups(param: torch.Tensor) -> list[int]:
+            flat, offset, numel = z.grad_position[z.get_param_id(param)]
+            return engine.sub_groups_of(flat, offset, numel)
+
+        def reading(method: Callable) -> Callable:
+            def read(param: torch.Tensor, *args: object, **kwargs: object) -> object:
+                # Whole, like a checkpoint: after an update in flight on another thread, never a torn state.
+                with self.reading_state("reading a parameter's fp32 or optimizer state"):
+                    if engine.resident and param.requires_grad:
+                        engine.flush_resident(sub_groups(param))
+                    return method(param, *args, **kwargs)
+
+            return read
+
+        def writing(method: Callable) -> Callable:
+            def write(value: torch.Tensor, param: torch.Tensor, *args: object, **kwargs: object) -> object:
+                with engine.guard.reading("writing a parameter's fp32 or optimizer state"):
+                    touched = sub_groups(param) if engine.resident and param.requires_grad else []
+                    # The rest of each touched sub-group must be current on the host before its copy is dropped.
+                    engine.flush_resident(touched)
+                    result = method(value, param, *args, **kwargs)
+                    engine.drop_resident(touched)
+                    return result
+
+            return write
+
+        z.get_full_hp_param = reading(z.get_full_hp_param)
+        z.get_local_fp32_param = reading(z.get_local_fp32_param)
+        z.set_full_hp_param = writing(z.set_full_hp_param)
+        z.set_local_hp_param = writing(z.set_local_hp_param)
 
     @contextlib.contextmanager
     def reading_state(self, what: str) -> Iterator[None]:
@@ -215,12 +297,15 @@ class ZeRO3Adapter:
 
     # -- keeping DeepSpeed's tensors as views of the engine's slabs -------------------------------
 
-    def _adopt_master(self, i: int) -> None:
-        """Point DeepSpeed's fp32 partition ``i`` at the engine's slab (copying its values in)."""
+    def _adopt_master(self, i: int) -> int:
+        """Point DeepSpeed's fp32 partition ``i`` at the engine's slab (copying its values in); return the
+        bytes of DeepSpeed's own tensor that this frees."""
         view, flat = self.engine.param_view(i), self.flats[i]
-        if flat.data.data_ptr() != view.data_ptr():
-            view.copy_(flat.data.reshape(-1))
-            flat.data = view
+        if flat.data.data_ptr() == view.data_ptr():
+            return 0
+        view.copy_(flat.data.reshape(-1))
+        flat.data = view
+        return view.numel() * view.element_size()
 
     def _adopt_state(self, i: int) -> int:
         """Make the inner optimizer's state for partition ``i`` views of the slabs; return its step count.

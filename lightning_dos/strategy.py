@@ -30,8 +30,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_dos import quiet
 from lightning_dos.adapter import ZeRO3Adapter, load_zero3_weights_for_evaluation
 from lightning_dos.engine.calibrate import calibrate
+from lightning_dos.engine.hostmem import LIMIT_ENV, check_host_memory
 from lightning_dos.engine.perfmodel import HardwareRates
-from lightning_dos.engine.plan import MAX_AUTO_SUB_GROUP, FractionSpec, coarse_share_warning, parse_gpu_fraction
+from lightning_dos.engine.plan import (
+    MAX_AUTO_SUB_GROUP,
+    FractionSpec,
+    auto_sub_group_size,
+    coarse_share_warning,
+    parse_gpu_fraction,
+)
+from lightning_dos.engine.pool import BufferPool
 from lightning_dos.engine.scheduler import PlacementScheduler
 from lightning_dos.engine.streams import Streams
 from lightning_dos.optimizers import check_optimizer
@@ -362,6 +370,59 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         check_optimizer(optimizers[0])
         return optimizers[0], schedulers[0] if schedulers else None
 
+    def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:
+        if optimizer is not None:
+            self._check_host_memory(model)
+            # Calibrate now, before DeepSpeed and the engine allocate the optimizer state: the measuring
+            # buffers are freed by then, so they never add to the run's peak host memory (and on a GPU
+            # the measurement sees a device with nothing else on it).
+            _calibrated_rates(self.root_device)
+        return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+
+    def _check_host_memory(self, model: torch.nn.Module) -> None:
+        """Refuse to start, with the figures, when the node's host memory cannot hold the optimizer state.
+
+        Counted per rank, for every rank on this node: DeepSpeed's fp32 gradient buffer (4 B/param), the
+        engine's fp32 master weights and moments (12 B/param; DeepSpeed's own fp32 partition becomes a view
+        of them), the 16-bit staging ring, and the 16-bit parameters when they are offloaded too.
+        """
+        params = [p for p in model.parameters() if p.requires_grad]
+        total = sum(int(getattr(p, "ds_numel", p.numel())) for p in params)
+        per_rank = -(-total // max(1, self.world_size))
+        zero = self.config["zero_optimization"]
+        params_on_host = str((zero.get("offload_param") or {}).get("device", "none")).lower() == "cpu"
+        # The 16-bit dtype DeepSpeed will use, from the config Lightning has formatted by now.
+        lp_dtype = torch.float32
+        for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            if (self.config.get(key) or {}).get("enabled"):
+                lp_dtype = dtype
+        lp_bytes = torch.empty((), dtype=lp_dtype).element_size()
+        on_accelerator = isinstance(self.accelerator, CUDAAccelerator)
+        engine = BufferPool.planned_host_bytes(
+            per_rank,
+            lp_dtype,
+            lp_on_host=params_on_host or not on_accelerator,
+            largest_sub_group=(
+                auto_sub_group_size(per_rank)
+                if self.engine_sub_group_size == "auto"
+                else int(self.engine_sub_group_size)
+            ),
+        )
+        deepspeed_bytes = 4 * per_rank + (lp_bytes * per_rank if params_on_host and on_accelerator else 0)
+        local_ranks = max(1, len(self.parallel_devices or [None]))
+        check_host_memory(
+            local_ranks * (engine + deepspeed_bytes),
+            what=(
+                f"the offloaded optimizer state of {total / 1e6:.1f}M parameters ({per_rank / 1e6:.1f}M per rank, "
+                f"{local_ranks} rank(s) on this node)"
+            ),
+            fix=(
+                "Spread the model over more nodes (ZeRO-3 divides this state by the number of ranks), train a "
+                "smaller model, or raise the memory limit of the job; "
+                f"{LIMIT_ENV} (bytes) sets a tighter cap when the scheduler enforces one the process cannot read."
+            ),
+        )
+
     def _on_optimizer_ready(self, ds_optimizer: Any) -> None:
         self.dos_adapter = adapter = ZeRO3Adapter(
             ds_optimizer,
@@ -434,6 +495,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         if adapter is not None:
             adapter.release_signals()
             adapter.deliver_after_step = True
+            # Resident optimizer state comes home (the host slabs are the state of record after fit) and the
+            # engine's persistent device staging is given back.
+            adapter.engine.release_device_memory()
         callbacks = self._callbacks_of
         if callbacks is not None:
             callbacks[:] = [c for c in callbacks if not isinstance(c, _DeliverHeldSignals)]

@@ -191,7 +191,8 @@ def test_checkpoint_while_state_is_resident_resumes_exactly(tmp_path) -> None:  
         return full_parameters(model), model.losses, t.strategy.dos_engine
 
     straight, losses, engine = run(10, save=True)
-    assert len(engine.resident) == len(engine.sub_groups)
+    assert engine.last_report.plan.resident_indices == list(range(len(engine.sub_groups)))
+    assert not engine.resident, "teardown brings resident state home and frees it"
     resumed, resumed_losses, _ = run(10, ckpt_path=str(next(tmp_path.glob("*step=5*"))))
     assert resumed_losses == losses[5:]
     for key, value in straight.items():
@@ -199,28 +200,39 @@ def test_checkpoint_while_state_is_resident_resumes_exactly(tmp_path) -> None:  
 
 
 def test_zero_memory_budget_puts_every_sub_group_on_the_host_with_one_warning() -> None:
+    """One warning per run, but every step's fallback is in its report and logged as dos/fallback_subgroups."""
+    from lightning_dos.callbacks.monitor import DOSMonitor
+
     L.seed_everything(0, verbose=False)
-    model, probe = TinyLM(), Probe()
+    model, probe, monitor = TinyLM(), Probe(), DOSMonitor(summary=False, log_every_n_steps=1)
     with pytest.warns(RuntimeWarning, match="did not fit the device memory budget") as caught:
-        trainer(dos(1.0, gpu_memory_budget=0), steps=4, callbacks=[probe]).fit(model, loader())
+        trainer(dos(1.0, gpu_memory_budget=0), steps=4, callbacks=[probe, monitor]).fit(model, loader())
     assert sum("lightning-dos" in str(w.message) for w in caught) == 1
     assert all(set(r.plan.places) == {Place.HOST} for r in probe.reports)
     assert all(r.fallback_host and r.device_staging_bytes == 0 for r in probe.reports)
+    logged = [row["dos/fallback_subgroups"] for row in monitor.history]
+    assert logged == [float(len(r.fallback_host)) for r in probe.reports] and logged[0] > 0
 
 
 def test_budget_limits_device_staging() -> None:
-    """A budget for one staging buffer of the largest sub-group: one buffer, never more bytes than allowed."""
+    """A budget for one staging buffer of the largest sub-group: never more bytes than allowed, the trimmed
+    plan fits, and what was trimmed is in every step's report."""
     budget = 16 * SUB_GROUP
     L.seed_everything(0, verbose=False)
     probe = Probe()
-    trainer(dos(0.5, gpu_memory_budget=budget), steps=3, callbacks=[probe]).fit(TinyLM(), loader())
+    strategy = dos(0.5, gpu_memory_budget=budget)
+    trainer(strategy, steps=3, callbacks=[probe]).fit(TinyLM(), loader())
+    engine = strategy.dos_engine
     for report in probe.reports:
         assert 0 < report.device_staging_bytes <= budget
-        assert report.plan.device_buffers == 1
+        assert engine.device_bytes(report.plan, report.plan.device_buffers) <= budget
+        assert report.plan.streamed_indices
+    assert engine.pool.staging_allocations == 1, "staging is allocated once and kept across steps"
 
 
 def test_out_of_memory_falls_back_to_host_with_identical_result(monkeypatch) -> None:  # noqa: ANN001
-    """Injected allocation failure: the step runs on the host, warns once, and the result is unchanged."""
+    """Injected allocation failure: the step runs on the host, warns once, and the result is unchanged;
+    once staging is allocated it is kept, so later steps allocate nothing."""
 
     def reference() -> dict[str, torch.Tensor]:
         L.seed_everything(0, verbose=False)
@@ -231,20 +243,22 @@ def test_out_of_memory_falls_back_to_host_with_identical_result(monkeypatch) -> 
     from lightning_dos.engine.pool import BufferPool
 
     calls = {"n": 0}
-    real = BufferPool.allocate_device
+    real = BufferPool.staging_for
 
-    def flaky(self, count: int, capacity: int):  # noqa: ANN001, ANN202
+    def flaky(self, count: int, capacity: int, budget=None):  # noqa: ANN001, ANN202
         calls["n"] += 1
-        if calls["n"] in (2, 3):
+        if calls["n"] in (1, 2):
             raise torch.OutOfMemoryError("injected: CUDA out of memory")
-        return real(self, count, capacity)
+        return real(self, count, capacity, budget)
 
-    monkeypatch.setattr(BufferPool, "allocate_device", flaky)
+    monkeypatch.setattr(BufferPool, "staging_for", flaky)
     L.seed_everything(0, verbose=False)
     model, probe = TinyLM(), Probe()
     with pytest.warns(RuntimeWarning, match="out of memory"):
-        trainer(dos(0.5), steps=5, callbacks=[probe]).fit(model, loader())
-    assert [bool(r.fallback_host) for r in probe.reports] == [False, True, True, False, False]
+        strategy = dos(0.5)
+        trainer(strategy, steps=5, callbacks=[probe]).fit(model, loader())
+    assert [bool(r.fallback_host) for r in probe.reports] == [True, True, False, False, False]
+    assert strategy.dos_engine.pool.staging_allocations == 1
     assert max_relative_error(full_parameters(model), reference()) < 1e-5
 
 

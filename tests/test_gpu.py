@@ -73,3 +73,27 @@ def test_bf16_on_cuda_learns_and_tracks_plain_adamw() -> None:
     ours = fit(DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=700), precision="bf16-mixed")
     for mine, theirs in zip(ours.losses, plain.losses):
         assert mine == pytest.approx(theirs, rel=0.01)
+
+
+def test_host_slabs_are_pinned_exactly_and_the_16_bit_staging_is_a_ring() -> None:
+    strategy = DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=700)
+    fit(strategy, steps=3, precision="bf16-mixed")
+    pool = strategy.dos_engine.pool
+    assert pool.param.is_pinned() and pool.exp_avg.is_pinned() and pool.lp_staging.storage.is_pinned()
+    # cudaHostRegister pins exactly the slabs' bytes: no power-of-two rounding to report.
+    assert pool.pinned_bytes == pool.host_bytes
+    assert pool.lp_staging.storage.numel() == 2 * 700 < pool.param.numel()
+    assert pool.staging_allocations == 1, "device staging is allocated once and kept"
+
+
+def test_parameter_offload_updates_on_the_gpu_and_matches_plain_adamw() -> None:
+    reference = full_parameters(fit("auto"))
+    strategy = DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=700, offload_parameters=True)
+    model = fit(strategy)
+    engine = strategy.dos_engine
+    assert engine.device.type == "cuda" and engine.lp_downloads and engine.pool.lp_staging is None
+    report = engine.last_report
+    assert report.device_elements > 0
+    # Device sub-groups' 16-bit results come down beside their fp32 state (12 B + 4 B fp32 per element).
+    assert report.d2h_bytes == 16 * report.device_elements
+    assert max_relative_error(full_parameters(model), reference) < 1e-5

@@ -46,6 +46,7 @@ ENGINE_METRICS = [
     "dos/update_predicted_s",
     "dos/pinned_gb",
     "dos/engine_update_s",
+    "dos/fallback_subgroups",
 ]
 
 

@@ -51,6 +51,9 @@ class Scenario:
     expect_fallback: bool = False
     #: ``(point, sub_group, exception)`` raised once inside the second step (the interrupted-update paths).
     fail_at: tuple | None = None
+    #: The 16-bit parameters live in host memory (DeepSpeed's parameter offload): device sub-groups download
+    #: their 16-bit result, host sub-groups cast straight into it.
+    lp_on_host: bool = False
 
 
 SCENARIOS = (
@@ -77,6 +80,10 @@ SCENARIOS = (
         fail_at=("downloading", 6, torch.OutOfMemoryError("simulated")),
         expect_fallback=True,
     ),
+    Scenario("parameter offload", (Plan(mixed(D, H, R, D), 2),) * 3, inv_grad_scale=0.5, lp_on_host=True),
+    Scenario("parameter offload, 1 buffer", (Plan(mixed(D, R), 1), Plan(mixed(D, H), 1)), lp_on_host=True),
+    # Nothing streams behind the resident downloads: only their own tail event covers them.
+    Scenario("parameter offload, all resident", (Plan(mixed(R)),) * 2, lp_on_host=True),
 )
 
 
@@ -95,6 +102,7 @@ def run(
         torch.float32,
         gpu_memory_budget=scenario.budget,
         streams=checker.streams(),
+        lp_device=torch.device("cpu") if scenario.lp_on_host else None,
     )
     checker.watch(engine, backward_sync=backward_sync)
     gen = torch.Generator().manual_seed(0)
@@ -147,6 +155,9 @@ def run(
                 expected = scenario.expect_fallback and (scenario.fail_at is None or failing)
                 assert bool(report.fallback_host) == expected, scenario.name
         engine.flush_resident()  # the host slabs are current for the comparison (a checkpoint would read them)
+    if scenario.lp_on_host:  # every sub-group's 16-bit result landed in the host-resident partition
+        for i, target in enumerate(lp):
+            assert torch.equal(target, engine.param_view(i)), f"{scenario.name}: flat {i}'s 16-bit parameters"
     return checker, [p.detach() for p in reference], engine
 
 
@@ -163,12 +174,14 @@ def _fail_once(point: str, sub_group: int, error: BaseException, fired: list[boo
 def test_targeted_plans_are_race_free_and_equal_plain_adamw(scenario: Scenario) -> None:
     checker, reference, engine = run(scenario)
     checker.check()
-    assert engine.pool.lp_staging is not None, "the simulated accelerator takes the 16-bit staging path"
+    # The simulated accelerator takes the 16-bit staging path, unless the 16-bit parameters are on the host.
+    assert (engine.pool.lp_staging is None) == scenario.lp_on_host
     for i, expected in enumerate(reference):
         torch.testing.assert_close(engine.param_view(i), expected, rtol=1e-5, atol=1e-7)
     lanes = {op.lane for op in checker.log if op.kind == "op"}
     if any(p == H for step in scenario.steps if isinstance(step, Plan) for p in step.places):
-        assert "lp_upload" in lanes, "host sub-groups upload their 16-bit copy on lp_h2d"
+        uploads = "lp_upload" in lanes
+        assert uploads != scenario.lp_on_host, "host sub-groups upload their 16-bit copy on lp_h2d (unless offloaded)"
 
 
 def test_the_lp_h2d_branch_runs_and_its_upload_is_what_the_next_forward_reads() -> None:
@@ -410,4 +423,23 @@ def test_trainer_with_deepspeed_zero3_on_the_simulated_accelerator_is_race_free_
     lanes = {op.lane for op in checker.log if op.kind == "op"}
     assert {"upload", "device_adam", "cast", "download", "host_adam", "lp_upload"} <= lanes
     assert any(R in plan.places for plan in placement.plans)
+    assert max_relative_error(full_parameters(model), reference) < 1e-5
+
+
+def test_parameter_offload_on_the_simulated_accelerator_is_race_free_and_lands_16_bit_results_on_the_host() -> None:
+    """``offload_parameters=True``: DeepSpeed keeps the 16-bit partitions in host memory, yet device sub-groups
+    still update on the (simulated) accelerator and download their 16-bit result; host ones cast straight in."""
+    reference = full_parameters(fit("auto"))
+    checker = StreamSanitizer()
+    placement = RandomPlacement(seed=3, places=(H, D, R))
+    strategy = DeepOptimizerStatesStrategy(
+        gpu_fraction=0.5, sub_group_size=700, streams_factory=checker.streams, offload_parameters=True
+    )
+    model = fit(strategy, callbacks=(Watch(checker), placement))
+    checker.check()
+    engine = strategy.dos_engine
+    assert engine.lp_downloads and engine.pool.lp_staging is None
+    lanes = {op.lane for op in checker.log if op.kind == "op"}
+    assert {"upload", "device_adam", "cast", "download", "host_adam"} <= lanes and "lp_upload" not in lanes
+    assert any(D in plan.places for plan in placement.plans)
     assert max_relative_error(full_parameters(model), reference) < 1e-5

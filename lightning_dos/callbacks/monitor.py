@@ -251,8 +251,10 @@ class DOSMonitor(Callback):
     (bytes over the engine's update time), ``dos/pcie_util`` (both directions' achieved rate over the
     sum of their calibrated peaks), ``dos/gpu_fraction`` (share of elements updated on the device),
     ``dos/engine_update_s`` (the engine's own update loop, inside the update phase),
-    ``dos/update_predicted_s`` (the performance model's prediction of that loop, when it made one) and
-    ``dos/pinned_gb``. Beside them, the learning rate each param group's update of the step used
+    ``dos/update_predicted_s`` (the performance model's prediction of that loop, when it made one),
+    ``dos/pinned_gb`` (host memory really pinned; 0 without CUDA) and ``dos/fallback_subgroups`` (sub-groups
+    the plan put on the device that ran on the host for lack of device memory). Beside them, the learning rate
+    each param group's update of the step used
     (``lr-AdamW/pg1``, ... as Lightning's ``LearningRateMonitor`` names it). When the monitor logs at the trainer's
     ``log_every_n_steps`` (the default), a step's metrics go through ``LightningModule.log``, so each logged
     step is one row with the module's own metrics (one row per step in ``metrics.csv``).
@@ -458,6 +460,7 @@ class DOSMonitor(Callback):
             "dos/gpu_fraction": report.device_share,
             "dos/pinned_gb": report.pinned_bytes / GB,
             "dos/engine_update_s": report.update_s,
+            "dos/fallback_subgroups": float(len(report.fallback_host)),
         }
         if seconds > 0:
             row["dos/h2d_gbps"] = report.h2d_bytes / seconds / GB

@@ -26,6 +26,7 @@ import torch
 
 from lightning_dos.engine.atomic import TornStateError, UpdateGuard, UpdateProgress
 from lightning_dos.engine.kernels import AdamHyper, adam_update, fused_host_update, step_tensor
+from lightning_dos.engine.perfmodel import predict
 from lightning_dos.engine.plan import Place, Plan, SubGroup, split_into_sub_groups
 from lightning_dos.engine.pool import STAGING_BYTES_PER_ELEMENT, BufferPool, DeviceBuffer
 from lightning_dos.engine.recovery import settle_interrupted_update
@@ -60,6 +61,11 @@ class StepInputs:
     predicted_s: float | None = None
 
 
+def _useful_buffers(plan: Plan) -> Plan:
+    """``plan`` with no more staging buffers than it streams sub-groups (at least one)."""
+    return Plan(plan.places, max(1, min(plan.device_buffers, len(plan.streamed_indices))))
+
+
 class InterleavedAdam:
     """Runs Adam over the rank's fp32 partition, sub-group by sub-group, on host and device at once.
 
@@ -67,14 +73,18 @@ class InterleavedAdam:
         flat_numels: element count of each DeepSpeed flat partition, in order.
         flat_param_groups: optimizer param group of each flat partition.
         sub_group_size: largest number of elements per sub-group.
-        device: where the model's 16-bit parameters live (``cuda:N``, or ``cpu`` with no GPU).
+        device: the accelerator device sub-groups are updated on (``cuda:N``, or ``cpu`` with no GPU).
         lp_dtype: dtype of the model's parameters.
         pin: pin host memory when CUDA is available.
         gpu_memory_budget: bytes of device memory the update may use for staging; None derives it from
-            the memory free at the start of each update, less a 10% margin.
+            the memory free at the start of each update (plus the engine's own staging), less a 10% margin.
         streams: the streams all asynchronous work is issued through; None picks the real ones for
             ``device`` (CUDA streams on a GPU, synchronous no-ops on CPU). Tests and tools pass a simulated
             accelerator (``lightning_dos.sim``) here; it must be for ``device``.
+        lp_device: where the model's 16-bit parameters live when DeepSpeed offloads them (``cpu``): device
+            sub-groups are then cast on the device and their 16-bit result is downloaded, and host sub-groups
+            are cast straight into them. None: they live on ``device`` (host memory when ``streams`` are
+            synchronous; a simulated accelerator's CPU memory stands for device memory).
     """
 
     def __init__(
@@ -87,6 +97,7 @@ class InterleavedAdam:
         pin: bool = True,
         gpu_memory_budget: int | None = None,
         streams: Streams | None = None,
+        lp_device: torch.device | None = None,
     ) -> None:
         #: Side streams, made once: the same streams every step, so their order is easy to follow in a profiler.
         self.streams = streams if streams is not None else make_streams(device)
@@ -98,12 +109,17 @@ class InterleavedAdam:
         self.device = device
         self.lp_dtype = lp_dtype
         self.lp_bytes = torch.empty((), dtype=lp_dtype).element_size()
+        lp_on_host = lp_device.type == "cpu" if lp_device is not None else not self.streams.is_async
+        #: Device sub-groups' 16-bit results must come down to host-resident 16-bit parameters.
+        self.lp_downloads = lp_on_host and self.streams.is_async
         self.pool = BufferPool(
             self.flat_offsets[-1],
             lp_dtype,
             device,
             pin,
-            stage_lp=self.streams.is_async,
+            lp_on_host=lp_on_host,
+            largest_sub_group=max(self.sizes, default=0),
+            accelerated=self.streams.is_async,
             allocate=self.streams.empty,
         )
         self.gpu_memory_budget = gpu_memory_budget
@@ -153,30 +169,52 @@ class InterleavedAdam:
         if self.device.type != "cuda":
             return None
         free, _ = torch.cuda.mem_get_info(self.device)
-        # Memory the caching allocator holds but no tensor uses is free for our staging too.
+        # Memory the caching allocator holds but no tensor uses is free for our staging too, and so is the
+        # staging the engine keeps between updates.
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return int((free + cached) * (1.0 - FREE_MEMORY_MARGIN))
+        return int((free + cached + self.pool.device_bytes_in_use) * (1.0 - FREE_MEMORY_MARGIN))
 
     def device_bytes(self, plan: Plan, buffers: int) -> int:
         """Device memory ``plan`` needs during the update: resident state plus streaming buffers."""
         resident = sum(self.sizes[i] for i in plan.resident_indices)
         streamed = [self.sizes[i] for i in plan.streamed_indices]
         largest = max(streamed, default=0)
-        return (resident + min(buffers, len(streamed)) * largest) * STAGING_BYTES_PER_ELEMENT
+        per_element = STAGING_BYTES_PER_ELEMENT + (self.lp_bytes if self.lp_downloads else 0)
+        return (resident + min(buffers, len(streamed)) * largest) * per_element
 
     def fit_to_budget(self, plan: Plan, budget: int | None) -> Plan:
-        """Shrink the plan's device side until it fits ``budget``: fewer streaming buffers first, then
-        the largest streamed sub-groups, then the largest resident ones go to the host."""
+        """Shrink the plan's device side until it fits ``budget``, one trim at a time.
+
+        Each trim is one of: a streaming buffer fewer, the largest streamed sub-groups to the host, the
+        largest resident sub-group to the host. With calibrated rates the trim the performance model
+        predicts to be fastest is taken (one buffer serialises upload, Adam and download, which can cost
+        more than updating a sub-group on the host); without them, buffers go first."""
         if budget is None or not plan.device_indices:
             return plan
-        buffers = max(1, min(plan.device_buffers, len(plan.streamed_indices)))
-        while plan.device_indices and self.device_bytes(plan, buffers) > budget:
-            if buffers > 1:
-                buffers -= 1
-                continue
-            pool = plan.streamed_indices or plan.resident_indices
-            plan = plan.with_host([max(pool, key=lambda i: self.sizes[i])])
-        return Plan(plan.places, buffers)
+        plan = _useful_buffers(plan)
+        while plan.device_indices and self.device_bytes(plan, plan.device_buffers) > budget:
+            trims = self._trims(plan)
+            if self.rates is not None and len(trims) > 1:
+                plan = min(trims, key=self._predicted_s)
+            else:
+                plan = trims[0]
+        return plan
+
+    def _predicted_s(self, plan: Plan) -> float:
+        return predict(self.sizes, plan, self.rates, self.lp_bytes, self.lp_downloads).time_s
+
+    def _trims(self, plan: Plan) -> list[Plan]:
+        """The ways to shrink ``plan``'s device memory by one step; each needs strictly less."""
+        trims = []
+        if plan.device_buffers > 1:  # useful buffers only (see _useful_buffers), so one fewer is smaller
+            trims.append(Plan(plan.places, plan.device_buffers - 1))
+        streamed = plan.streamed_indices
+        if streamed:
+            largest = max(self.sizes[i] for i in streamed)
+            trims.append(plan.with_host([i for i in streamed if self.sizes[i] == largest]))
+        if plan.resident_indices:
+            trims.append(plan.with_host([max(plan.resident_indices, key=lambda i: self.sizes[i])]))
+        return [_useful_buffers(t) for t in trims]
 
     def skip(self, plan: Plan) -> StepReport:
         """Record a skipped step (fp16 overflow): nothing is touched."""
@@ -232,11 +270,12 @@ class InterleavedAdam:
         wall_start = time.perf_counter()
 
         requested = plan
-        plan = self.fit_to_budget(plan, self.device_budget())
+        budget = self.device_budget()
+        plan = self.fit_to_budget(plan, budget)
         progress.places = plan.places
         # State leaving the device (the plan moved it, or it no longer fits) comes home first.
         self._evict([i for i in self.resident if plan.places[i] != Place.RESIDENT])
-        buffers = self._allocate(plan)
+        buffers = self._allocate(plan, budget)
         if buffers is None:
             plan = plan.with_host(plan.streamed_indices)
             buffers = []
@@ -247,43 +286,60 @@ class InterleavedAdam:
         if report.fallback_host:
             self._warn_fallback(f"{len(report.fallback_host)} sub-group(s) did not fit the device memory budget")
         report.device_staging_bytes = self.pool.device_bytes_in_use + self.pool.resident_bytes
-        report.pinned_bytes = self.pool.host_bytes
+        report.pinned_bytes = self.pool.pinned_bytes
 
-        self._run_resident(plan, inputs, streams, report)
-        tails = self._launch_device_side(plan, buffers, inputs, streams, report)
+        tails = self._run_resident(plan, inputs, streams, report)
+        tails += self._launch_device_side(plan, buffers, inputs, streams, report)
         tails += self._run_host_side(plan, inputs, streams, report)
-        # Resident sub-groups end on the compute stream (their cast), with no download behind them.
+        # Resident sub-groups end on the compute stream (their cast); with parameter offload their 16-bit
+        # downloads are among the tails already.
         tails.append(streams.record(streams.compute))
 
         # The update ends when the last byte is home: host slabs consistent for checkpoints, every
         # 16-bit parameter in place for the next forward.
         for event in tails:
             streams.host_wait(event)
-        del buffers
-        self.pool.release_device()
         report.update_s = time.perf_counter() - wall_start
         report.spans = streams.spans() if self.timing else []
         self.last_report = report
         return report
 
-    def _allocate(self, plan: Plan) -> list[DeviceBuffer] | None:
-        """Streaming buffers for the plan; None (after one warning) when the device is out of memory."""
+    def _allocate(self, plan: Plan, budget: int | None) -> list[DeviceBuffer] | None:
+        """Streaming buffers for the plan, reused from earlier steps when they suffice; None (after one
+        warning) when the device is out of memory."""
+        resident = self.device_bytes(Plan(plan.places, 0), 0)
+        staging_budget = None if budget is None else budget - resident
         device_ids = plan.streamed_indices
         if not device_ids:
+            if staging_budget is not None and self.pool.device_bytes_in_use > staging_budget:
+                self.pool.release_staging()  # the budget shrank: give the memory back
             return []
         count = min(plan.device_buffers, len(device_ids))
         try:
-            return self.pool.allocate_device(count, max(self.sizes[i] for i in device_ids))
+            return self.pool.staging_for(count, max(self.sizes[i] for i in device_ids), staging_budget)
         except torch.OutOfMemoryError:
             self._warn_fallback("device staging could not be allocated (out of memory)")
             return None
 
+    def release_device_memory(self) -> None:
+        """Bring resident state home and free every device buffer the engine holds (at teardown).
+
+        A torn state (see :class:`~lightning_dos.engine.atomic.TornStateError`) is not brought home: the
+        host slabs must not take a mix of two steps."""
+        if self.torn is None:
+            self._evict(list(self.resident))
+        else:
+            self.drop_resident()
+        self.pool.release_staging()
+
     def _warn_fallback(self, why: str) -> None:
-        """Warn once per engine that device sub-groups ran on the host (same result, slower)."""
+        """Warn once per engine that device sub-groups ran on the host (same result, slower); every step's
+        fallback is in its report (``fallback_host``) and logged by the monitor."""
         if not self._warned_fallback:
             warnings.warn(
                 f"lightning-dos: {why}; those sub-groups are updated on the host instead. The result is "
-                "the same, only slower. Lower gpu_fraction or raise gpu_memory_budget to avoid this.",
+                "the same, only slower. Lower gpu_fraction or raise gpu_memory_budget to avoid this; "
+                "DOSMonitor logs dos/fallback_subgroups every step.",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -312,9 +368,11 @@ class InterleavedAdam:
             self.resident[index] = buf
         return plan.with_host(failed) if failed else plan
 
-    def _run_resident(self, plan: Plan, inputs: StepInputs, streams: Streams, report: StepReport) -> None:
-        """Upload only the gradient, update on the device, cast into the 16-bit partition; nothing comes down."""
+    def _run_resident(self, plan: Plan, inputs: StepInputs, streams: Streams, report: StepReport) -> list:
+        """Upload only the gradient, update on the device, cast into the 16-bit partition; only that cast
+        comes down, and only when the 16-bit parameters live on the host. Returns the tail events."""
         step_tensors: dict[int, torch.Tensor] = {}
+        last_download = None
         for index in plan.resident_indices:
             sg, buf = self.sub_groups[index], self.resident[index]
             _, _, _, grad, lp = self._slices(sg, inputs)
@@ -332,10 +390,24 @@ class InterleavedAdam:
                 adam_update(buf.param, buf.grad, buf.exp_avg, buf.exp_avg_sq, step_tensors[sg.ds_group], hyper)
                 self._reached("updated", index)
             with streams.lane("cast", index, self.lp_bytes * sg.numel, streams.compute):
-                lp.copy_(buf.param)
+                # Into the buffer's 16-bit slot when the 16-bit partition lives on the host (parameter offload).
+                (buf.lp if buf.lp is not None else lp).copy_(buf.param)
             self._reached("done", index)
+            if buf.lp is not None:
+                last_download = self._download_lp(index, buf.lp, lp, report)
             report.h2d_bytes += FP32_BYTES * sg.numel
             report.device_elements += sg.numel
+        return [last_download] if last_download is not None else []
+
+    def _download_lp(self, index: int, device_lp: torch.Tensor, lp: torch.Tensor, report: StepReport) -> object:
+        """Bring a device-cast 16-bit result down into the host-resident 16-bit partition (parameter offload)."""
+        streams = self.streams
+        # The download reads the cast the compute stream has just queued.
+        streams.wait(streams.d2h, streams.record(streams.compute))
+        with streams.lane("download", index, self.lp_bytes * lp.numel(), streams.d2h):
+            lp.copy_(device_lp[: lp.numel()], non_blocking=True)
+        report.d2h_bytes += self.lp_bytes * lp.numel()
+        return streams.record(streams.d2h)
 
     def _download_resident(self, indices: list[int]) -> None:
         """Copy resident state into the host slabs and wait for it (the host reads them next)."""
@@ -361,14 +433,26 @@ class InterleavedAdam:
         for index in indices:
             self.pool.release_resident(self.resident.pop(index))
 
-    def flush_resident(self) -> None:
-        """Make the host slabs current (a checkpoint is about to read them); the state stays resident."""
-        self._download_resident(list(self.resident))
+    def flush_resident(self, indices: Sequence[int] | None = None) -> None:
+        """Make the host slabs current (a checkpoint or an accessor is about to read them); the state stays
+        resident. ``indices`` limits it to those sub-groups (None: all)."""
+        chosen = list(self.resident) if indices is None else [i for i in indices if i in self.resident]
+        self._download_resident(chosen)
 
-    def drop_resident(self) -> None:
-        """Forget resident device state because the host slabs were just overwritten (a checkpoint load)."""
-        for index in list(self.resident):
+    def drop_resident(self, indices: Sequence[int] | None = None) -> None:
+        """Forget resident device state because the host slabs were just overwritten (a checkpoint load, an
+        accessor's write); the next step uploads the new values. ``indices`` limits it (None: all)."""
+        chosen = list(self.resident) if indices is None else [i for i in indices if i in self.resident]
+        for index in chosen:
             self.pool.release_resident(self.resident.pop(index))
+
+    def sub_groups_of(self, flat: int, offset: int, numel: int) -> list[int]:
+        """Indices of the sub-groups overlapping elements ``[offset, offset + numel)`` of flat partition ``flat``."""
+        return [
+            sg.index
+            for sg in self.sub_groups
+            if sg.ds_group == flat and sg.ds_offset < offset + numel and offset < sg.ds_offset + sg.numel
+        ]
 
     def _slices(self, sg: SubGroup, inputs: StepInputs) -> tuple[torch.Tensor, ...]:
         span = slice(sg.slab_offset, sg.slab_offset + sg.numel)
@@ -408,20 +492,25 @@ class InterleavedAdam:
                     step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], self.device)
                 adam_update(d_param, d_grad, d_avg, d_avg_sq, step_tensors[sg.ds_group], inputs.hypers[sg.param_group])
                 self._reached("computed", index)
-            # Cast on the device, straight into DeepSpeed's 16-bit partition: no 16-bit upload needed.
+            # Cast on the device, straight into DeepSpeed's 16-bit partition: no 16-bit upload needed
+            # (into the buffer's 16-bit slot instead when that partition lives on the host; it comes down below).
             with streams.lane("cast", index, self.lp_bytes * n, streams.compute):
-                lp.copy_(d_param)
+                (buf.lp[:n] if buf.lp is not None else lp).copy_(d_param)
             computed = streams.record(streams.compute)
             # The download must not start before Adam and the cast have finished with the buffer.
             streams.wait(streams.d2h, computed)
-            with streams.lane("download", index, STATE_BYTES_PER_ELEMENT * n, streams.d2h):
+            down = STATE_BYTES_PER_ELEMENT * n + (self.lp_bytes * n if buf.lp is not None else 0)
+            with streams.lane("download", index, down, streams.d2h):
                 self._reached("downloading", index, (d_param, d_avg, d_avg_sq))
-                for dst, src in ((param, d_param), (exp_avg, d_avg), (exp_avg_sq, d_avg_sq)):
+                pairs = [(param, d_param), (exp_avg, d_avg), (exp_avg_sq, d_avg_sq)]
+                if buf.lp is not None:
+                    pairs.append((lp, buf.lp[:n]))
+                for dst, src in pairs:
                     dst.copy_(src, non_blocking=True)
                 self._reached("done", index)
             slot_free[slot] = streams.record(streams.d2h)
             report.h2d_bytes += 4 * FP32_BYTES * n
-            report.d2h_bytes += STATE_BYTES_PER_ELEMENT * n
+            report.d2h_bytes += down
             report.device_elements += n
         return [e for e in slot_free if e is not None]
 
@@ -434,11 +523,14 @@ class InterleavedAdam:
             param, exp_avg, exp_avg_sq, grad, lp = self._slices(sg, inputs)
             if sg.ds_group not in step_tensors:
                 step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], torch.device("cpu"))
-            # The 16-bit partition is in host memory already (CPU device): cast straight into it; otherwise
-            # into the pinned staging slab the upload reads. Unscale, Adam and cast in one pass over memory.
-            staging = lp
+            # The 16-bit partition is in host memory already (CPU device, parameter offload): cast straight into
+            # it; otherwise into a slot of the pinned staging ring the upload reads, free once the upload that
+            # last read it has landed. Unscale, Adam and cast in one pass over memory.
+            staging, slot = lp, 0
             if self.pool.lp_staging is not None:
-                staging = self.pool.lp_staging[sg.slab_offset : sg.slab_offset + sg.numel]
+                slot, staging, last_read = self.pool.lp_staging.acquire(sg.numel)
+                # The host is about to overwrite what the slot's previous upload reads.
+                streams.host_wait(last_read)
             hyper, step = inputs.hypers[sg.param_group], step_tensors[sg.ds_group]
             with streams.lane("host_adam", index, FP32_BYTES * sg.numel):
                 fused_host_update(param, grad, exp_avg, exp_avg_sq, step, hyper, inputs.inv_grad_scale, staging)
@@ -451,6 +543,7 @@ class InterleavedAdam:
             with streams.lane("lp_upload", index, self.lp_bytes * sg.numel, streams.lp_h2d):
                 lp.copy_(staging, non_blocking=True)
             last_upload = streams.record(streams.lp_h2d)
+            self.pool.lp_staging.release(slot, last_upload)
             self._reached("done", index)
             report.h2d_bytes += self.lp_bytes * sg.numel
         return [last_upload] if last_upload is not None else []

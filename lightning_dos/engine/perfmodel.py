@@ -116,31 +116,40 @@ def link_seconds(h2d_bytes: float, d2h_bytes: float, rates: HardwareRates) -> fl
     return both + max(0.0, h2d_left) / rates.h2d_bps + max(0.0, d2h_left) / rates.d2h_bps
 
 
-def predict(sizes: Sequence[int], plan: Plan, rates: HardwareRates, lp_bytes: int) -> Prediction:
-    """Predict the update phase of ``plan`` over sub-groups of ``sizes`` elements."""
+def predict(
+    sizes: Sequence[int], plan: Plan, rates: HardwareRates, lp_bytes: int, lp_on_host: bool = False
+) -> Prediction:
+    """Predict the update phase of ``plan`` over sub-groups of ``sizes`` elements.
+
+    ``lp_on_host``: the 16-bit parameters live in host memory (parameter offload), so host sub-groups upload
+    nothing and device sub-groups download their 16-bit result as well."""
     streaming = bool(plan.streamed_indices)
     up = rates.duplex_h2d_bps if streaming else rates.h2d_bps
     down = rates.duplex_d2h_bps if streaming else rates.d2h_bps
     h2d_free = compute_free = d2h_free = 0.0
     h2d_bytes = d2h_bytes = 0
+    lp_down = lp_bytes if lp_on_host else 0
     for i in plan.resident_indices:  # the engine queues resident work first
         h2d_free += RESIDENT_UP * sizes[i] / up
         compute_free = max(compute_free, h2d_free) + sizes[i] / rates.device_adam_eps
         h2d_bytes += RESIDENT_UP * sizes[i]
+        if lp_down:
+            d2h_free = max(d2h_free, compute_free) + lp_down * sizes[i] / down
+            d2h_bytes += lp_down * sizes[i]
     slots_free = [0.0] * max(1, plan.device_buffers)
     for j, i in enumerate(plan.streamed_indices):
         n, slot = sizes[i], j % len(slots_free)
         h2d_free = max(h2d_free, slots_free[slot]) + STREAMED_UP * n / up
         compute_free = max(compute_free, h2d_free) + n / rates.device_adam_eps
-        d2h_free = slots_free[slot] = max(d2h_free, compute_free) + STREAMED_DOWN * n / down
+        d2h_free = slots_free[slot] = max(d2h_free, compute_free) + (STREAMED_DOWN + lp_down) * n / down
         h2d_bytes += STREAMED_UP * n
-        d2h_bytes += STREAMED_DOWN * n
+        d2h_bytes += (STREAMED_DOWN + lp_down) * n
     device_s = max(h2d_free, compute_free, d2h_free)
     host_s, lp_free = 0.0, 0.0
     per_element = 1.0 / rates.host_adam_eps + 1.0 / rates.host_cast_eps
     for i in plan.host_indices:
         host_s += sizes[i] * per_element
-        if not rates.shared_cpu:  # a 16-bit upload follows each host sub-group, on its own stream
+        if not rates.shared_cpu and not lp_on_host:  # a 16-bit upload follows each host sub-group
             lp_free = max(lp_free, host_s) + lp_bytes * sizes[i] / up
             h2d_bytes += lp_bytes * sizes[i]
     if rates.shared_cpu:
@@ -205,6 +214,7 @@ def choose_plan(
     lp_bytes: int,
     allow_resident: bool = False,
     max_buffers: int = 4,
+    lp_on_host: bool = False,
 ) -> tuple[Plan, Prediction]:
     """The plan with the least predicted update time whose device memory fits ``budget_bytes`` (None: no limit).
 
@@ -213,12 +223,14 @@ def choose_plan(
     n = len(sizes)
     host = all_host(n)
     if n == 0 or rates.device_adam_eps <= 0 or rates.shared_cpu:
-        return host, predict(sizes, host, rates, lp_bytes) if rates.host_adam_eps > 0 else Prediction(0, 0, 0, 0, 0, 0)
-    best_plan, best = host, predict(sizes, host, rates, lp_bytes)
+        return host, predict(sizes, host, rates, lp_bytes, lp_on_host) if rates.host_adam_eps > 0 else Prediction(
+            0, 0, 0, 0, 0, 0
+        )
+    best_plan, best = host, predict(sizes, host, rates, lp_bytes, lp_on_host)
     for plan in candidate_plans(n, sizes, allow_resident, max_buffers):
         if budget_bytes is not None and device_bytes(sizes, plan) > budget_bytes:
             continue
-        guess = predict(sizes, plan, rates, lp_bytes)
+        guess = predict(sizes, plan, rates, lp_bytes, lp_on_host)
         if guess.time_s < best.time_s - 1e-12:
             best_plan, best = plan, guess
     return best_plan, best

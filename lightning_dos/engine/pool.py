@@ -1,21 +1,26 @@
-"""The pinned-buffer pool: host slabs the engine owns, and device staging that lives only in the update.
+"""The buffer pool: host slabs the engine owns, a small 16-bit staging ring, and persistent device staging.
 
 Host side, allocated once: three fp32 slabs (master weights, first and second moments) holding every
-sub-group back to back, and, when the 16-bit parameters live on an accelerator, one staging slab of
-the model's dtype into which host-updated sub-groups are cast before their asynchronous upload. A
-few large slabs instead of a tensor per sub-group keep pinning cheap (one ``cudaHostAlloc`` each)
-and let DeepSpeed's flat partitions and optimizer state be views into them.
+sub-group back to back, so DeepSpeed's flat partitions and optimizer state can be views into them.
+When the 16-bit parameters live on an accelerator, host-updated sub-groups are cast into a *ring* of a
+few staging slots of the largest sub-group's size, each reused once its previous upload has finished,
+instead of a full-size copy of the model (2 bytes per parameter saved).
 
-Device side: N staging buffers, each able to hold one device sub-group's fp32 param, moments and
-gradient, allocated at the start of an update and released at its end, so forward and backward get
-that memory back through the caching allocator. Resident sub-groups keep their state on the device
-across iterations instead, in blocks of their own.
+Pinning, on CUDA, registers ordinary pageable memory with ``cudaHostRegister``: torch's pinned
+allocator rounds every block up to a power of two (5e9 elements ask for 70 GB and get 120 GB), while
+a registered block pins exactly its own bytes. :attr:`BufferPool.pinned_bytes` reports what is really
+pinned. Without CUDA nothing is pinned and the results are identical.
 
-Pinning needs CUDA; without it the slabs are ordinary pageable memory and the results are identical.
+Device side: N staging buffers, each able to hold one streamed sub-group's fp32 param, moments and
+gradient (and its 16-bit cast when the 16-bit parameters live on the host). They are allocated once,
+grown when a plan needs more, and kept across steps, so activations cannot fragment the memory they
+need between two updates; they are freed when the budget no longer holds them and at teardown.
+Resident sub-groups keep their state on the device across iterations, in blocks of their own.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,36 +29,99 @@ import torch
 FP32_BYTES = 4
 #: Device staging bytes per element of a streamed sub-group: param, exp_avg, exp_avg_sq, grad.
 STAGING_BYTES_PER_ELEMENT = 4 * FP32_BYTES
+#: Slots in the host 16-bit staging ring: one being cast into while the others upload.
+LP_STAGING_SLOTS = 2
 
 
-def _host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    return torch.empty(numel, dtype=dtype, pin_memory=pin)
+def _unregister(pointers: list[int], keep_alive: list[torch.Tensor]) -> None:
+    """Unpin registered host blocks (the tensors are still alive here, so the memory is too)."""
+    cudart = torch.cuda.cudart()
+    for pointer in pointers:
+        cudart.cudaHostUnregister(pointer)
+    keep_alive.clear()
+
+
+def _register(tensor: torch.Tensor) -> None:
+    """Pin ``tensor``'s pageable memory in place, exactly its bytes (CUDA only)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return
+    # cudaHostRegisterPortable (1): pinned for every CUDA context, as torch's own pin_memory_utils does.
+    code = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 1))
+    if code != 0:
+        raise RuntimeError(
+            f"lightning-dos: cudaHostRegister of {nbytes / 1e9:.2f} GB of host memory failed (CUDA error {code}); "
+            "the locked-memory limit may be too low (ulimit -l) or host memory is short"
+        )
 
 
 @dataclass
 class DeviceBuffer:
-    """One device staging slot: fp32 param, exp_avg, exp_avg_sq and grad of up to ``capacity`` elements."""
+    """One device staging slot: fp32 param, exp_avg, exp_avg_sq and grad of up to ``capacity`` elements,
+    and ``lp``, the 16-bit cast waiting for its download when the 16-bit parameters live on the host."""
 
     param: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     grad: torch.Tensor
+    lp: torch.Tensor | None = None
 
     @property
     def capacity(self) -> int:
         return self.param.numel()
 
+    @property
+    def nbytes(self) -> int:
+        lp = self.lp.numel() * self.lp.element_size() if self.lp is not None else 0
+        return self.capacity * STAGING_BYTES_PER_ELEMENT + lp
+
+
+class StagingRing:
+    """A few host slots for 16-bit casts on their way up; a slot is reused once its upload has landed.
+
+    Args:
+        storage: host tensor of ``slots * slot_numel`` elements.
+        slots: number of slots.
+    """
+
+    def __init__(self, storage: torch.Tensor, slots: int) -> None:
+        self.storage = storage
+        self.slots = slots
+        self.slot_numel = storage.numel() // slots
+        self._busy: list[object] = [None] * slots  # the event of each slot's last upload
+        self._next = 0
+
+    def acquire(self, numel: int) -> tuple[int, torch.Tensor, object]:
+        """The next slot as a tensor of ``numel`` elements, and the event of the upload that last read it
+        (None: none pending). The caller host-waits for that event before writing the slot; the wait is
+        the engine's (issued through its streams), so the race checker sees it."""
+        if numel > self.slot_numel:
+            raise ValueError(f"a sub-group of {numel} elements does not fit a staging slot of {self.slot_numel}")
+        slot = self._next
+        self._next = (slot + 1) % self.slots
+        last_read, self._busy[slot] = self._busy[slot], None
+        start = slot * self.slot_numel
+        return slot, self.storage[start : start + numel], last_read
+
+    def release(self, slot: int, upload_done: object) -> None:
+        """Record the event after which ``slot`` may be overwritten (None: at once)."""
+        self._busy[slot] = upload_done
+
 
 class BufferPool:
-    """Host slabs for every sub-group's fp32 state and 16-bit staging; device staging on demand.
+    """Host slabs for every sub-group's fp32 state, a 16-bit staging ring, and device staging.
 
     Args:
         total_numel: elements in the rank's fp32 partition (all sub-groups).
-        lp_dtype: dtype of the model's parameters (bf16, fp16 or fp32), for the staging slab.
-        device: where the 16-bit parameters live; a CPU device needs no 16-bit staging.
+        lp_dtype: dtype of the model's parameters (bf16, fp16 or fp32).
+        device: the accelerator the engine runs device sub-groups on (``cpu`` when there is none).
         pin: pin the host slabs (ignored, with pageable memory used instead, when CUDA is absent).
-        stage_lp: keep a host staging slab for 16-bit uploads; None decides by the device (not on a CPU
-            device). A simulated accelerator sets it so that its staging path runs on CPU.
+        lp_on_host: the 16-bit parameters live in host memory (parameter offload, or no accelerator):
+            host sub-groups are cast straight into them and need no staging ring. None: when not ``accelerated``.
+        largest_sub_group: elements of the largest sub-group, the size of a staging-ring slot.
+        accelerated: device work is issued asynchronously (the streams' ``is_async``: CUDA, or a simulation of
+            it on CPU); device buffers then also hold the 16-bit cast when the 16-bit parameters are on the
+            host. None decides by the device (not on a CPU device).
         allocate: allocates ``(numel, dtype)`` of device memory; None uses ``torch.empty`` on ``device``.
     """
 
@@ -63,59 +131,120 @@ class BufferPool:
         lp_dtype: torch.dtype,
         device: torch.device,
         pin: bool = True,
-        stage_lp: bool | None = None,
+        lp_on_host: bool | None = None,
+        largest_sub_group: int | None = None,
+        accelerated: bool | None = None,
         allocate: Callable[[int, torch.dtype], torch.Tensor] | None = None,
     ) -> None:
         self.device = device
+        self.lp_dtype = lp_dtype
         self._allocate = allocate or (lambda numel, dtype: torch.empty(numel, dtype=dtype, device=device))
         self.pinned = bool(pin and torch.cuda.is_available())
-        self.param = _host_empty(total_numel, torch.float32, self.pinned)
-        self.exp_avg = _host_empty(total_numel, torch.float32, self.pinned).zero_()
-        self.exp_avg_sq = _host_empty(total_numel, torch.float32, self.pinned).zero_()
-        # The 16-bit copy of a host sub-group needs a host staging area only when it must cross PCIe.
-        stage_lp = device.type != "cpu" if stage_lp is None else stage_lp
-        self.lp_staging = _host_empty(total_numel, lp_dtype, self.pinned) if stage_lp else None
-        self.device_bytes_in_use = 0
+        self.accelerated = device.type != "cpu" if accelerated is None else accelerated
+        self.lp_on_host = not self.accelerated if lp_on_host is None else lp_on_host
+        slots, slot = self.ring_shape(total_numel, largest_sub_group, self.lp_on_host)
+        self.param = torch.empty(total_numel, dtype=torch.float32)
+        self.exp_avg = torch.zeros(total_numel, dtype=torch.float32)
+        self.exp_avg_sq = torch.zeros(total_numel, dtype=torch.float32)
+        self.lp_staging = StagingRing(torch.empty(slots * slot, dtype=lp_dtype), slots) if slots else None
+        #: Host bytes really pinned (registered), exactly; 0 when nothing is pinned.
+        self.pinned_bytes = 0
+        if self.pinned:
+            self._pin(self._host_tensors())
+        #: Persistent device staging buffers (kept across steps).
+        self.staging: list[DeviceBuffer] = []
+        #: How many times device staging was (re)allocated, for tests and logs.
+        self.staging_allocations = 0
         #: Device bytes held across iterations by resident sub-groups (param, moments, gradient).
         self.resident_bytes = 0
+
+    @staticmethod
+    def ring_shape(total_numel: int, largest_sub_group: int | None, lp_on_host: bool) -> tuple[int, int]:
+        """(slots, elements per slot) of the 16-bit staging ring; (0, 0) when the 16-bit parameters are on
+        the host."""
+        if lp_on_host or total_numel == 0:
+            return 0, 0
+        slot = total_numel if largest_sub_group is None else min(largest_sub_group, total_numel)
+        return min(LP_STAGING_SLOTS, -(-total_numel // slot)), slot
+
+    @classmethod
+    def planned_host_bytes(
+        cls, total_numel: int, lp_dtype: torch.dtype, lp_on_host: bool, largest_sub_group: int | None
+    ) -> int:
+        """Host bytes a pool of these dimensions will allocate (for the pre-flight check)."""
+        slots, slot = cls.ring_shape(total_numel, largest_sub_group, lp_on_host)
+        lp_size = torch.empty((), dtype=lp_dtype).element_size()
+        return 3 * FP32_BYTES * total_numel + lp_size * slots * slot
+
+    def _host_tensors(self) -> list[torch.Tensor]:
+        ring = [self.lp_staging.storage] if self.lp_staging is not None else []
+        return [self.param, self.exp_avg, self.exp_avg_sq, *ring]
+
+    def _pin(self, tensors: list[torch.Tensor]) -> None:
+        pointers = []
+        try:
+            for tensor in tensors:
+                _register(tensor)
+                pointers.append(tensor.data_ptr())
+                self.pinned_bytes += tensor.numel() * tensor.element_size()
+        finally:
+            # Unpinned when the pool goes away, while it still holds the tensors.
+            weakref.finalize(self, _unregister, pointers, list(tensors))
 
     @property
     def host_bytes(self) -> int:
         """Bytes of host memory the pool holds (pinned when :attr:`pinned`)."""
-        slabs = [self.param, self.exp_avg, self.exp_avg_sq, self.lp_staging]
-        return sum(t.numel() * t.element_size() for t in slabs if t is not None)
+        return sum(t.numel() * t.element_size() for t in self._host_tensors())
 
-    def allocate_device(self, count: int, capacity: int) -> list[DeviceBuffer]:
-        """Allocate ``count`` device staging buffers of ``capacity`` elements (may raise OutOfMemoryError).
+    # -- device staging ----------------------------------------------------------------------
 
-        One allocation per buffer, cut into four views, so an out-of-memory error leaves nothing
-        half-allocated.
+    @property
+    def device_bytes_in_use(self) -> int:
+        """Device bytes held by the persistent staging buffers."""
+        return sum(b.nbytes for b in self.staging)
+
+    def _new_buffer(self, capacity: int, with_lp: bool) -> DeviceBuffer:
+        block = self._allocate(4 * capacity, torch.float32)
+        lp = self._allocate(capacity, self.lp_dtype) if with_lp else None
+        return DeviceBuffer(*block.split(capacity), lp=lp)
+
+    def staging_for(self, count: int, capacity: int, budget: int | None = None) -> list[DeviceBuffer]:
+        """``count`` device staging buffers of at least ``capacity`` elements (may raise OutOfMemoryError).
+
+        The buffers already held are reused when they are enough and fit ``budget`` (None: no limit);
+        otherwise they are freed first and exactly what is asked for is allocated, one block per buffer,
+        so an out-of-memory error leaves nothing half-allocated (and no staging held).
         """
-        buffers = []
-        for _ in range(count):
-            block = self._allocate(4 * capacity, torch.float32)
-            buffers.append(DeviceBuffer(*block.split(capacity)))
-        self.device_bytes_in_use = count * capacity * STAGING_BYTES_PER_ELEMENT
+        with_lp = self.lp_on_host and self.accelerated
+        held = self.staging
+        enough = len(held) >= count and all(b.capacity >= capacity for b in held)
+        if enough and (budget is None or self.device_bytes_in_use <= budget):
+            return held[:count]
+        self.release_staging()
+        buffers = [self._new_buffer(capacity, with_lp) for _ in range(count)]
+        self.staging = buffers
+        self.staging_allocations += 1
         return buffers
+
+    def release_staging(self) -> None:
+        """Free the persistent device staging (teardown, or the budget no longer holds it)."""
+        self.staging = []
 
     def allocate_resident(self, capacity: int) -> DeviceBuffer:
         """Persistent device state for one resident sub-group (may raise OutOfMemoryError)."""
-        block = self._allocate(4 * capacity, torch.float32)
-        self.resident_bytes += 4 * capacity * FP32_BYTES
-        return DeviceBuffer(*block.split(capacity))
+        buffer = self._new_buffer(capacity, with_lp=self.lp_on_host and self.accelerated)
+        self.resident_bytes += buffer.nbytes
+        return buffer
 
     def release_resident(self, buffer: DeviceBuffer) -> None:
-        self.resident_bytes -= buffer.capacity * STAGING_BYTES_PER_ELEMENT
-
-    def release_device(self) -> None:
-        """Forget the device staging size (the tensors themselves are dropped by the caller)."""
-        self.device_bytes_in_use = 0
+        self.resident_bytes -= buffer.nbytes
 
     def describe(self) -> dict[str, int | bool]:
         """What the pool holds, for logs and the monitor."""
         return {
             "host_bytes": self.host_bytes,
             "pinned": self.pinned,
+            "pinned_bytes": self.pinned_bytes,
             "elements": self.param.numel(),
             "device_staging_bytes": self.device_bytes_in_use,
             "device_resident_bytes": self.resident_bytes,

@@ -66,7 +66,7 @@ def settle_interrupted_update(
     report.fallback_host = finished
     report.host_elements = sum(engine.sizes[i] for i in finished)
     engine.last_report = report
-    engine.pool.release_device()
+    engine.pool.release_staging()
     message = (
         f"lightning-dos: {what} interrupted optimizer step {step}; the remaining {len(finished)} sub-group(s) "
         "were finished on the host, so the optimizer state is post-step (every sub-group updated exactly once)"
@@ -99,6 +99,8 @@ def finish_on_host(engine: InterleavedAdam, inputs: StepInputs, progress: Update
         if device_views is not None:
             for dst, src in zip((param, exp_avg, exp_avg_sq), device_views):
                 dst.copy_(src)
+            if engine.lp_downloads:  # the 16-bit result's download may not have been queued yet
+                lp.copy_(param)
         elif index in engine.resident and places[index] == Place.RESIDENT and index in progress.updated:
             lp.copy_(engine.resident[index].param)
         else:

@@ -75,7 +75,8 @@ class PlacementScheduler:
         elif self._plan is None or step - self._planned_at >= REPLAN_EVERY:
             self._replan(step)
         rates = self._ensure_rates()
-        return self._plan, predict(self.engine.sizes, self._plan, rates, self.engine.lp_bytes).time_s
+        engine = self.engine
+        return self._plan, predict(engine.sizes, self._plan, rates, engine.lp_bytes, engine.lp_downloads).time_s
 
     def _replan(self, step: int) -> None:
         rates = self._ensure_rates()
@@ -83,7 +84,14 @@ class PlacementScheduler:
         # Resident state stays on the device through forward and backward too, so it is only planned inside a
         # budget the user set; memory that is free at update time (activations gone) is for staging alone.
         resident_ok = self.engine.gpu_memory_budget is not None
-        self._plan, _ = choose_plan(self.engine.sizes, rates, budget, self.engine.lp_bytes, allow_resident=resident_ok)
+        self._plan, _ = choose_plan(
+            self.engine.sizes,
+            rates,
+            budget,
+            self.engine.lp_bytes,
+            allow_resident=resident_ok,
+            lp_on_host=self.engine.lp_downloads,
+        )
         self._planned_at = step
 
     def _observe_last_report(self) -> None:

@@ -439,7 +439,7 @@ class StreamSanitizer:
         ):
             self.name(slab, label)
         if pool.lp_staging is not None:
-            self.name(pool.lp_staging, "16-bit staging slab")
+            self.name(pool.lp_staging.storage, "16-bit staging ring")
         step, flush, drop = engine.step, engine.flush_resident, engine.drop_resident
 
         def watched_step(plan: Any, inputs: Any) -> Any:

@@ -1,0 +1,152 @@
+"""Host memory per parameter: ours against stock DeepSpeed ZeRO-3 offload, same model, fp32 and bf16-mixed.
+
+Each (system, precision) trains the recipe GPT for a few steps in a process of its own, so that its peak
+resident set (``VmHWM``) is its own. Bytes per parameter = (peak RSS during the fit - RSS just before it)
+/ parameters: what the fit adds on top of the built model (the model's own fp32 weights are in the
+baseline). On CPU the model's 16-bit partitions, DeepSpeed's buffers and the optimizer state all live in
+host memory, so this is the sum of everything ZeRO-3 offload holds; a short sequence and a micro-batch
+of one keep activations small beside it. The engine's own figures (host bytes it allocated, bytes really
+pinned) come with our rows.
+
+    python bench/memory.py                                    # 8x512 GPT (25M params), both precisions
+    python bench/memory.py --n-layer 4 --n-embd 256 --steps 2 --precisions 32-true
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GB = 1e9
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def child(args: argparse.Namespace) -> None:
+    """One fit; prints one JSON line."""
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import lightning as L
+    import torch
+
+    from bench.run import StockGPT, make_strategy
+    from lightning_dos.data import ByteCorpusDataModule
+    from lightning_dos.recipes.gpt import GPT
+
+    strategy, ours = make_strategy(args.system, args.sub_group_size)
+    L.seed_everything(0, verbose=False)
+    model_cls = GPT if ours else StockGPT
+    model = model_cls(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.seq, vocab_size=256)
+    data = ByteCorpusDataModule(seq_len=args.seq, batch_size=1, max_bytes=200_000)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        precision=args.precision,
+        max_steps=args.steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data.prepare_data()
+    data.setup("fit")
+    next(iter(data.train_dataloader()))  # the corpus is loaded before the baseline is taken
+    baseline = _status_bytes("VmRSS")
+    trainer.fit(model, datamodule=data)
+    peak = _status_bytes("VmHWM")
+    params = GPT.count_parameters(args.n_layer, args.n_embd, 256, args.seq)
+    row = {"system": args.system, "precision": args.precision, "params": params, "baseline": baseline, "peak": peak}
+    if ours:
+        pool = strategy.dos_engine.pool
+        row.update(engine_host_bytes=pool.host_bytes, pinned_bytes=pool.pinned_bytes)
+    del torch
+    print("RESULT " + json.dumps(row), flush=True)
+
+
+def _per_param(row: dict) -> float:
+    return (row["peak"] - row["baseline"]) / row["params"]
+
+
+def table(rows: list[dict]) -> str:
+    """One line per (precision, system): the median over repeats, the range, and the ratio to stock."""
+    lines = [
+        "| precision | system | params | runs | peak RSS GB | fit adds B/param (median) | range | vs stock "
+        "| engine host B/param | pinned B/param |",
+        "|" + "---|" * 10,
+    ]
+    keys = list(dict.fromkeys((r["precision"], r["system"]) for r in rows))
+    medians = {k: statistics.median(_per_param(r) for r in rows if (r["precision"], r["system"]) == k) for k in keys}
+    for precision, system in keys:
+        mine = [r for r in rows if (r["precision"], r["system"]) == (precision, system)]
+        per = [_per_param(r) for r in mine]
+        stock = medians.get((precision, "stock"))
+        first = mine[0]
+        engine, pinned = (
+            "n/a" if first.get(key) is None else f"{first[key] / first['params']:.1f}"
+            for key in ("engine_host_bytes", "pinned_bytes")
+        )
+        ratio = f"{medians[(precision, system)] / stock:.3f}x" if stock else "n/a"
+        lines.append(
+            f"| {precision} | {system} | {first['params'] / 1e6:.1f}M | {len(mine)} "
+            f"| {statistics.median(r['peak'] for r in mine) / GB:.3f} | {medians[(precision, system)]:.2f} "
+            f"| {min(per):.2f}-{max(per):.2f} | {ratio} | {engine} | {pinned} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n-layer", type=int, default=8)
+    parser.add_argument("--n-embd", type=int, default=512)
+    parser.add_argument("--n-head", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2, help="runs per (system, precision), interleaved")
+    parser.add_argument("--sub-group-size", type=int, default=2_000_000)
+    parser.add_argument("--systems", default="stock,auto")
+    parser.add_argument("--precisions", default="32-true,bf16-mixed")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--system", help=argparse.SUPPRESS)
+    parser.add_argument("--precision", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child(args)
+        return 0
+    common = [
+        f"--n-layer={args.n_layer}",
+        f"--n-embd={args.n_embd}",
+        f"--n-head={args.n_head}",
+        f"--seq={args.seq}",
+        f"--steps={args.steps}",
+        f"--sub-group-size={args.sub_group_size}",
+    ]
+    rows = []
+    for precision in args.precisions.split(","):
+        for system in [s for _ in range(args.repeats) for s in args.systems.split(",")]:
+            cmd = [sys.executable, __file__, "--child", f"--system={system}", f"--precision={precision}", *common]
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+            lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+            if out.returncode != 0 or not lines:
+                print(out.stdout[-3000:], out.stderr[-3000:], file=sys.stderr)
+                raise SystemExit(f"{system} {precision} failed (exit {out.returncode})")
+            rows.append(json.loads(lines[-1][len("RESULT ") :]))
+            print(f"# done: {system} {precision}", file=sys.stderr, flush=True)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
