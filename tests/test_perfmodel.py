@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -40,8 +41,9 @@ def test_predicted_time_falls_then_rises_in_the_device_share() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(rates=rates_strategy(), n=st.integers(1, 5), resident=st.booleans(), budget_units=st.integers(0, 6))
+@given(rates=rates_strategy(), n=st.integers(1, 6), resident=st.booleans(), budget_units=st.integers(0, 7))
 def test_chosen_plan_matches_brute_force(rates: HardwareRates, n: int, resident: bool, budget_units: int) -> None:
+    """Equal sizes take the quadratic scan (no exhaustive search), which must still be exact."""
     sizes = [1000] * n
     budget = budget_units * 16 * 1000
     places = (Place.HOST, Place.DEVICE, Place.RESIDENT) if resident else (Place.HOST, Place.DEVICE)
@@ -126,3 +128,37 @@ def test_chosen_plan_matches_brute_force_with_uneven_sizes(rates: HardwareRates,
         predict(sizes, plan, rates, 2).time_s for plan in plans if budget is None or device_bytes(sizes, plan) <= budget
     )
     assert choose_plan(sizes, rates, budget, 2)[1].time_s == pytest.approx(best, rel=1e-9)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rates=rates_strategy(),
+    sizes=st.lists(st.sampled_from([250, 400, 1000]), min_size=2, max_size=5),
+    budget=st.one_of(st.none(), st.integers(0, 60_000)),
+)
+def test_resident_search_with_uneven_sizes_matches_brute_force(rates: HardwareRates, sizes: list[int], budget) -> None:  # noqa: ANN001
+    every = (Place.HOST, Place.DEVICE, Place.RESIDENT)
+    plans = [Plan(combo, b) for combo in itertools.product(every, repeat=len(sizes)) for b in range(1, 5)]
+    best = min(
+        predict(sizes, plan, rates, 2).time_s for plan in plans if budget is None or device_bytes(sizes, plan) <= budget
+    )
+    assert choose_plan(sizes, rates, budget, 2, allow_resident=True)[1].time_s == pytest.approx(best, rel=1e-9)
+
+
+def test_buffers_that_do_not_shorten_the_update_are_not_kept() -> None:
+    sizes = [100_000_000] * 20
+    plan, prediction = choose_plan(sizes, GPU, None, 2)
+    assert plan.streamed_indices, "GPU rates stream some sub-groups"
+    if plan.device_buffers > 1:
+        fewer = Plan(plan.places, plan.device_buffers - 1)
+        assert predict(sizes, fewer, GPU, 2).time_s > prediction.time_s
+
+
+def test_planning_a_hundred_sub_groups_is_not_cubic() -> None:
+    """A regression guard, not a measurement (bench/resources.py measures): the former search over every
+    (resident, streamed, buffers) count predicted each plan in full and took seconds at 50 sub-groups."""
+    sizes = [100_000_000 - 7_919 * (i % 13) for i in range(100)]  # unequal: the slowest path
+    start = time.perf_counter()
+    plan, _ = choose_plan(sizes, GPU, 16 * sum(sizes) // 3, 2, allow_resident=True)
+    assert time.perf_counter() - start < 1.0
+    assert plan.resident_indices and plan.streamed_indices and plan.host_indices
