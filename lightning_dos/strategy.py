@@ -30,10 +30,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_dos import quiet
 from lightning_dos.adapter import ZeRO3Adapter, load_zero3_weights_for_evaluation
 from lightning_dos.engine.calibrate import calibrate
+from lightning_dos.engine.cores import HostPlacement
 from lightning_dos.engine.perfmodel import HardwareRates
 from lightning_dos.engine.plan import MAX_AUTO_SUB_GROUP, FractionSpec, coarse_share_warning, parse_gpu_fraction
 from lightning_dos.engine.scheduler import PlacementScheduler
 from lightning_dos.engine.streams import Streams
+from lightning_dos.host_threads import apply_host_threads
 from lightning_dos.optimizers import check_optimizer
 
 if TYPE_CHECKING:
@@ -232,6 +234,10 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         streams_factory: builds the engine's streams for the model's device; None (the default) uses the
             real ones. Tests and tools pass ``lightning_dos.sim``'s simulated accelerator here to check the
             engine's stream ordering on CPU; it is never chosen automatically.
+        host_threads: torch threads of each rank for host Adam and casts. ``"auto"``: the CPUs the local
+            ranks may use are split into disjoint sets, one per rank (its accelerator's NUMA node first, where
+            sysfs tells), each rank is bound to its set and runs one thread per physical core of it; a binding
+            the launcher already made disjoint is kept. A number: that many threads, binding left as launched.
         accelerator: the accelerator, usually chosen by the Trainer.
         stage: ZeRO stage; only 3 is valid (kept so that configs written for DeepSpeedStrategy parse).
         offload_optimizer: must stay True: the optimizer state lives in host memory.
@@ -258,6 +264,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         sub_group_size: int | str = "auto",
         gpu_memory_budget: int | None = None,
         streams_factory: Callable[[torch.device], Streams] | None = None,
+        host_threads: int | str = "auto",
         accelerator: Accelerator | None = None,
         stage: int = 3,
         offload_optimizer: bool = True,
@@ -283,6 +290,10 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             isinstance(gpu_memory_budget, bool) or not isinstance(gpu_memory_budget, int) or gpu_memory_budget < 0
         ):
             raise _refuse("gpu_memory_budget", gpu_memory_budget, "use None or a non-negative number of bytes")
+        if host_threads != "auto" and (
+            isinstance(host_threads, bool) or not isinstance(host_threads, int) or host_threads < 1
+        ):
+            raise _refuse("host_threads", host_threads, "use 'auto' or a positive integer number of threads")
         if stage != 3:
             raise _refuse("stage", stage, "the engine works on ZeRO stage 3 only: use 3")
         if not offload_optimizer:
@@ -304,6 +315,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         if streams_factory is not None and not callable(streams_factory):
             raise _refuse("streams_factory", streams_factory, "use None or a callable taking the device")
         self.streams_factory = streams_factory
+        self.host_threads = host_threads
+        #: This rank's host threads and cores, once the process group is up.
+        self.dos_host_placement: HostPlacement | None = None
         user_config = DeepSpeedStrategy._load_config(self, config)  # resolves a JSON path or the env var
         deepspeed_size = DEEPSPEED_SUB_GROUP_SIZE if sub_group_size == "auto" else sub_group_size
         user_zero = user_config.get("zero_optimization") if isinstance(user_config, dict) else None
@@ -361,6 +375,13 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             raise DOSConfigError(f"configure_optimizers returned {len(schedulers)} LR schedulers; use at most one")
         check_optimizer(optimizers[0])
         return optimizers[0], schedulers[0] if schedulers else None
+
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        # Once the process group is up (the local ranks' affinities are gathered through it), before host work.
+        self.dos_host_placement = apply_host_threads(
+            self.host_threads, self.local_rank, self.global_rank, self.root_device
+        )
 
     def _on_optimizer_ready(self, ds_optimizer: Any) -> None:
         self.dos_adapter = adapter = ZeRO3Adapter(
