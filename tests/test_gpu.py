@@ -73,3 +73,29 @@ def test_bf16_on_cuda_learns_and_tracks_plain_adamw() -> None:
     ours = fit(DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=700), precision="bf16-mixed")
     for mine, theirs in zip(ours.losses, plain.losses):
         assert mine == pytest.approx(theirs, rel=0.01)
+
+
+def test_resuming_with_another_placement_on_cuda_agrees_to_float_precision(tmp_path) -> None:  # noqa: ANN001
+    """What the README claims on a GPU: host and device fused kernels round differently, so a run resumed
+    with another gpu_fraction continues to float precision (on CPU the same test is bit-exact:
+    tests/test_engine_behaviour.py)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(fraction: float, ckpt_path=None, save: bool = False) -> dict:  # noqa: ANN001
+        L.seed_everything(0, verbose=False)
+        model = TinyLM()
+        callbacks = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1)] if save else []
+        t = trainer(
+            DeepOptimizerStatesStrategy(gpu_fraction=fraction, sub_group_size=700),
+            steps=10,
+            callbacks=callbacks,
+            limit_train_batches=5,
+            enable_checkpointing=save,
+            accelerator="cuda",
+        )
+        t.fit(model, loader(), ckpt_path=ckpt_path)
+        return full_parameters(model)
+
+    straight = run(0.5, save=True)
+    resumed = run(0.0, ckpt_path=str(next(tmp_path.glob("*step=5*"))))
+    assert max_relative_error(resumed, straight) < 1e-5
