@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from lightning_dos.engine.perfmodel import (
     HardwareRates,
     RateEstimator,
+    _host_tail,
     choose_plan,
     device_bytes,
     floor,
@@ -162,3 +163,21 @@ def test_planning_a_hundred_sub_groups_is_not_cubic() -> None:
     plan, _ = choose_plan(sizes, GPU, 16 * sum(sizes) // 3, 2, allow_resident=True)
     assert time.perf_counter() - start < 1.0
     assert plan.resident_indices and plan.streamed_indices and plan.host_indices
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 1000), max_size=9),
+    per_element=st.floats(1e-3, 10.0),
+    lp_per_element=st.floats(1e-3, 10.0),
+)
+def test_host_lane_of_every_suffix_from_one_backward_pass(sizes: list[int], per_element, lp_per_element) -> None:  # noqa: ANN001
+    """The scan reads the host lane of every suffix from one pass; each must be what predict's chain gives."""
+    host_s, lp_free = _host_tail(sizes, per_element, lp_per_element)
+    for p in range(len(sizes) + 1):
+        chained_host = chained_lp = 0.0
+        for n in sizes[p:]:
+            chained_host += n * per_element
+            chained_lp = max(chained_lp, chained_host) + n * lp_per_element
+        assert host_s[p] == pytest.approx(chained_host, rel=1e-9, abs=1e-12)
+        assert lp_free[p] == pytest.approx(chained_lp, rel=1e-9, abs=1e-12)

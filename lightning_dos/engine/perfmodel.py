@@ -20,6 +20,7 @@ Knows nothing of Lightning or DeepSpeed.
 from __future__ import annotations
 
 import itertools
+import operator
 import statistics
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -188,12 +189,13 @@ def _host_tail(sizes: Sequence[int], per_element: float, lp_per_element: float) 
     The chain ``lp = max(lp, host_s) + x`` unrolls to ``max_q (host_s_q + x_q + ... + x_last)``, so one
     backward pass gives every suffix. Returns ``host_s[p]`` and ``lp_free[p]`` for the suffix from ``p``
     (index ``len(sizes)``: the empty suffix)."""
-    before = list(itertools.accumulate((n * per_element for n in sizes), initial=0.0))  # host time of sizes[:p]
-    uploads = list(itertools.accumulate(n * lp_per_element for n in reversed(sizes)))[::-1]  # of sizes[q:]
+    # Built from C-level maps: this runs twice per resident count in the scan.
+    before = list(itertools.accumulate([n * per_element for n in sizes], initial=0.0))  # host time of sizes[:p]
+    uploads_back = itertools.accumulate([n * lp_per_element for n in reversed(sizes)])  # of sizes[q:], q from last
     # reach[q]: the latest end over q' >= q of the host time through q' plus the uploads from q' on.
-    reach = list(itertools.accumulate((b + u for b, u in zip(reversed(before[1:]), reversed(uploads))), max))[::-1]
+    reach_back = list(itertools.accumulate(map(operator.add, reversed(before), uploads_back), max))
     host_s = [before[-1] - b for b in before]
-    lp_free = [x - b for x, b in zip(reach, before)] + [0.0]
+    lp_free = [*map(operator.sub, reversed(reach_back), before), 0.0]
     return host_s, lp_free
 
 
@@ -260,10 +262,11 @@ def _scan(
         # k >= 1: both directions are busy, each at its duplex rate. The most buffers that fit are best; they
         # only decrease as k grows (the largest streamed sub-group grows), so each count is one pass.
         host_s, lp_free = _host_tail(rest, per_element, lp_bytes / up)
-        fitting, largest = [], 0
-        for n in rest:
-            largest = max(largest, n)
-            fitting.append(max_buffers if free is None else min(max_buffers, free // (DEVICE_BYTES * max(1, largest))))
+        if free is None:
+            fitting = [max_buffers] * len(rest)
+        else:
+            largest = itertools.accumulate(rest, max)
+            fitting = [min(max_buffers, free // (DEVICE_BYTES * max(1, n))) for n in largest]
         for buffers in sorted(set(fitting) - {0}):
             streamed_up = streamed = 0
             for k, done in enumerate(_streamed_lane(start, rest, buffers, up, down, adam), start=1):

@@ -21,6 +21,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
+import lightning_dos.strategy  # noqa: E402
 from lightning_dos import DeepOptimizerStatesStrategy  # noqa: E402
 from lightning_dos.callbacks.monitor import DOSMonitor  # noqa: E402
 from tests.helpers import TinyLM, full_parameters, lm_data, trainer  # noqa: E402
@@ -31,6 +32,19 @@ GLOBAL_BATCH = 16
 class RecordPartition(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         pl_module.partition_numel = trainer.strategy.dos_engine.pool.param.numel()
+
+
+AS_LAUNCHED: dict = {}
+_apply_host_threads = lightning_dos.strategy.apply_host_threads
+
+
+def _recording_apply_host_threads(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    """The strategy's own function, with the thread count the launcher left noted first."""
+    AS_LAUNCHED["threads"] = torch.get_num_threads()
+    return _apply_host_threads(*args, **kwargs)
+
+
+lightning_dos.strategy.apply_host_threads = _recording_apply_host_threads
 
 
 class RecordHostThreads(L.Callback):
@@ -48,6 +62,7 @@ class RecordHostThreads(L.Callback):
             except OSError:
                 continue
         self.seen = {
+            "threads_at_start": AS_LAUNCHED.get("threads"),
             "threads": torch.get_num_threads(),
             "affinity": sorted(os.sched_getaffinity(0)),
             "every_thread_cpus": sorted(every_thread),
