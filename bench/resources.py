@@ -73,16 +73,20 @@ def run_ranks(launcher: str, out: Path, ranks: int = 2) -> list[dict]:
 
 
 def threads_table(launchers: list[str]) -> str:
+    """``launchers``: ``name:ranks`` items (name: lightning, torchrun or by-hand)."""
     rows = [
-        "| launcher | rank | threads as launched | threads in the step | bound to CPUs | CPUs its threads may use"
-        " | dos/host_threads |",
-        "|---|---|---|---|---|---|---|",
+        "| launcher | ranks | rank | as launched: threads, CPUs | in the step: threads | bound to CPUs"
+        " | CPUs any of its threads may use | dos/host_threads |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     with tempfile.TemporaryDirectory() as tmp:
-        for launcher in launchers:
-            for rank, seen in enumerate(run_ranks(launcher, Path(tmp) / f"{launcher}.pt")):
+        for item in launchers:
+            launcher, _, ranks = item.partition(":")
+            seen_by_rank = run_ranks(launcher, Path(tmp) / f"{launcher}{ranks}.pt", int(ranks or 2))
+            for rank, seen in enumerate(seen_by_rank):
                 rows.append(
-                    f"| {launcher} | {rank} | {seen['threads_at_start']} | {seen['threads']} |"
+                    f"| {launcher} | {len(seen_by_rank)} | {rank} |"
+                    f" {seen['threads_at_start']}, {format_cpulist(seen['cpus_at_start'])} | {seen['threads']} |"
                     f" {format_cpulist(seen['placement_cores']) or 'as launched'} |"
                     f" {format_cpulist(seen['every_thread_cpus'])} | {seen['logged_host_threads']:g} |"
                 )
@@ -129,10 +133,9 @@ def plan_table(counts: list[int], baseline: ModuleType | None, baseline_max: int
                 ms, cpu_ms = _best_ms(ours, repeats)
                 plan, prediction = ours()
                 counts_ = f"{len(plan.resident_indices)} / {len(plan.streamed_indices)} / {len(plan.host_indices)}"
-                row = (
-                    f"| {n} | {kind} | {'none' if budget is None else 'a third of the state'} | {ms:.1f} / {cpu_ms:.1f} |"
-                    f" {prediction.time_s:.4f} | {counts_} |"
-                )
+                budget_text = "none" if budget is None else "a third of the state"
+                timing = f"{ms:.1f} / {cpu_ms:.1f}"
+                row = f"| {n} | {kind} | {budget_text} | {timing} | {prediction.time_s:.4f} | {counts_} |"
                 if baseline is not None:
                     if n <= baseline_max:
                         start = time.process_time()
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan-only", action="store_true", help="only the choose_plan table")
     parser.add_argument("--threads-only", action="store_true", help="only the per-rank threads table")
-    parser.add_argument("--launchers", default="lightning,torchrun,by-hand")
+    parser.add_argument("--launchers", default="lightning:2,torchrun:2,by-hand:2,torchrun:1", help="name:ranks,...")
     parser.add_argument("--counts", default="25,50,100", help="sub-group counts to plan for")
     parser.add_argument("--repeats", type=int, default=5, help="choose_plan runs per case (the best is shown)")
     parser.add_argument("--baseline", help="git revision whose choose_plan to time side by side")

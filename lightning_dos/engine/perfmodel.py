@@ -255,10 +255,13 @@ def _scan(
         if min(max(alone), max(start)) >= best[0]:
             break  # more resident sub-groups only lengthen the resident lane
         rest = [sizes[i] for i in stream_order if i not in chosen]
+        rest_elements = sum(rest)
         # k = 0: nothing streams, so the link runs one way at its own rate.
-        host_s, lp_free = _host_tail(rest, per_element, lp_bytes / rates.h2d_bps)
-        up_bytes = RESIDENT_UP * resident_elements + lp_bytes * sum(rest)
-        best = min(best, (max(*alone, host_s[0], lp_free[0], up_bytes / rates.h2d_bps), r, 0, 1))
+        up_bytes = RESIDENT_UP * resident_elements + lp_bytes * rest_elements
+        bound = max(*alone, rest_elements * per_element, up_bytes / rates.h2d_bps)
+        if bound < best[0]:  # only then is the host lane's upload end worth a pass
+            lp_free_alone = _host_tail(rest, per_element, lp_bytes / rates.h2d_bps)[1][0]
+            best = min(best, (max(bound, lp_free_alone), r, 0, 1))
         # k >= 1: both directions are busy, each at its duplex rate. The most buffers that fit are best; they
         # only decrease as k grows (the largest streamed sub-group grows), so each count is one pass.
         host_s, lp_free = _host_tail(rest, per_element, lp_bytes / up)

@@ -41,6 +41,7 @@ _apply_host_threads = lightning_dos.strategy.apply_host_threads
 def _recording_apply_host_threads(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
     """The strategy's own function, with the thread count the launcher left noted first."""
     AS_LAUNCHED["threads"] = torch.get_num_threads()
+    AS_LAUNCHED["cpus"] = sorted(os.sched_getaffinity(0))
     return _apply_host_threads(*args, **kwargs)
 
 
@@ -63,6 +64,7 @@ class RecordHostThreads(L.Callback):
                 continue
         self.seen = {
             "threads_at_start": AS_LAUNCHED.get("threads"),
+            "cpus_at_start": AS_LAUNCHED.get("cpus"),
             "threads": torch.get_num_threads(),
             "affinity": sorted(os.sched_getaffinity(0)),
             "every_thread_cpus": sorted(every_thread),
