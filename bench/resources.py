@@ -1,9 +1,11 @@
 """Host resources per rank and planning time: the tables of issue 12 (points 2 and 6).
 
-1. Threads and CPUs of each rank when 2 CPU ranks train the test model (tests/jobs/train_ranks.py) with
-   ``host_threads="auto"``, launched three ways: by Lightning, by ``torchrun``, and by hand with nothing set
-   (as ``srun`` does). For each rank: torch threads as launched, then during an optimizer step, the CPUs it
-   is bound to, the CPUs any of its threads may run on, and ``dos/host_threads`` as logged.
+1. Threads and CPUs of each rank when CPU ranks train the test model (tests/jobs/train_ranks.py) with
+   ``host_threads="auto"``: 2 ranks launched by Lightning, by ``torchrun``, and by hand with nothing set (as
+   ``srun`` does); and 1 rank under ``torchrun`` with ``OMP_NUM_THREADS=1``, which torchrun sets whenever it
+   starts several ranks per node (on this 2-CPU machine two ranks get one CPU each either way). For each
+   rank: torch threads and CPUs as launched, threads during an optimizer step, the CPUs it is bound to, the
+   CPUs any of its threads may run on, and ``dos/host_threads`` as logged.
 2. ``choose_plan`` time at 25, 50 and 100 sub-groups (resident state allowed, with and without a budget,
    equal and unequal sizes), optionally side by side with the search of an earlier revision.
 
@@ -56,7 +58,9 @@ def run_ranks(launcher: str, out: Path, ranks: int = 2) -> list[dict]:
     env = _env()
     if launcher == "lightning":
         procs = [subprocess.Popen([sys.executable, *job], cwd=ROOT, env=env)]
-    elif launcher == "torchrun":
+    elif launcher in ("torchrun", "torchrun-omp1"):
+        if launcher == "torchrun-omp1":  # what torchrun sets for jobs of several ranks, here on a single rank
+            env["OMP_NUM_THREADS"] = "1"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *job]
         procs = [subprocess.Popen(cmd, cwd=ROOT, env=env)]
     else:  # by hand, nothing about threads set: what srun does
@@ -73,7 +77,7 @@ def run_ranks(launcher: str, out: Path, ranks: int = 2) -> list[dict]:
 
 
 def threads_table(launchers: list[str]) -> str:
-    """``launchers``: ``name:ranks`` items (name: lightning, torchrun or by-hand)."""
+    """``launchers``: ``name:ranks`` items (name: lightning, torchrun, torchrun-omp1 or by-hand)."""
     rows = [
         "| launcher | ranks | rank | as launched: threads, CPUs | in the step: threads | bound to CPUs"
         " | CPUs any of its threads may use | dos/host_threads |",
@@ -154,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan-only", action="store_true", help="only the choose_plan table")
     parser.add_argument("--threads-only", action="store_true", help="only the per-rank threads table")
-    parser.add_argument("--launchers", default="lightning:2,torchrun:2,by-hand:2,torchrun:1", help="name:ranks,...")
+    launchers = "lightning:2,torchrun:2,by-hand:2,torchrun-omp1:1"
+    parser.add_argument("--launchers", default=launchers, help="name:ranks items, comma-separated")
     parser.add_argument("--counts", default="25,50,100", help="sub-group counts to plan for")
     parser.add_argument("--repeats", type=int, default=5, help="choose_plan runs per case (the best is shown)")
     parser.add_argument("--baseline", help="git revision whose choose_plan to time side by side")

@@ -36,9 +36,14 @@ def accelerator_numa_node(device: torch.device) -> int | None:
     return read_pci_numa_node(pci_address(*ids))
 
 
+def _affinity() -> list[int]:
+    # Linux has it; elsewhere every CPU counts as usable (and nothing is bound: see bind_process).
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 def _local_ranks(local_rank: int, device: torch.device) -> tuple[list[list[int]], list[int | None], int]:
     """Affinity and accelerator NUMA node of every rank on this node, and this rank's index among them."""
-    mine = (socket.gethostname(), local_rank, sorted(os.sched_getaffinity(0)), accelerator_numa_node(device))
+    mine = (socket.gethostname(), local_rank, _affinity(), accelerator_numa_node(device))
     everyone = [mine]
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -50,7 +55,10 @@ def _local_ranks(local_rank: int, device: torch.device) -> tuple[list[list[int]]
 
 def bind_process(cpus: tuple[int, ...]) -> None:
     """Bind every thread of this process that still has the main thread's affinity to ``cpus`` (threads
-    started later inherit it); threads someone else bound keep their binding."""
+    started later inherit it); threads someone else bound keep their binding. A no-op where the OS has no
+    affinity calls."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, cpus)
     for tid in os.listdir("/proc/self/task"):
@@ -80,6 +88,6 @@ def apply_host_threads(setting: int | str, local_rank: int, global_rank: int, de
     torch.set_num_threads(placement.threads)
     if _printed.get(global_rank) != placement:
         _printed[global_rank] = placement
-        cpus = format_cpulist(sorted(os.sched_getaffinity(0)))
+        cpus = format_cpulist(_affinity())
         print(f"[rank {global_rank}] host threads: {placement.threads} on CPUs {cpus} ({placement.why})", flush=True)
     return placement
