@@ -206,8 +206,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
     """ZeRO-3 with the optimizer offloaded to host memory, updated on CPU and accelerator at once.
 
     Every iteration, a share of the optimizer's sub-groups streams to the accelerator and is updated
-    there while the CPU updates the rest (Deep Optimizer States, Maurya et al. 2024). The result is
-    the same as plain Adam whatever the placement.
+    there while the CPU updates the rest (Deep Optimizer States, Maurya et al. 2024). The result is plain
+    Adam's whatever the placement: bit for bit on CPU, to float precision on a GPU (where the host and
+    device fused kernels round differently).
 
     The update is atomic. SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 that arrive during it are held and
     delivered once Lightning has recorded the step (in ``on_train_batch_end``, before any other callback),
