@@ -231,11 +231,13 @@ def _scan(
     lp_bytes: int,
     resident_order: Sequence[int],
     stream_order: Sequence[int],
-    max_resident: int,
+    allow_resident: bool,
     max_buffers: int,
-) -> tuple[float, int, int, int]:
-    """Best ``(time, r, k, buffers)`` over the plans where the first ``r`` of ``resident_order`` are resident,
-    the first ``k`` of the others in ``stream_order`` stream and the rest run on the host, for every ``r``, ``k``.
+    bound: float = float("inf"),
+) -> tuple[int, int, int] | None:
+    """Best ``(r, k, buffers)`` faster than ``bound`` (None: none is) over the plans where the first ``r`` of
+    ``resident_order`` are resident, the first ``k`` of the others in ``stream_order`` stream and the rest run
+    on the host, for every ``r`` and ``k``.
 
     Lanes are evaluated in ``stream_order``: exactly :func:`predict` when that is index order or when sizes are
     equal, an estimate otherwise. Each ``r`` costs a few passes over the sub-groups (the streamed lane is
@@ -243,8 +245,8 @@ def _scan(
     early where the device side alone, which only grows with ``r`` and ``k``, already takes longer than the best."""
     per_element = 1.0 / rates.host_adam_eps + 1.0 / rates.host_cast_eps
     up, down, adam = rates.duplex_h2d_bps, rates.duplex_d2h_bps, rates.device_adam_eps
-    best = (float("inf"), 0, 0, 1)
-    for r in range(max_resident + 1):
+    best = (bound, -1, 0, 1)
+    for r in range(len(sizes) + 1 if allow_resident else 1):
         chosen = set(resident_order[:r])
         resident = [sizes[i] for i in sorted(chosen)]
         resident_elements = sum(resident)
@@ -258,10 +260,10 @@ def _scan(
         rest_elements = sum(rest)
         # k = 0: nothing streams, so the link runs one way at its own rate.
         up_bytes = RESIDENT_UP * resident_elements + lp_bytes * rest_elements
-        bound = max(*alone, rest_elements * per_element, up_bytes / rates.h2d_bps)
-        if bound < best[0]:  # only then is the host lane's upload end worth a pass
+        lower = max(*alone, rest_elements * per_element, up_bytes / rates.h2d_bps)
+        if lower < best[0]:  # only then is the host lane's upload end worth a pass
             lp_free_alone = _host_tail(rest, per_element, lp_bytes / rates.h2d_bps)[1][0]
-            best = min(best, (max(bound, lp_free_alone), r, 0, 1))
+            best = min(best, (max(lower, lp_free_alone), r, 0, 1))
         # k >= 1: both directions are busy, each at its duplex rate. The most buffers that fit are best; they
         # only decrease as k grows (the largest streamed sub-group grows), so each count is one pass.
         host_s, lp_free = _host_tail(rest, per_element, lp_bytes / up)
@@ -281,7 +283,7 @@ def _scan(
                 time_s = max(device_s, host_s[k], lp_free[k])
                 if time_s < best[0]:
                     best = (time_s, r, k, min(buffers, k))
-    return best
+    return best[1:] if best[1] >= 0 else None
 
 
 def choose_plan(
@@ -307,20 +309,33 @@ def choose_plan(
     if n == 0 or rates.device_adam_eps <= 0 or rates.shared_cpu:
         return host, predict(sizes, host, rates, lp_bytes) if rates.host_adam_eps > 0 else Prediction(0, 0, 0, 0, 0, 0)
     places_per_group = (Place.HOST, Place.DEVICE, Place.RESIDENT) if allow_resident else (Place.HOST, Place.DEVICE)
-    if len(set(sizes)) > 1 and len(places_per_group) ** n <= EXHAUSTIVE_LIMIT:
-        candidates = list(_exhaustive(sizes, places_per_group, budget_bytes, max_buffers))
-    else:
-        candidates = [
-            _scanned_plan(
-                sizes, rates, budget_bytes, lp_bytes, resident_order, stream_order, allow_resident, max_buffers
-            )
-            for resident_order, stream_order in _scan_orders(sizes, allow_resident)
-        ]
     best_plan, best = host, predict(sizes, host, rates, lp_bytes)
-    for plan in candidates:
+
+    def consider(plan: Plan) -> None:
+        nonlocal best_plan, best
         guess = predict(sizes, plan, rates, lp_bytes)
         if guess.time_s < best.time_s - 1e-12:
             best_plan, best = plan, guess
+
+    if len(set(sizes)) > 1 and len(places_per_group) ** n <= EXHAUSTIVE_LIMIT:
+        for plan in _exhaustive(sizes, places_per_group, budget_bytes, max_buffers):
+            consider(plan)
+    else:
+        for resident_order, stream_order in _scan_orders(sizes, allow_resident):
+            # Each scan only looks for plans faster than the best so far, which prunes it much earlier.
+            scan = _scan(
+                sizes,
+                rates,
+                budget_bytes,
+                lp_bytes,
+                resident_order,
+                stream_order,
+                allow_resident,
+                max_buffers,
+                bound=best.time_s,
+            )
+            if scan is not None:
+                consider(_plan_of(n, resident_order, stream_order, *scan))
     # Staging buffers that do not shorten the update would only hold device memory.
     while best_plan.device_buffers > 1 and best_plan.streamed_indices:
         fewer = replace(best_plan, device_buffers=best_plan.device_buffers - 1)
@@ -345,21 +360,9 @@ def _scan_orders(sizes: Sequence[int], allow_resident: bool) -> list[tuple[list[
     return [(largest_first, smallest_first), (largest_first, largest_first), (smallest_first, largest_first)]
 
 
-def _scanned_plan(
-    sizes: Sequence[int],
-    rates: HardwareRates,
-    budget_bytes: int | None,
-    lp_bytes: int,
-    resident_order: list[int],
-    stream_order: list[int],
-    allow_resident: bool,
-    max_buffers: int,
-) -> Plan:
-    n = len(sizes)
-    max_resident = n if allow_resident else 0
-    _, r, k, buffers = _scan(
-        sizes, rates, budget_bytes, lp_bytes, resident_order, stream_order, max_resident, max_buffers
-    )
+def _plan_of(n: int, resident_order: Sequence[int], stream_order: Sequence[int], r: int, k: int, buffers: int) -> Plan:
+    """The plan a scan found: the first ``r`` of ``resident_order`` resident, the next ``k`` of ``stream_order``
+    streamed."""
     resident = set(resident_order[:r])
     streamed = set([i for i in stream_order if i not in resident][:k])
     places = tuple(Place.RESIDENT if i in resident else Place.DEVICE if i in streamed else Place.HOST for i in range(n))
