@@ -60,13 +60,21 @@ def bind_process(cpus: tuple[int, ...]) -> None:
     if not hasattr(os, "sched_setaffinity"):
         return
     before = os.sched_getaffinity(0)
+    if set(cpus) == before:
+        return
     os.sched_setaffinity(0, cpus)
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            if os.sched_getaffinity(int(tid)) == before:
-                os.sched_setaffinity(int(tid), cpus)
-        except OSError:  # the thread has exited meanwhile
-            continue
+    # A thread not yet rebound may start another, which inherits the old mask: sweep until none is left.
+    for _ in range(10):
+        moved = 0
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                if os.sched_getaffinity(int(tid)) == before:
+                    os.sched_setaffinity(int(tid), cpus)
+                    moved += 1
+            except OSError:  # the thread has exited meanwhile
+                continue
+        if not moved:
+            break
 
 
 def apply_host_threads(setting: int | str, local_rank: int, global_rank: int, device: torch.device) -> HostPlacement:

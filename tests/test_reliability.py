@@ -29,7 +29,7 @@ def _train_ranks(devices: int, out: Path, torchrun: bool = False) -> dict:
     job = [str(ROOT / "tests" / "jobs" / "train_ranks.py"), str(devices), str(out)]
     if torchrun:
         job = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}", *job]
-    done = subprocess.run([sys.executable, *job], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, *job], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = torch.load(out)
     result["ranks"] = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(devices)]
