@@ -245,6 +245,7 @@ def _scan(
     early where the device side alone, which only grows with ``r`` and ``k``, already takes longer than the best."""
     per_element = 1.0 / rates.host_adam_eps + 1.0 / rates.host_cast_eps
     up, down, adam = rates.duplex_h2d_bps, rates.duplex_d2h_bps, rates.device_adam_eps
+    fastest_up, fastest_down = max(up, rates.h2d_bps), max(down, rates.d2h_bps)
     best = (bound, -1, 0, 1)
     for r in range(len(sizes) + 1 if allow_resident else 1):
         chosen = set(resident_order[:r])
@@ -277,10 +278,12 @@ def _scan(
             for k, done in enumerate(_streamed_lane(start, rest, buffers, up, down, adam), start=1):
                 streamed += rest[k - 1]
                 streamed_up = up_bytes + (STREAMED_UP - lp_bytes) * streamed
-                device_s = max(done, streamed_up / up, STREAMED_DOWN * streamed / down)
-                if fitting[k - 1] < buffers or device_s >= best[0]:
-                    break  # the device side only grows with k
-                time_s = max(device_s, host_s[k], lp_free[k])
+                # The device lane and every byte over the link at its fastest rate only grow with k.
+                device_lower = max(done, streamed_up / fastest_up, STREAMED_DOWN * streamed / fastest_down)
+                if fitting[k - 1] < buffers or device_lower >= best[0]:
+                    break
+                link_s = link_seconds(streamed_up, STREAMED_DOWN * streamed, rates)
+                time_s = max(done, link_s, host_s[k], lp_free[k])
                 if time_s < best[0]:
                     best = (time_s, r, k, min(buffers, k))
     return best[1:] if best[1] >= 0 else None
