@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from lightning_dos.engine.perfmodel import HardwareRates, choose_plan, floor, predict
-from lightning_dos.engine.plan import auto_sub_group_size, split_into_sub_groups, stride_plan
+from lightning_dos.engine.plan import Place, Plan, auto_sub_group_size, split_into_sub_groups, stride_plan
 from lightning_dos.profiles import load_profile, save_profile
 
 TWINFLOW_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5)
@@ -84,10 +84,16 @@ def plan_rows(params: int, gpus: int, rates: HardwareRates, meta: dict[str, Any]
     rows: list[tuple[str, float, float, float, float]] = [
         ("stock ZeRO-3 offload", stock_update_s(per_rank, rates, lp), 0, 0.0, 0.0)
     ]
+    # TwinFlow's placement run by this engine (its GPU share resident, gradients uploaded from host memory).
+    twinflow_as_ours: dict[str, float] = {}
     if accelerator:
         for g in TWINFLOW_RATIOS:
-            # DeepSpeed keeps int(g * n) whole sub-groups on the GPU: fp32 param, moments and gradient, all run.
-            share = int(g * count) / count
+            # DeepSpeed keeps the first int(g * n) whole sub-groups on the GPU: fp32 param, moments and gradient,
+            # all run. Their share of the elements is what they hold (near-equal cuts are not exactly equal).
+            kept = int(g * count)
+            share = sum(sizes[:kept]) / per_rank
+            resident = Plan(tuple(Place.RESIDENT if i < kept else Place.HOST for i in range(count)))
+            twinflow_as_ours[f"TwinFlow ratio {g:.1f}"] = predict(sizes, resident, rates, lp).time_s
             rows.append(
                 (
                     f"TwinFlow ratio {g:.1f}",
@@ -124,6 +130,7 @@ def plan_rows(params: int, gpus: int, rates: HardwareRates, meta: dict[str, Any]
             "vs_floor": t / t_floor,
             "device_gb": held / 1e9,
             "fits_budget": fits(held),
+            **({"as_ours_s": twinflow_as_ours[name]} if name in twinflow_as_ours else {}),
         }
         for name, t, held, _, _ in rows
     ]
@@ -187,6 +194,13 @@ def _print_plan(result: dict) -> None:
     )
     if result["device"].startswith("CPU"):
         print("TwinFlow and the paper's strides need an accelerator; a CPU-only profile shows stock offload and ours.")
+    ours_s = next(r["update_s"] for r in result["rows"] if r["scheme"] == "ours (auto)")
+    ahead = [r["scheme"] for r in result["rows"] if "as_ours_s" in r and r["fits_budget"] and r["update_s"] < ours_s]
+    if ahead:
+        print(
+            f"{', '.join(ahead)}: predicted ahead of ours because TwinFlow keeps its GPU share's gradients on the GPU; "
+            "this engine uploads every gradient from host memory (4 bytes per resident element)."
+        )
 
 
 def describe_rates(rates: HardwareRates) -> list[str]:

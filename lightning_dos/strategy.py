@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_dos import quiet
 from lightning_dos.adapter import ZeRO3Adapter, load_zero3_weights_for_evaluation
 from lightning_dos.engine.calibrate import calibrate
+from lightning_dos.engine.cores import HostPlacement
 from lightning_dos.engine.hostmem import LIMIT_ENV, check_host_memory
 from lightning_dos.engine.perfmodel import HardwareRates
 from lightning_dos.engine.plan import (
@@ -42,6 +43,7 @@ from lightning_dos.engine.plan import (
 from lightning_dos.engine.pool import BufferPool
 from lightning_dos.engine.scheduler import PlacementScheduler
 from lightning_dos.engine.streams import Streams
+from lightning_dos.host_threads import apply_host_threads
 from lightning_dos.optimizers import check_optimizer
 
 if TYPE_CHECKING:
@@ -212,8 +214,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
     """ZeRO-3 with the optimizer offloaded to host memory, updated on CPU and accelerator at once.
 
     Every iteration, a share of the optimizer's sub-groups streams to the accelerator and is updated
-    there while the CPU updates the rest (Deep Optimizer States, Maurya et al. 2024). The result is
-    the same as plain Adam whatever the placement.
+    there while the CPU updates the rest (Deep Optimizer States, Maurya et al. 2024). The result is plain
+    Adam's whatever the placement: bit for bit on CPU, to float precision on a GPU (where the host and
+    device fused kernels round differently).
 
     The update is atomic. SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 that arrive during it are held and
     delivered once Lightning has recorded the step (in ``on_train_batch_end``, before any other callback),
@@ -240,6 +243,10 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         streams_factory: builds the engine's streams for the model's device; None (the default) uses the
             real ones. Tests and tools pass ``lightning_dos.sim``'s simulated accelerator here to check the
             engine's stream ordering on CPU; it is never chosen automatically.
+        host_threads: torch threads of each rank for host Adam and casts. ``"auto"``: the CPUs the local
+            ranks may use are split into disjoint sets, one per rank (its accelerator's NUMA node first, where
+            sysfs tells), each rank is bound to its set and runs one thread per physical core of it; a binding
+            the launcher already made disjoint is kept. A number: that many threads, binding left as launched.
         accelerator: the accelerator, usually chosen by the Trainer.
         stage: ZeRO stage; only 3 is valid (kept so that configs written for DeepSpeedStrategy parse).
         offload_optimizer: must stay True: the optimizer state lives in host memory.
@@ -266,6 +273,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         sub_group_size: int | str = "auto",
         gpu_memory_budget: int | None = None,
         streams_factory: Callable[[torch.device], Streams] | None = None,
+        host_threads: int | str = "auto",
         accelerator: Accelerator | None = None,
         stage: int = 3,
         offload_optimizer: bool = True,
@@ -291,6 +299,10 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             isinstance(gpu_memory_budget, bool) or not isinstance(gpu_memory_budget, int) or gpu_memory_budget < 0
         ):
             raise _refuse("gpu_memory_budget", gpu_memory_budget, "use None or a non-negative number of bytes")
+        if host_threads != "auto" and (
+            isinstance(host_threads, bool) or not isinstance(host_threads, int) or host_threads < 1
+        ):
+            raise _refuse("host_threads", host_threads, "use 'auto' or a positive integer number of threads")
         if stage != 3:
             raise _refuse("stage", stage, "the engine works on ZeRO stage 3 only: use 3")
         if not offload_optimizer:
@@ -312,6 +324,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         if streams_factory is not None and not callable(streams_factory):
             raise _refuse("streams_factory", streams_factory, "use None or a callable taking the device")
         self.streams_factory = streams_factory
+        self.host_threads = host_threads
+        #: This rank's host threads and cores, once the process group is up.
+        self.dos_host_placement: HostPlacement | None = None
         user_config = DeepSpeedStrategy._load_config(self, config)  # resolves a JSON path or the env var
         deepspeed_size = DEEPSPEED_SUB_GROUP_SIZE if sub_group_size == "auto" else sub_group_size
         user_zero = user_config.get("zero_optimization") if isinstance(user_config, dict) else None
@@ -421,6 +436,13 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
                 "smaller model, or raise the memory limit of the job; "
                 f"{LIMIT_ENV} (bytes) sets a tighter cap when the scheduler enforces one the process cannot read."
             ),
+        )
+
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        # Once the process group is up (the local ranks' affinities are gathered through it), before host work.
+        self.dos_host_placement = apply_host_threads(
+            self.host_threads, self.local_rank, self.global_rank, self.root_device
         )
 
     def _on_optimizer_ready(self, ds_optimizer: Any) -> None:

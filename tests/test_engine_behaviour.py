@@ -150,7 +150,7 @@ def test_gradient_accumulation_keeps_deepspeed_semantics() -> None:
 
 def test_checkpoint_written_mid_run_reloads_with_another_placement(tmp_path) -> None:  # noqa: ANN001
     """A DeepSpeed checkpoint holds the engine's state; resuming (even with another gpu_fraction) continues
-    exactly as the uninterrupted run."""
+    bit-exactly as the uninterrupted run, on CPU (on a GPU to float precision: tests/test_gpu.py)."""
 
     def run(strategy, steps: int, ckpt_path=None, save=False):  # noqa: ANN001, ANN202
         L.seed_everything(0, verbose=False)

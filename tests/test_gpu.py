@@ -97,3 +97,29 @@ def test_parameter_offload_updates_on_the_gpu_and_matches_plain_adamw() -> None:
     # Device sub-groups' 16-bit results come down beside their fp32 state (12 B + 4 B fp32 per element).
     assert report.d2h_bytes == 16 * report.device_elements
     assert max_relative_error(full_parameters(model), reference) < 1e-5
+
+
+def test_resuming_with_another_placement_on_cuda_agrees_to_float_precision(tmp_path) -> None:  # noqa: ANN001
+    """What the README claims on a GPU: host and device fused kernels round differently, so a run resumed
+    with another gpu_fraction continues to float precision (on CPU the same test is bit-exact:
+    tests/test_engine_behaviour.py)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(fraction: float, ckpt_path=None, save: bool = False) -> dict:  # noqa: ANN001
+        L.seed_everything(0, verbose=False)
+        model = TinyLM()
+        callbacks = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1)] if save else []
+        t = trainer(
+            DeepOptimizerStatesStrategy(gpu_fraction=fraction, sub_group_size=700),
+            steps=10,
+            callbacks=callbacks,
+            limit_train_batches=5,
+            enable_checkpointing=save,
+            accelerator="cuda",
+        )
+        t.fit(model, loader(), ckpt_path=ckpt_path)
+        return full_parameters(model)
+
+    straight = run(0.5, save=True)
+    resumed = run(0.0, ckpt_path=str(next(tmp_path.glob("*step=5*"))))
+    assert max_relative_error(resumed, straight) < 1e-5

@@ -30,7 +30,7 @@ from tests.helpers import TinyLM, loader, trainer
 SUB_GROUP = 700  # TinyLM has ~8k parameters: about a dozen sub-groups
 STEPS = 8
 TRACE_STEP = 3
-PHASE_METRICS = [f"dos/{p}_s" for p in ("forward", "backward", "update", "step")]
+PHASE_METRICS = [f"dos/{p}_s" for p in ("forward", "backward", "update", "step")] + ["dos/host_threads"]
 MEMORY_METRICS = [
     f"dos/mem_{kind}_{phase}_gb"
     for phase in ("forward", "backward", "update")
@@ -116,6 +116,7 @@ def test_every_metric_is_logged_with_finite_values_at_every_step(half: Run) -> N
             assert math.isfinite(row[key]), f"{key}={row[key]} at step {step}"
         assert row["dos/step_s"] > 0 and row["dos/mem_peak_update_gb"] > 0
         assert 0 < row["dos/pcie_util"] < 1
+        assert row["dos/host_threads"] == torch.get_num_threads() >= 1
 
 
 def test_phases_add_up_to_the_step_time(half: Run) -> None:
@@ -297,6 +298,7 @@ def test_device_events_are_read_lazily_and_waited_for_only_on_logged_steps() -> 
         "dos/backward_s": 2.0,
         "dos/update_s": 3.0,
         "dos/step_s": 6.0,
+        "dos/host_threads": float(torch.get_num_threads()),
     }
 
 

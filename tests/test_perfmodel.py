@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from lightning_dos.engine.perfmodel import (
     HardwareRates,
     RateEstimator,
+    _host_tail,
     choose_plan,
     device_bytes,
     floor,
@@ -40,8 +42,9 @@ def test_predicted_time_falls_then_rises_in_the_device_share() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(rates=rates_strategy(), n=st.integers(1, 5), resident=st.booleans(), budget_units=st.integers(0, 6))
+@given(rates=rates_strategy(), n=st.integers(1, 6), resident=st.booleans(), budget_units=st.integers(0, 7))
 def test_chosen_plan_matches_brute_force(rates: HardwareRates, n: int, resident: bool, budget_units: int) -> None:
+    """Equal sizes take the quadratic scan (no exhaustive search), which must still be exact."""
     sizes = [1000] * n
     budget = budget_units * 16 * 1000
     places = (Place.HOST, Place.DEVICE, Place.RESIDENT) if resident else (Place.HOST, Place.DEVICE)
@@ -126,3 +129,55 @@ def test_chosen_plan_matches_brute_force_with_uneven_sizes(rates: HardwareRates,
         predict(sizes, plan, rates, 2).time_s for plan in plans if budget is None or device_bytes(sizes, plan) <= budget
     )
     assert choose_plan(sizes, rates, budget, 2)[1].time_s == pytest.approx(best, rel=1e-9)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rates=rates_strategy(),
+    sizes=st.lists(st.sampled_from([250, 400, 1000]), min_size=2, max_size=5),
+    budget=st.one_of(st.none(), st.integers(0, 60_000)),
+)
+def test_resident_search_with_uneven_sizes_matches_brute_force(rates: HardwareRates, sizes: list[int], budget) -> None:  # noqa: ANN001
+    every = (Place.HOST, Place.DEVICE, Place.RESIDENT)
+    plans = [Plan(combo, b) for combo in itertools.product(every, repeat=len(sizes)) for b in range(1, 5)]
+    best = min(
+        predict(sizes, plan, rates, 2).time_s for plan in plans if budget is None or device_bytes(sizes, plan) <= budget
+    )
+    assert choose_plan(sizes, rates, budget, 2, allow_resident=True)[1].time_s == pytest.approx(best, rel=1e-9)
+
+
+def test_buffers_that_do_not_shorten_the_update_are_not_kept() -> None:
+    sizes = [100_000_000] * 20
+    plan, prediction = choose_plan(sizes, GPU, None, 2)
+    assert plan.streamed_indices, "GPU rates stream some sub-groups"
+    if plan.device_buffers > 1:
+        fewer = Plan(plan.places, plan.device_buffers - 1)
+        assert predict(sizes, fewer, GPU, 2).time_s > prediction.time_s
+
+
+def test_planning_a_hundred_sub_groups_is_not_cubic() -> None:
+    """A regression guard, not a measurement (bench/resources.py measures): the former search over every
+    (resident, streamed, buffers) count predicted each plan in full and took seconds at 50 sub-groups."""
+    sizes = [100_000_000 - 7_919 * (i % 13) for i in range(100)]  # unequal: the slowest path
+    start = time.perf_counter()
+    plan, _ = choose_plan(sizes, GPU, 16 * sum(sizes) // 3, 2, allow_resident=True)
+    assert time.perf_counter() - start < 1.0
+    assert plan.resident_indices and plan.streamed_indices and plan.host_indices
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 1000), max_size=9),
+    per_element=st.floats(1e-3, 10.0),
+    lp_per_element=st.floats(1e-3, 10.0),
+)
+def test_host_lane_of_every_suffix_from_one_backward_pass(sizes: list[int], per_element, lp_per_element) -> None:  # noqa: ANN001
+    """The scan reads the host lane of every suffix from one pass; each must be what predict's chain gives."""
+    host_s, lp_free = _host_tail(sizes, per_element, lp_per_element)
+    for p in range(len(sizes) + 1):
+        chained_host = chained_lp = 0.0
+        for n in sizes[p:]:
+            chained_host += n * per_element
+            chained_lp = max(chained_lp, chained_host) + n * lp_per_element
+        assert host_s[p] == pytest.approx(chained_host, rel=1e-9, abs=1e-12)
+        assert lp_free[p] == pytest.approx(chained_lp, rel=1e-9, abs=1e-12)

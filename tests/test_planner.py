@@ -120,5 +120,10 @@ def test_no_row_is_below_the_floor_and_none_beats_auto(rates, per_rank, gpus, gr
     for row in result["rows"]:
         if row["fits_budget"]:
             assert row["vs_floor"] >= 1 - 1e-6, row
-            assert ours["update_s"] <= row["update_s"] * (1 + 1e-6), (row, ours)  # ties differ by rounding
+            if "as_ours_s" in row:
+                # TwinFlow keeps its GPU share's gradients on the GPU, which this engine uploads, so its own row
+                # may be ahead; its placement run by this engine is among those auto searches.
+                assert ours["update_s"] <= row["as_ours_s"] * (1 + 1e-6), (row, ours)
+            else:
+                assert ours["update_s"] <= row["update_s"] * (1 + 1e-6), (row, ours)  # ties differ by rounding
     assert result["device"] == ("CPU (no accelerator)" if rates.shared_cpu else "GPU")

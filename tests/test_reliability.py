@@ -5,6 +5,8 @@ Real Lightning Trainer, real DeepSpeed ZeRO-3 with CPU optimizer offload, on CPU
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,22 +22,58 @@ from tests.helpers import TinyLM, clean_env, full_parameters, loader, max_relati
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _train_ranks(devices: int, out: Path) -> dict:
+def _train_ranks(devices: int, out: Path, torchrun: bool = False) -> dict:
+    """Run tests/jobs/train_ranks.py on ``devices`` CPU processes, launched by Lightning or by torchrun; the
+    gathered parameters, each rank's record of its host threads, and what the job printed."""
     env = clean_env()
-    job = [sys.executable, str(ROOT / "tests" / "jobs" / "train_ranks.py"), str(devices), str(out)]
-    done = subprocess.run(job, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    job = [str(ROOT / "tests" / "jobs" / "train_ranks.py"), str(devices), str(out)]
+    if torchrun:
+        job = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}", *job]
+    done = subprocess.run([sys.executable, *job], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(out)
+    result = torch.load(out)
+    result["ranks"] = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(devices)]
+    result["printed"] = [line for line in done.stdout.splitlines() if "host threads:" in line]
+    return result
 
 
-def test_two_processes_train_to_the_same_parameters_as_one(tmp_path: Path) -> None:
-    """ZeRO-3 over 2 CPU processes with the engine: same global batch, same parameters (within 1e-5);
-    each rank's engine holds only its own partition."""
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return _train_ranks(1, tmp_path_factory.mktemp("one") / "one.pt")
+
+
+def _assert_each_rank_has_its_own_cores(ranks: list[dict], printed: list[str]) -> None:
+    """host_threads="auto": the usable CPUs split evenly, every thread of a rank on that rank's CPUs only,
+    torch's thread count one per CPU (one per physical core with SMT), logged as dos/host_threads."""
+    usable = os.sched_getaffinity(0)  # the ranks inherit the test's affinity
+    cores = [set(rank["placement_cores"]) for rank in ranks]
+    assert all(len(c) == len(usable) // len(ranks) for c in cores), cores
+    assert sum(len(c) for c in cores) == len(set().union(*cores)), f"ranks share CPUs: {cores}"
+    for rank, own in zip(ranks, cores, strict=True):
+        assert set(rank["affinity"]) == own and set(rank["every_thread_cpus"]) <= own, rank
+        assert 1 <= rank["threads"] <= len(own) and rank["logged_host_threads"] == rank["threads"], rank
+    assert sum(rank["threads"] for rank in ranks) <= len(usable), "oversubscribed"
+    assert sorted(line.split("]")[0] for line in printed) == [f"[rank {r}" for r in range(len(ranks))], printed
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding 2 ranks to their own cores needs 2 CPUs")
+def test_two_processes_train_to_the_same_parameters_as_one(tmp_path: Path, one_rank: dict) -> None:
+    """ZeRO-3 over 2 CPU processes launched by Lightning: same global batch, same parameters (within 1e-5);
+    each rank's engine holds only its own partition and runs on cores of its own."""
     two = _train_ranks(2, tmp_path / "two.pt")
-    one = _train_ranks(1, tmp_path / "one.pt")
-    assert max_relative_error(two["params"], one["params"]) < 1e-5
-    assert one["partition_numel"] == one["total"]
-    assert one["total"] / 2 <= two["partition_numel"] < one["total"] / 2 + 64  # half, plus alignment padding
+    assert max_relative_error(two["params"], one_rank["params"]) < 1e-5
+    assert one_rank["partition_numel"] == one_rank["total"]
+    assert one_rank["total"] / 2 <= two["partition_numel"] < one_rank["total"] / 2 + 64  # half, plus padding
+    _assert_each_rank_has_its_own_cores(two["ranks"], two["printed"])
+    assert len(one_rank["ranks"][0]["placement_cores"]) == len(os.sched_getaffinity(0)), "one rank: every CPU"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding 2 ranks to their own cores needs 2 CPUs")
+def test_torchrun_ranks_get_cores_of_their_own_and_train_like_one(tmp_path: Path, one_rank: dict) -> None:
+    """torchrun sets OMP_NUM_THREADS=1 and binds nothing; host_threads="auto" splits the cores all the same."""
+    two = _train_ranks(2, tmp_path / "torchrun.pt", torchrun=True)
+    assert max_relative_error(two["params"], one_rank["params"]) < 1e-5
+    _assert_each_rank_has_its_own_cores(two["ranks"], two["printed"])
 
 
 class StopAt(L.Callback):

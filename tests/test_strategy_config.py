@@ -74,6 +74,10 @@ BAD_SETTINGS = [
     ({"config": {"zero_force_ds_cpu_optimizer": True}}, "zero_force_ds_cpu_optimizer", "leave it false"),
     ({"config": {"zero_optimization": "yes"}}, "zero_optimization", "mapping"),
     ({"config": "/nonexistent/ds_config.json"}, "config", "does not exist"),
+    ({"host_threads": 0}, "host_threads", "positive integer"),
+    ({"host_threads": True}, "host_threads", "'auto'"),
+    ({"host_threads": 2.5}, "host_threads", "positive integer"),
+    ({"host_threads": "all"}, "host_threads", "'auto'"),
 ]
 
 

@@ -252,9 +252,9 @@ class DOSMonitor(Callback):
     sum of their calibrated peaks), ``dos/gpu_fraction`` (share of elements updated on the device),
     ``dos/engine_update_s`` (the engine's own update loop, inside the update phase),
     ``dos/update_predicted_s`` (the performance model's prediction of that loop, when it made one),
-    ``dos/pinned_gb`` (host memory really pinned; 0 without CUDA) and ``dos/fallback_subgroups`` (sub-groups
-    the plan put on the device that ran on the host for lack of device memory). Beside them, the learning rate
-    each param group's update of the step used
+    ``dos/pinned_gb`` (host memory really pinned; 0 without CUDA), ``dos/fallback_subgroups`` (sub-groups the
+    plan put on the device that ran on the host for lack of device memory) and ``dos/host_threads``, torch's
+    intra-op threads on this rank. Beside them, the learning rate each param group's update of the step used
     (``lr-AdamW/pg1``, ... as Lightning's ``LearningRateMonitor`` names it). When the monitor logs at the trainer's
     ``log_every_n_steps`` (the default), a step's metrics go through ``LightningModule.log``, so each logged
     step is one row with the module's own metrics (one row per step in ``metrics.csv``).
@@ -445,6 +445,8 @@ class DOSMonitor(Callback):
         if "forward_end" in record.marks:
             row.setdefault("dos/update_s", 0.0)  # a batch without an optimizer step updates nothing
         row["dos/step_s"] = self._seconds_since_start(record, "end")
+        # The intra-op threads host Adam and the casts run with (the strategy's host_threads sets them).
+        row["dos/host_threads"] = float(torch.get_num_threads())
         row.update(_memory_metrics(record))
         if record.report is not None:
             row.update(self._report_metrics(record.report, row.get("dos/update_s", 0.0)))

@@ -1,14 +1,16 @@
 """Micro-benchmarks of this machine's update-phase rates, on buffers like the engine's.
 
 Measures the host update (the engine's one-pass unscale + Adam + cast), split into Adam and what the cast adds
-to that pass, and on CUDA
-pinned upload and download bandwidth alone and both at once, and device Adam. On a CPU "device" the device
-side is the CPU itself: its rates are the host's and ``shared_cpu`` is set, so the model adds host and device
-work instead of overlapping them. Well under a second on CPU.
+to that pass, and on CUDA pinned upload and download bandwidth alone and both at once, and device Adam. Host
+rates are timed on buffers of :data:`HOST_BUFFER_BYTES` (far beyond any CPU cache, as the engine's slabs are)
+and, on CUDA, while uploads and downloads run (they share the host's memory bandwidth, as during the update).
+On a CPU "device" the device side is the CPU itself: its rates are the host's and ``shared_cpu`` is set, so the
+model adds host and device work instead of overlapping them. About a second on CPU (some 1.2 GB touched once).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -17,31 +19,49 @@ import torch
 from lightning_dos.engine.kernels import AdamHyper, adam_update, fused_host_update, step_tensor
 from lightning_dos.engine.perfmodel import HardwareRates
 
+#: Bytes of each fp32 buffer host rates are timed on: larger than the last-level cache of any CPU (1.1 GB
+#: touched by Adam), so that the rates are those of the engine's slabs, which stream from memory.
+HOST_BUFFER_BYTES = 256 << 20
 
-def _best_seconds(fn: Callable[[], None], repeats: int = 3, sync: Callable[[], None] = lambda: None) -> float:
+#: Starts background work lasting about the given seconds; returns a function that waits for it to end.
+Busy = Callable[[float], Callable[[], None]]
+
+
+def _best_seconds(
+    fn: Callable[[], None], repeats: int = 3, sync: Callable[[], None] = lambda: None, busy: Busy | None = None
+) -> float:
+    start = time.perf_counter()
     fn()
     sync()  # warm-up (allocations, kernel selection)
+    # Contention covers every timed run; the warm-up (first touch of the pages) is the longest of them.
+    wait = busy(2 * repeats * (time.perf_counter() - start)) if busy is not None else None
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         sync()
         samples.append(time.perf_counter() - start)
+    if wait is not None:
+        wait()
     return min(samples)
 
 
 def _adam(device: torch.device, numel: int) -> Callable[[], None]:
     """The engine's Adam kernel on ``numel`` elements of ``device``."""
-    p, g, m, v = (torch.rand(numel, device=device) for _ in range(4))
-    step = step_tensor(1, device)
+    # Filled, not random: generating a gigabyte of random numbers would take longer than the measurement.
+    return _adam_on(*(torch.full((numel,), 0.5, device=device) for _ in range(4)))
+
+
+def _adam_on(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> Callable[[], None]:
+    step = step_tensor(1, p.device)
     hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
     return lambda: adam_update(p, g, m, v, step, hyper)
 
 
-def _host_update(numel: int, lp_dtype: torch.dtype | None) -> Callable[[], None]:
-    """The engine's host update on ``numel`` elements, unscale active, with the cast when ``lp_dtype`` is given."""
-    p, g, m, v = (torch.rand(numel) for _ in range(4))
-    lp = torch.empty(numel, dtype=lp_dtype) if lp_dtype is not None else None
+def _host_update(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lp: torch.Tensor | None
+) -> Callable[[], None]:
+    """The engine's host update on these buffers, unscale active, with the cast into ``lp`` when given."""
     step = step_tensor(1, torch.device("cpu"))
     hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
     factor = [2.0]
@@ -54,26 +74,40 @@ def _host_update(numel: int, lp_dtype: torch.dtype | None) -> Callable[[], None]
     return run
 
 
-def host_rates(numel: int = 2_000_000, lp_dtype: torch.dtype = torch.bfloat16) -> tuple[float, float, float]:
-    """Host Adam elements/s, host cast elements/s, host memcpy bytes/s.
+def host_rates(
+    numel: int = HOST_BUFFER_BYTES // 4, lp_dtype: torch.dtype = torch.bfloat16, busy: Busy | None = None
+) -> tuple[float, float, float]:
+    """Host Adam elements/s, host cast elements/s, host memcpy bytes/s, on fp32 buffers of ``numel`` elements,
+    each timed while ``busy`` work (transfers) runs, when given.
 
     The engine's host update unscales, runs Adam and casts in one pass; the performance model charges
     ``n / host_adam_eps + n / host_cast_eps`` for it, so Adam's rate is that pass without the cast and the
     cast's rate is what the cast adds to the pass (far less than a cast on its own, which reads from memory).
     """
-    adam_s = _best_seconds(_host_update(numel, None))
-    full_s = _best_seconds(_host_update(numel, lp_dtype))
+    # One set of buffers for every kernel, filled rather than random: first touches of fresh pages and random
+    # numbers for a gigabyte would cost more than the kernels themselves.
+    p, g, m, v = (torch.full((numel,), 0.5) for _ in range(4))
+    lp = torch.empty(numel, dtype=lp_dtype)
+    adam_s = _best_seconds(_host_update(p, g, m, v, None), busy=busy)
+    full_s = _best_seconds(_host_update(p, g, m, v, lp), busy=busy)
     # Noise must not make the cast look free: it always costs at least a small share of the pass.
     cast_s = max(full_s - adam_s, 0.02 * full_s)
-    src, dst = torch.rand(numel), torch.empty(numel)
-    memcpy = 4 * numel / _best_seconds(lambda: dst.copy_(src))
+    memcpy = 4 * numel / _best_seconds(lambda: m.copy_(p), busy=busy)
     return numel / adam_s, numel / cast_s, memcpy
 
 
-def calibrate(device: torch.device, numel: int = 2_000_000, lp_dtype: torch.dtype = torch.bfloat16) -> HardwareRates:
-    """Measure the rates the performance model needs, for the engine on ``device``."""
-    adam, cast, memcpy = host_rates(numel, lp_dtype)
+def calibrate(
+    device: torch.device, numel: int = HOST_BUFFER_BYTES // 4, lp_dtype: torch.dtype = torch.bfloat16
+) -> HardwareRates:
+    """Measure the rates the performance model needs, for the engine on ``device``.
+
+    Args:
+        device: the engine's device; on CUDA, transfers and device Adam are measured too.
+        numel: elements of each fp32 buffer host rates are timed on.
+        lp_dtype: the 16-bit type of the host cast.
+    """
     if device.type != "cuda":
+        adam, cast, memcpy = host_rates(numel, lp_dtype)
         return HardwareRates(adam, cast, adam, memcpy, memcpy, memcpy / 2, memcpy / 2, shared_cpu=True)
     sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
     nbytes = 64 << 20
@@ -99,5 +133,14 @@ def calibrate(device: torch.device, numel: int = 2_000_000, lp_dtype: torch.dtyp
     d2h = nbytes / _best_seconds(download, sync=sync)
     # Both at once: each direction moved nbytes in the time both took.
     duplex = nbytes / _best_seconds(both, sync=sync)
-    device_adam = 8 * numel / _best_seconds(_adam(device, 8 * numel), sync=sync)
+    device_numel = 16_000_000
+    device_adam = device_numel / _best_seconds(_adam(device, device_numel), sync=sync)
+
+    def transfers(seconds: float) -> Callable[[], None]:
+        # Queued copies run on their streams while the host works; enough of them to last `seconds`.
+        for _ in range(max(1, math.ceil(seconds * min(h2d, d2h) / nbytes))):
+            both()
+        return sync
+
+    adam, cast, _ = host_rates(numel, lp_dtype, busy=transfers)
     return HardwareRates(adam, cast, device_adam, h2d, d2h, min(duplex, h2d), min(duplex, d2h))

@@ -1,0 +1,101 @@
+"""Applies ``host_threads`` to this process: binds it to its cores and sets torch's thread count.
+
+The choice itself is :func:`lightning_dos.engine.cores.choose_host_placement`; this module gathers what it
+needs (every local rank's affinity and accelerator NUMA node, through the process group when there is one),
+applies it, and prints it once per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+from lightning_dos.engine.cores import (
+    HostPlacement,
+    choose_host_placement,
+    format_cpulist,
+    pci_address,
+    read_numa_cpus,
+    read_pci_numa_node,
+    read_physical_cores,
+)
+
+_printed: dict[int, HostPlacement] = {}
+
+
+def accelerator_numa_node(device: torch.device) -> int | None:
+    """NUMA node of ``device`` when it is a CUDA GPU whose PCI address sysfs knows; None otherwise."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    ids = [getattr(props, f"pci_{part}_id", None) for part in ("domain", "bus", "device")]
+    if any(i is None for i in ids):
+        return None
+    return read_pci_numa_node(pci_address(*ids))
+
+
+def _affinity() -> list[int]:
+    # Linux has it; elsewhere every CPU counts as usable (and nothing is bound: see bind_process).
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def _local_ranks(local_rank: int, device: torch.device) -> tuple[list[list[int]], list[int | None], int]:
+    """Affinity and accelerator NUMA node of every rank on this node, and this rank's index among them."""
+    mine = (socket.gethostname(), local_rank, _affinity(), accelerator_numa_node(device))
+    everyone = [mine]
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    local = sorted((r for r in everyone if r[0] == mine[0]), key=lambda r: r[1])
+    return [r[2] for r in local], [r[3] for r in local], [r[1] for r in local].index(local_rank)
+
+
+def bind_process(cpus: tuple[int, ...]) -> None:
+    """Bind every thread of this process that still has the main thread's affinity to ``cpus`` (threads
+    started later inherit it); threads someone else bound keep their binding. A no-op where the OS has no
+    affinity calls."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    before = os.sched_getaffinity(0)
+    if set(cpus) == before:
+        return
+    os.sched_setaffinity(0, cpus)
+    # A thread not yet rebound may start another, which inherits the old mask: sweep until none is left.
+    for _ in range(10):
+        moved = 0
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                if os.sched_getaffinity(int(tid)) == before:
+                    os.sched_setaffinity(int(tid), cpus)
+                    moved += 1
+            except OSError:  # the thread has exited meanwhile
+                continue
+        if not moved:
+            break
+
+
+def apply_host_threads(setting: int | str, local_rank: int, global_rank: int, device: torch.device) -> HostPlacement:
+    """Choose, apply and print (once per rank and choice) this rank's host threads and cores.
+
+    Args:
+        setting: the strategy's ``host_threads``: a positive number of threads, or ``"auto"``.
+        local_rank: this rank's index on its node.
+        global_rank: this rank's index in the job (for the printed line).
+        device: this rank's accelerator (its NUMA node is preferred), or the CPU.
+    """
+    affinities, nodes, index = _local_ranks(local_rank, device)
+    everyone = sorted(set().union(*map(set, affinities)))
+    placement = choose_host_placement(
+        setting, index, affinities, nodes, read_numa_cpus(), read_physical_cores(everyone)
+    )
+    if placement.cores is not None:
+        bind_process(placement.cores)
+    torch.set_num_threads(placement.threads)
+    if _printed.get(global_rank) != placement:
+        _printed[global_rank] = placement
+        cpus = format_cpulist(_affinity())
+        print(f"[rank {global_rank}] host threads: {placement.threads} on CPUs {cpus} ({placement.why})", flush=True)
+    return placement
