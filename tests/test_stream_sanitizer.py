@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import lightning_dos.engine.loop as loop_module
+import lightning_dos.engine.pool as pool_module
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.engine.atomic import UpdateInterrupted
 from lightning_dos.engine.kernels import AdamHyper
@@ -54,6 +55,9 @@ class Scenario:
     #: The 16-bit parameters live in host memory (DeepSpeed's parameter offload): device sub-groups download
     #: their 16-bit result, host sub-groups cast straight into it.
     lp_on_host: bool = False
+    #: Slots of the 16-bit staging ring (None: the engine's default, one per sub-group); a bounded ring
+    #: reuses slots within a step, behind the host's wait for each slot's last upload.
+    lp_staging_slots: int | None = None
 
 
 SCENARIOS = (
@@ -84,6 +88,7 @@ SCENARIOS = (
     Scenario("parameter offload, 1 buffer", (Plan(mixed(D, R), 1), Plan(mixed(D, H), 1)), lp_on_host=True),
     # Nothing streams behind the resident downloads: only their own tail event covers them.
     Scenario("parameter offload, all resident", (Plan(mixed(R)),) * 2, lp_on_host=True),
+    Scenario("bounded 16-bit staging ring", (Plan(mixed(H, D, H), 2),) * 2, lp_staging_slots=2),
 )
 
 
@@ -94,16 +99,23 @@ def run(
     reference flats and the engine."""
     engine_class = engine_class or loop_module.InterleavedAdam
     checker = StreamSanitizer(memory_limit=scenario.memory_limit)
-    engine = engine_class(
-        NUMELS,
-        GROUPS,
-        SUB_GROUP,
-        torch.device("cpu"),
-        torch.float32,
-        gpu_memory_budget=scenario.budget,
-        streams=checker.streams(),
-        lp_device=torch.device("cpu") if scenario.lp_on_host else None,
-    )
+    default_slots = pool_module.LP_STAGING_SLOTS
+    pool_module.LP_STAGING_SLOTS = scenario.lp_staging_slots or default_slots
+    try:
+        engine = engine_class(
+            NUMELS,
+            GROUPS,
+            SUB_GROUP,
+            torch.device("cpu"),
+            torch.float32,
+            gpu_memory_budget=scenario.budget,
+            streams=checker.streams(),
+            lp_device=torch.device("cpu") if scenario.lp_on_host else None,
+        )
+    finally:
+        pool_module.LP_STAGING_SLOTS = default_slots
+    if scenario.lp_staging_slots is not None:
+        assert engine.pool.lp_staging.slots == scenario.lp_staging_slots
     checker.watch(engine, backward_sync=backward_sync)
     gen = torch.Generator().manual_seed(0)
     reference = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in NUMELS]
