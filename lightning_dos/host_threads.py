@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import torch
 
@@ -97,5 +98,8 @@ def apply_host_threads(setting: int | str, local_rank: int, global_rank: int, de
     if _printed.get(global_rank) != placement:
         _printed[global_rank] = placement
         cpus = format_cpulist(_affinity())
-        print(f"[rank {global_rank}] host threads: {placement.threads} on CPUs {cpus} ({placement.why})", flush=True)
+        # One write of the whole line: ranks share the console, and print() writes the newline separately.
+        line = f"[rank {global_rank}] host threads: {placement.threads} on CPUs {cpus} ({placement.why})\n"
+        sys.stdout.write(line)
+        sys.stdout.flush()
     return placement

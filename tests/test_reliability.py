@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +34,8 @@ def _train_ranks(devices: int, out: Path, torchrun: bool = False) -> dict:
     assert done.returncode == 0, done.stderr[-3000:]
     result = torch.load(out)
     result["ranks"] = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(devices)]
-    result["printed"] = [line for line in done.stdout.splitlines() if "host threads:" in line]
+    # Each rank's line (ranks share the console; another process may still interleave with a line).
+    result["printed"] = re.findall(r"\[rank \d+\] host threads: [^\n\[]*", done.stdout)
     return result
 
 
