@@ -122,7 +122,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sub-group-size", type=float, default=1e8, help="elements per sub-group")
     parser.add_argument("--lp-bytes", type=int, default=2, choices=(2, 4), help="bytes per model parameter")
     parser.add_argument("--budget", type=float, help="device bytes for the update (default: the profile's free memory)")
-    parser.add_argument("--trace", type=Path, default=Path("simulate-trace.json"), help="Perfetto trace to write")
+    parser.add_argument(
+        "--trace", type=Path, default=Path("runs/simulate/trace.json"), help="Perfetto trace to write (JSON)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
