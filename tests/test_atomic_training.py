@@ -263,15 +263,29 @@ def test_a_checkpoint_from_another_thread_waits_for_the_update_and_holds_the_ste
 
     def read_from_another_thread(trainer: L.Trainer) -> None:
         zero = trainer.strategy.deepspeed_engine.optimizer
-        reader = threading.Thread(target=lambda: seen.update(state=zero.state_dict()))
+
+        def read() -> None:
+            try:
+                seen["state"] = zero.state_dict()
+            except BaseException as error:  # noqa: BLE001 - reported by the test below
+                seen["error"] = error
+
+        reader = threading.Thread(target=read)
         reader.start()
         reader.join(timeout=0.5)
         seen["blocked"] = reader.is_alive()
         seen["reader"] = reader
 
+    class JoinReaderAfterTheStep(L.Callback):
+        """The reader reads right after the update, as a checkpointing thread would (not during teardown)."""
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            if "reader" in seen:
+                seen["reader"].join(timeout=60)  # type: ignore[union-attr]
+
     # Between storing the first and the second flat's step counts: the most torn moment there is.
-    fit(tmp_path, callbacks=[At("step_count", 1, read_from_another_thread)], steps=STEP)
-    seen["reader"].join(timeout=30)  # type: ignore[union-attr]
+    fit(tmp_path, callbacks=[At("step_count", 1, read_from_another_thread), JoinReaderAfterTheStep()], steps=STEP)
     assert seen["blocked"] is True, "the reader did not wait for the update"
+    assert "error" not in seen, seen.get("error")
     state = seen["state"]["optimizer_state_dict"]["state"]  # type: ignore[index]
     assert len(state) > 1 and all(int(s["step"]) == STEP for s in state.values())
