@@ -2,10 +2,10 @@
 
 Rows (all on the same fp32 param, gradient and moments, with the gradient unscaled where the path can):
   three-pass        today's path before issue 13: ``grad.mul_(1/scale)``, torch fused AdamW, cast to 16 bits
-  fused             the engine's host path: unscale, Adam and cast tile by tile, each reading the last from cache,
-                    every host thread on its own share (no barrier between kernels)
-  fused, caller     candidate: the same tiles run from the calling thread, each kernel split over torch's threads
-                    (tile 512K; three barriers per tile)
+  fused             unscale, Adam and cast tile by tile, each reading the last from cache, every host thread on
+                    its own share (no barrier between kernels): the opt-in LIGHTNING_DOS_HOST_WORKERS=1 scheme
+  fused, caller     the engine's default host path: the same tiles run from the calling thread, each kernel split
+                    over torch's threads (three barriers per tile; faster on a quiet machine)
   fused, grad_scale candidate: the engine's scheme with the unscale inside torch's kernel (it divides by
                     ``grad_scale`` and writes the gradient back)
   fused, fp32       the same for an fp32 model (the copy into the model's fp32 partition, no cast)
@@ -100,6 +100,8 @@ def _rows(buffers: list[torch.Tensor], tiles: list[int], deepspeed: tuple | None
                 maximize=False, grad_scale=scale,
             )  # fmt: skip
             lp[span].copy_(p[span])
+
+    host_workers.ENABLED = True  # the worker rows measure the opt-in scheme (the engine's default is the caller)
 
     def on_workers(work: Callable[[int, int], None]) -> Callable[[], None]:
         pool, count = host_workers.workers(), torch.get_num_threads()

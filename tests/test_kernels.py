@@ -67,8 +67,9 @@ def test_fused_update_is_bit_identical_to_three_passes(one_thread, lp_dtype, sca
         assert torch.equal(mine, theirs), name
 
 
-def test_worker_threads_give_the_one_thread_result_bit_for_bit() -> None:
+def test_worker_threads_give_the_one_thread_result_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
     """Several host threads, each on its own aligned share of tiles, compute what one thread computes."""
+    monkeypatch.setattr(host_workers, "ENABLED", True)  # opt-in (LIGHTNING_DOS_HOST_WORKERS=1)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -84,7 +85,8 @@ def test_worker_threads_give_the_one_thread_result_bit_for_bit() -> None:
         assert torch.equal(mine, theirs), name
 
 
-def test_worker_threads_keep_one_torch_thread_and_leave_the_callers_count() -> None:
+def test_worker_threads_keep_one_torch_thread_and_leave_the_callers_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_workers, "ENABLED", True)  # opt-in (LIGHTNING_DOS_HOST_WORKERS=1)
     threads = torch.get_num_threads()
     pool = host_workers.workers()
     if pool is None:

@@ -35,12 +35,19 @@ def _openmp_backend() -> bool:
     return "OpenMP" in torch.__config__.parallel_info()
 
 
+#: Off unless LIGHTNING_DOS_HOST_WORKERS=1: on a quiet machine (ranks bound to cores of their own, as
+#: ``host_threads="auto"`` does) the workers measured 0.69-0.81x the caller's tiles (bench/kernels.py, 2 threads,
+#: 16M elements, bench/RESULTS.md); they win only on an oversubscribed host, where OpenMP barriers stall.
+ENABLED = os.environ.get("LIGHTNING_DOS_HOST_WORKERS", "0") == "1"
+
+
 def workers() -> ThreadPoolExecutor | None:
-    """The pool of ``torch.get_num_threads()`` single-threaded workers, made on first use; None when the
-    caller has one thread or torch's threading backend is not OpenMP (then the caller runs the tiles)."""
+    """The pool of ``torch.get_num_threads()`` single-threaded workers, made on first use; None when they are
+    not :data:`ENABLED`, the caller has one thread or torch's threading backend is not OpenMP (then the caller
+    runs the tiles, each kernel on torch's threads)."""
     global _pool
     count = torch.get_num_threads()
-    if count < 2 or not _openmp_backend():
+    if not ENABLED or count < 2 or not _openmp_backend():
         return None
     with _lock:
         if _pool is None or _pool[:2] != (os.getpid(), count):

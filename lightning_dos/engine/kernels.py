@@ -7,9 +7,10 @@ on both sides is what makes the result independent of placement. On this project
 kernel is as fast as DeepSpeed's CPU Adam op and needs no JIT build.
 
 On the host, :func:`fused_host_update` unscales, updates and casts one cache-sized tile at a time, so
-the gradient and state cross the memory bus once instead of three times, each host thread working through
-its own share of tiles (``host_workers``; ``bench/kernels.py`` measures it against the three-pass path and
-DeepSpeed's CPU Adam followed by its cast).
+the gradient and state cross the memory bus once instead of three times; each kernel runs on torch's threads
+(or, opted in with LIGHTNING_DOS_HOST_WORKERS=1, each host thread works through its own share of tiles:
+``host_workers``). ``bench/kernels.py`` measures both against the three-pass path and DeepSpeed's CPU Adam
+followed by its cast.
 
 Unscaling multiplies by the inverse of DeepSpeed's combined scale, as DeepSpeed's own
 ``unscale_and_clip_grads`` does and as the device side does. torch's kernels can divide by a
@@ -109,9 +110,9 @@ def fused_host_update(
     The sub-group is processed in tiles of ``tile`` elements: the tile's gradient is unscaled, Adam
     updates the tile and its fresh weights are cast into ``lp_out``, each step reading what the previous
     one left in cache, so each byte of state and gradient crosses the memory bus once. With more than one
-    torch thread, each host worker thread takes a contiguous share and runs its tiles on its own (no
-    barrier between kernels; see ``host_workers``); a sub-group of at most one tile per thread is run by
-    the caller, with torch's own threads. The result is the
+    torch thread and the opt-in host workers enabled, each worker thread takes a contiguous share and runs its
+    tiles on its own (no barrier between kernels; see ``host_workers``); otherwise, and for a sub-group of at
+    most one tile per thread, the caller runs the tiles with torch's own threads. The result is the
     same as unscaling the whole gradient, running :func:`adam_update` over the whole sub-group and then
     ``lp_out.copy_(param)``: bit for bit where torch's kernel takes its vector path (everywhere but the
     last few elements of a thread's chunk, which may differ by rounding; see tests/test_kernels.py).
