@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_dos import quiet
 from lightning_dos.adapter import ZeRO3Adapter, load_zero3_weights_for_evaluation
-from lightning_dos.engine.calibrate import calibrate
+from lightning_dos.engine.calibrate import HOST_BUFFER_BYTES, calibrate, calibration_numel
 from lightning_dos.engine.cores import HostPlacement
 from lightning_dos.engine.hostmem import LIMIT_ENV, check_host_memory
 from lightning_dos.engine.perfmodel import HardwareRates
@@ -358,6 +358,8 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         self.dos_adapter: ZeRO3Adapter | None = None
         #: Chooses each step's plan (and predicts its update time) once fitting has started.
         self.dos_scheduler: PlacementScheduler | None = None
+        #: Elements per host calibration buffer, sized from the rank's partition once the model is known.
+        self._calibration_numel = HOST_BUFFER_BYTES // 4
         self._callbacks_of: list[Callback] | None = None
 
     # -- public handles ---------------------------------------------------------------------------
@@ -391,7 +393,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             # Calibrate now, before DeepSpeed and the engine allocate the optimizer state: the measuring
             # buffers are freed by then, so they never add to the run's peak host memory (and on a GPU
             # the measurement sees a device with nothing else on it).
-            _calibrated_rates(self.root_device)
+            elements = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+            self._calibration_numel = calibration_numel(-(-elements // max(1, self.world_size)))
+            _calibrated_rates(self.root_device, self._calibration_numel)
         return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
 
     def _check_host_memory(self, model: torch.nn.Module) -> None:
@@ -463,7 +467,10 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         )
         if coarse is not None:
             rank_zero_warn(coarse)
-        self.dos_scheduler = PlacementScheduler(self.fraction, self.dos_adapter.engine, calibrate=_calibrated_rates)
+        numel = self._calibration_numel
+        self.dos_scheduler = PlacementScheduler(
+            self.fraction, self.dos_adapter.engine, calibrate=lambda device: _calibrated_rates(device, numel)
+        )
         self.dos_adapter.planner = self.dos_scheduler
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -544,9 +551,10 @@ class _DeliverHeldSignals(Callback):
 
 
 @functools.lru_cache(maxsize=8)
-def _calibrated_rates(device: torch.device) -> HardwareRates:
-    """This machine's rates for ``device``, measured once per process (they do not change between fits)."""
-    return calibrate(device)
+def _calibrated_rates(device: torch.device, numel: int) -> HardwareRates:
+    """This machine's rates for ``device`` on host buffers of ``numel`` elements, measured once per process and
+    size (they do not change between fits)."""
+    return calibrate(device, numel)
 
 
 def _validated_fraction(value: float | str) -> FractionSpec:

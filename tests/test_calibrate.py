@@ -46,3 +46,10 @@ def test_each_host_kernel_is_timed_while_the_background_work_runs() -> None:
     assert len(started) == 3 and all(s > 0 for s in started), "Adam, cast and memcpy each ran under contention"
     assert finished == [True, True, True]
     assert adam > 0 and cast > 0 and memcpy > 0
+
+
+def test_calibration_buffers_never_outgrow_a_small_model_nor_fall_into_cache() -> None:
+    """A rank's whole partition when smaller than 256 MB (the update's real working set), never below 32 MB."""
+    assert calibration.calibration_numel(10**12) * 4 == calibration.HOST_BUFFER_BYTES
+    assert calibration.calibration_numel(25_000_000) == 25_000_000
+    assert calibration.calibration_numel(8_000) * 4 == 32 << 20
