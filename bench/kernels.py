@@ -1,14 +1,16 @@
 """The host update side by side, on the same buffers, in one run: how close it gets to the memory roofline.
 
 Rows (all on the same fp32 param, gradient and moments, with the gradient unscaled where the path can):
-  three-pass        today's path before issue 13: ``grad.mul_(1/scale)``, torch fused AdamW, cast to 16 bits
-  fused             unscale, Adam and cast tile by tile, each reading the last from cache, every host thread on
-                    its own share (no barrier between kernels): the opt-in LIGHTNING_DOS_HOST_WORKERS=1 scheme
-  fused, caller     the engine's default host path: the same tiles run from the calling thread, each kernel split
-                    over torch's threads (three barriers per tile; faster on a quiet machine)
-  fused, grad_scale candidate: the engine's scheme with the unscale inside torch's kernel (it divides by
+  three-pass        the path before issue 13: ``grad.mul_(1/scale)``, torch fused AdamW, cast to 16 bits
+  compiled          the engine's host path: unscale, Adam and cast per element in one compiled loop
+                    (engine/host_adam.c), split over the threads once per call
+  compiled, fp32    the same for an fp32 model (the copy into the model's fp32 partition, no cast)
+  tiles, caller     the fallback without a C compiler: unscale, torch's fused Adam and cast tile by tile, each
+                    reading the last from cache, from the calling thread (three barriers per tile)
+  tiles, workers    the same tiles, every host thread on its own share (no barrier between kernels): the
+                    opt-in LIGHTNING_DOS_HOST_WORKERS=1 scheme (also swept over --tiles)
+  tiles, grad_scale candidate: the workers' scheme with the unscale inside torch's kernel (it divides by
                     ``grad_scale`` and writes the gradient back)
-  fused, fp32       the same for an fp32 model (the copy into the model's fp32 partition, no cast)
   torch AdamW       torch's fused AdamW alone (no unscale, no cast): what one Adam pass costs
   DeepSpeed + cast  DeepSpeed's CPU Adam followed by the cast (no unscale: stricter than stock offload,
                     which also unscales in a pass of its own)
@@ -19,7 +21,7 @@ gives medians (and the best sample), G elements/s, GB/s moved (a traffic model: 
 read and write per element, counted below) and ratios.
 
     python bench/kernels.py --numel 16000000 --rounds 15 --threads 2
-    python bench/kernels.py --tiles 65536,131072,262144,524288,1048576,2097152 --threads 1,2   # tile sweep
+    python bench/kernels.py --tiles 65536,131072,262144,524288,1048576,2097152 --threads 1,2   # torch tiles
     python bench/kernels.py --numel 25500000 --sub-group-size 1592640   # as bench/run.py --preset medium updates
 """
 
@@ -32,20 +34,27 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_dos.engine import host_workers
-from lightning_dos.engine.kernels import HOST_TILE_ELEMENTS, AdamHyper, adam_update, fused_host_update, step_tensor
+from lightning_dos.engine import host_workers, native
+from lightning_dos.engine.kernels import (
+    HOST_TILE_ELEMENTS,
+    AdamHyper,
+    step_tensor,
+    tiled_host_update,
+    torch_adam_update,
+)
 
 #: Bytes each path moves per element. Adam reads param, grad, exp_avg, exp_avg_sq (16) and writes param and
 #: the moments (12); with ``grad_scale`` torch's kernel also writes the unscaled gradient back (4). The cast
-#: reads fp32 (4) and writes 2; in the fused path the read comes from cache. The unscale pass reads and writes
-#: the gradient (8); in the fused path it works in cache and the gradient is written back once (4). memcpy reads
-#: and writes 4.
+#: reads fp32 (4) and writes 2; in the fused paths the read comes from cache or a register. The unscale pass
+#: reads and writes the gradient (8); in the tiles it works in cache and the gradient is written back once (4);
+#: the compiled loop unscales in a register and writes nothing back. memcpy reads and writes 4.
 BYTES = {
     "three-pass": 8 + 28 + 6,
-    "fused": 16 + 16 + 2,
-    "fused, grad_scale": 16 + 16 + 2,
-    "fused, caller": 16 + 16 + 2,
-    "fused, fp32": 16 + 16 + 4,
+    "compiled": 16 + 12 + 2,
+    "compiled, fp32": 16 + 12 + 4,
+    "tiles": 16 + 16 + 2,
+    "tiles, grad_scale": 16 + 16 + 2,
+    "tiles, caller": 16 + 16 + 2,
     "torch AdamW": 28,
     "DeepSpeed + cast": 28 + 6,
     "stock offload": 8 + 28 + 6,
@@ -78,17 +87,23 @@ def _rows(buffers: list[torch.Tensor], tiles: list[int], deepspeed: tuple | None
 
     def three_pass() -> None:
         g.mul_(1.0 / SCALE)
-        adam_update(p, g, m, v, step, HYPER)
+        torch_adam_update(p, g, m, v, step, HYPER)
         lp.copy_(p)
 
-    def fused(tile: int, out: torch.Tensor) -> Callable[[], None]:
-        return lambda: fused_host_update(p, g, m, v, step, HYPER, 1.0 / SCALE, out, tile=tile)
+    def tiles_on_workers(tile: int, out: torch.Tensor) -> Callable[[], None]:
+        return lambda: tiled_host_update(p, g, m, v, step, HYPER, 1.0 / SCALE, out, tile=tile)
+
+    def compiled(out: torch.Tensor) -> Callable[[], None]:
+        h = HYPER
+        return lambda: native.host_adam(
+            p, g, m, v, 1.0, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled, 1.0 / SCALE, out
+        )
 
     def caller_tiles(tile: int = 1 << 19) -> None:  # every kernel an OpenMP region over torch's threads
         for start in range(0, n, tile):
             span = slice(start, min(n, start + tile))
             g[span].mul_(1.0 / SCALE)
-            adam_update(p[span], g[span], m[span], v[span], step, HYPER)
+            torch_adam_update(p[span], g[span], m[span], v[span], step, HYPER)
             lp[span].copy_(p[span])
 
     def grad_scale_tiles(begin: int, end: int) -> None:  # torch's kernel divides by grad_scale, writes it back
@@ -110,12 +125,16 @@ def _rows(buffers: list[torch.Tensor], tiles: list[int], deepspeed: tuple | None
         return lambda: host_workers.run_shares(pool, work, host_workers.shares(n, count, 64))
 
     rows: dict[str, Callable[[], None]] = {"three-pass": three_pass}
+    if native.available():
+        rows["compiled"] = compiled(lp)
+        rows["compiled, fp32"] = compiled(lp32)
+    rows["tiles, caller"] = caller_tiles
     for tile in tiles:
-        rows["fused" if tile == HOST_TILE_ELEMENTS else f"fused, tile {tile}"] = fused(tile, lp)
-    rows["fused, caller"] = caller_tiles
-    rows["fused, grad_scale"] = on_workers(grad_scale_tiles)
-    rows["fused, fp32"] = fused(HOST_TILE_ELEMENTS, lp32)
-    rows["torch AdamW"] = lambda: adam_update(p, g, m, v, step, HYPER)
+        rows["tiles, workers" if tile == HOST_TILE_ELEMENTS else f"tiles, workers, tile {tile}"] = tiles_on_workers(
+            tile, lp
+        )
+    rows["tiles, grad_scale"] = on_workers(grad_scale_tiles)
+    rows["torch AdamW"] = lambda: torch_adam_update(p, g, m, v, step, HYPER)
     if deepspeed is not None:
         opt, op = deepspeed
 
@@ -174,7 +193,7 @@ def _table(n: int, samples: dict[str, list[float]], rounds: int) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, seconds in median.items():
-        nbytes = BYTES.get(name, BYTES["fused"] if name.startswith("fused") else None)
+        nbytes = BYTES.get(name, BYTES["tiles"] if name.startswith("tiles") else None)
         gbps = f"{nbytes * n / seconds / 1e9:.1f}" if nbytes else "n/a"
         vs_ds = f"{ds / seconds:.2f}x" if ds else "n/a"
         lines.append(
@@ -197,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     tiles = sorted({int(t) for t in args.tiles.split(",")} | {HOST_TILE_ELEMENTS})
     threads = [int(t) for t in args.threads.split(",")] if args.threads else [torch.get_num_threads()]
     deepspeed = _deepspeed_op()
+    reason = native.unavailable_reason()
+    print("compiled host kernel: " + (f"unavailable ({reason}), its rows are left out" if reason else "built"))
     for count in threads:
         torch.set_num_threads(count)
         rows = _all_rows(args.numel, tiles, deepspeed, args.sub_group_size)

@@ -1,12 +1,20 @@
-"""The one-pass host update (unscale + Adam + cast, tile by tile) against the three-pass reference."""
+"""The one-pass host update (unscale + Adam + cast: compiled, or torch's kernels tile by tile) against the
+three-pass reference built from torch's fused Adam kernel."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_dos.engine import host_workers
-from lightning_dos.engine.kernels import HOST_TILE_ELEMENTS, AdamHyper, adam_update, fused_host_update, step_tensor
+from lightning_dos.engine import host_workers, native
+from lightning_dos.engine.kernels import (
+    HOST_TILE_ELEMENTS,
+    AdamHyper,
+    fused_host_update,
+    step_tensor,
+    tiled_host_update,
+    torch_adam_update,
+)
 from lightning_dos.engine.loop import InterleavedAdam, StepInputs
 from lightning_dos.engine.plan import Place, Plan
 
@@ -24,11 +32,11 @@ def _state(numel: int, seed: int) -> list[torch.Tensor]:
 
 
 def _three_pass(state: list[torch.Tensor], step: int, hyper: AdamHyper, scale: float, lp: torch.Tensor) -> None:
-    """The reference: unscale the whole gradient, Adam over the whole sub-group, then cast."""
+    """The reference: unscale the whole gradient, torch's fused Adam over the whole sub-group, then cast."""
     param, grad, exp_avg, exp_avg_sq = state
     if scale != 1.0:
         grad.mul_(1.0 / scale)
-    adam_update(param, grad, exp_avg, exp_avg_sq, step_tensor(step, torch.device("cpu")), hyper)
+    torch_adam_update(param, grad, exp_avg, exp_avg_sq, step_tensor(step, torch.device("cpu")), hyper)
     lp.copy_(param)
 
 
@@ -43,17 +51,26 @@ def one_thread():  # noqa: ANN201
     torch.set_num_threads(threads)
 
 
-def _run_both(numel, tile, hyper, scale, lp_dtype, steps=3):  # noqa: ANN001, ANN202
-    """Three steps of the fused update and of the three-pass reference, from the same state."""
+#: Both host paths: the engine's (compiled where a C compiler is, else torch's tiles) and torch's tiles.
+PATHS = {"engine": fused_host_update, "tiles": tiled_host_update}
+#: What each path leaves in the gradient: the compiled kernel unscales in registers, torch's tiles in place.
+STATE_NAMES = ("param", "grad", "exp_avg", "exp_avg_sq", "lp")
+
+
+def _run_both(numel, tile, hyper, scale, lp_dtype, steps=3, update=fused_host_update):  # noqa: ANN001, ANN202
+    """Three steps of the one-pass update and of the three-pass reference, from the same state. The gradient
+    the reference leaves (unscaled) is put back as it came, so the gradients compare whichever path ran."""
     ours, ref = _state(numel, seed=numel + tile), _state(numel, seed=numel + tile)
     lp_ours, lp_ref = torch.zeros(numel, dtype=lp_dtype), torch.zeros(numel, dtype=lp_dtype)
     for step in range(1, steps + 1):
         grad = _state(numel, seed=100 * step + numel)[1].mul_(scale)  # gradients arrive scaled
         ours[1].copy_(grad)
         ref[1].copy_(grad)
-        fused_host_update(*ours, step_tensor(step, torch.device("cpu")), hyper, 1.0 / scale, lp_ours, tile=tile)
+        update(*ours, step_tensor(step, torch.device("cpu")), hyper, 1.0 / scale, lp_ours, tile=tile)
         _three_pass(ref, step, hyper, scale, lp_ref)
         assert torch.equal(lp_ours, ours[0].to(lp_dtype)), "the 16-bit copy is the rounded master, bit for bit"
+        for state in (ours, ref):
+            state[1].copy_(grad)
     return [*ours, lp_ours], [*ref, lp_ref]
 
 
@@ -61,10 +78,17 @@ def _run_both(numel, tile, hyper, scale, lp_dtype, steps=3):  # noqa: ANN001, AN
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("hyper", [ADAMW, ADAM_L2], ids=["adamw", "adam-l2"])
 @pytest.mark.parametrize("numel,tile", [(1000, 64), (1000, 1000), (4099, 1024)])
-def test_fused_update_is_bit_identical_to_three_passes(one_thread, lp_dtype, scale, hyper, numel, tile) -> None:  # noqa: ANN001
-    ours, ref = _run_both(numel, tile, hyper, scale, lp_dtype)
-    for name, mine, theirs in zip(("param", "grad", "exp_avg", "exp_avg_sq", "lp"), ours, ref):
-        assert torch.equal(mine, theirs), name
+@pytest.mark.parametrize("path", PATHS)
+def test_fused_update_is_bit_identical_to_three_passes(one_thread, path, lp_dtype, scale, hyper, numel, tile) -> None:  # noqa: ANN001
+    """torch's kernel computes the last numel % 16 (AVX-512; % 8 with AVX2) elements on a scalar path that its
+    compiler contracts differently; the compiled kernel computes every element as torch's vector path does
+    (tests/test_native_kernel.py), so those few elements may differ by rounding when the engine's path is the
+    compiled one. Tiles of torch's kernel put the same elements on that path as the reference does."""
+    ours, ref = _run_both(numel, tile, hyper, scale, lp_dtype, update=PATHS[path])
+    exact = numel - numel % 16 if path == "engine" and native.available() else numel
+    for name, mine, theirs in zip(STATE_NAMES, ours, ref):
+        assert torch.equal(mine[:exact], theirs[:exact]), name
+        torch.testing.assert_close(mine[exact:], theirs[exact:], rtol=1e-6, atol=1e-12)
 
 
 def test_worker_threads_give_the_one_thread_result_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,15 +97,15 @@ def test_worker_threads_give_the_one_thread_result_bit_for_bit(monkeypatch: pyte
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        _, ref = _run_both(5007, 256, ADAMW, 3.7 * 2.0**12, torch.bfloat16)
+        _, ref = _run_both(5007, 256, ADAMW, 3.7 * 2.0**12, torch.bfloat16, update=tiled_host_update)
         torch.set_num_threads(2)
         if host_workers.workers() is None:
             pytest.skip("torch is not built with OpenMP threading: the caller runs every tile")
-        ours, _ = _run_both(5007, 256, ADAMW, 3.7 * 2.0**12, torch.bfloat16)
+        ours, _ = _run_both(5007, 256, ADAMW, 3.7 * 2.0**12, torch.bfloat16, update=tiled_host_update)
         assert host_workers.workers() is not None and 5007 > 256 * torch.get_num_threads(), "workers ran"
     finally:
         torch.set_num_threads(threads)
-    for name, mine, theirs in zip(("param", "grad", "exp_avg", "exp_avg_sq", "lp"), ours, ref):
+    for name, mine, theirs in zip(STATE_NAMES, ours, ref):
         assert torch.equal(mine, theirs), name
 
 
@@ -99,15 +123,17 @@ def test_worker_threads_keep_one_torch_thread_and_leave_the_callers_count(monkey
 @pytest.mark.parametrize("tile", [1, 7, 48, 1000])
 @pytest.mark.parametrize("hyper", [ADAMW, ADAM_L2], ids=["adamw", "adam-l2"])
 def test_any_tile_and_thread_count_stays_within_rounding_of_the_three_pass_path(tile, hyper) -> None:  # noqa: ANN001
-    """Odd tiles put more elements on the kernel's scalar path; those differ by a few ulp at most, well
+    """Odd tiles put more elements on torch's scalar path; those differ by a few ulp at most, well
     inside the 1e-5 bound of the equivalence tests."""
-    ours, ref = _run_both(777, tile, hyper, 3.7 * 2.0**12, torch.bfloat16)
+    ours, ref = _run_both(777, tile, hyper, 3.7 * 2.0**12, torch.bfloat16, update=tiled_host_update)
     for mine, theirs in zip(ours[:4], ref[:4]):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-8)
 
 
-def test_default_tile_splits_a_large_sub_group_and_matches_plain_adamw() -> None:
-    """More elements than one tile, checked against torch.optim.AdamW fed the unscaled gradient."""
+@pytest.mark.parametrize("path", PATHS)
+def test_default_tile_splits_a_large_sub_group_and_matches_plain_adamw(path: str) -> None:
+    """More elements than one tile (and than one thread's minimum share), checked against torch.optim.AdamW
+    fed the unscaled gradient."""
     numel, scale = HOST_TILE_ELEMENTS + 12_345, 2.0**10
     param, grad, exp_avg, exp_avg_sq = _state(numel, seed=7)
     exp_avg.zero_()
@@ -119,22 +145,26 @@ def test_default_tile_splits_a_large_sub_group_and_matches_plain_adamw() -> None
     opt.step()
     lp = torch.empty(numel, dtype=torch.bfloat16)
     grad.mul_(scale)
-    fused_host_update(param, grad, exp_avg, exp_avg_sq, step_tensor(1, torch.device("cpu")), ADAMW, 1 / scale, lp)
+    PATHS[path](param, grad, exp_avg, exp_avg_sq, step_tensor(1, torch.device("cpu")), ADAMW, 1 / scale, lp)
     torch.testing.assert_close(param, reference.detach(), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(exp_avg_sq, opt.state[reference]["exp_avg_sq"], rtol=1e-5, atol=1e-12)
     assert torch.equal(lp, param.to(torch.bfloat16))
 
 
-def test_non_finite_gradients_propagate_exactly_as_in_the_three_pass_path() -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_non_finite_gradients_propagate_exactly_as_in_the_three_pass_path(path: str) -> None:
     """With no overflow check in front (fp32/bf16), inf and NaN reach the state just as before."""
     ours, ref = _state(500, seed=3), _state(500, seed=3)
     for state in (ours, ref):
         state[1][[5, 77, 300]] = torch.tensor([float("inf"), float("-inf"), float("nan")])
     lp_ours, lp_ref = torch.zeros(500, dtype=torch.bfloat16), torch.zeros(500, dtype=torch.bfloat16)
-    fused_host_update(*ours, step_tensor(1, torch.device("cpu")), ADAMW, 2.0**-8, lp_ours, tile=64)
+    PATHS[path](*ours, step_tensor(1, torch.device("cpu")), ADAMW, 2.0**-8, lp_ours, tile=64)
     _three_pass(ref, 1, ADAMW, 2.0**8, lp_ref)
-    for mine, theirs in zip([*ours, lp_ours], [*ref, lp_ref]):
-        torch.testing.assert_close(mine, theirs, rtol=0, atol=0, equal_nan=True)
+    exact = 496 if path == "engine" and native.available() else 500  # torch's scalar tail: see above
+    for name, mine, theirs in zip(STATE_NAMES, [*ours, lp_ours], [*ref, lp_ref]):
+        if name != "grad":  # the compiled kernel leaves the gradient as it came
+            torch.testing.assert_close(mine[:exact], theirs[:exact], rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(mine[exact:], theirs[exact:], rtol=1e-6, atol=1e-12, equal_nan=True)
 
 
 def _engine_and_inputs(grads: list[torch.Tensor], scale: float, steps: int) -> tuple[InterleavedAdam, StepInputs]:

@@ -36,6 +36,7 @@ def calibration_numel(partition_numel: int) -> int:
     """
     return max(MIN_HOST_NUMEL, min(HOST_BUFFER_BYTES // 4, int(partition_numel)))
 
+
 #: Starts background work lasting about the given seconds; returns a function that waits for it to end.
 Busy = Callable[[float], Callable[[], None]]
 

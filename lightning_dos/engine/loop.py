@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_dos.engine import native
 from lightning_dos.engine.atomic import TornStateError, UpdateGuard, UpdateProgress
 from lightning_dos.engine.kernels import AdamHyper, adam_update, fused_host_update, step_tensor
 from lightning_dos.engine.perfmodel import predict
@@ -123,6 +124,8 @@ class InterleavedAdam:
             allocate=self.streams.empty,
         )
         self.gpu_memory_budget = gpu_memory_budget
+        # Build the compiled host update now, not in the first step; say so once if torch's kernels stand in.
+        native.warn_if_unavailable()
         #: Record a span per operation (the monitor turns this on; off costs nothing).
         self.timing = False
         self.last_report: StepReport | None = None

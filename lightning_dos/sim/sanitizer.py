@@ -40,6 +40,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_dos.engine import host_workers
+from lightning_dos.engine.pool import FP32_BYTES
 from lightning_dos.sim.simstreams import COMPUTE, D2H, H2D, LP_H2D, STREAM_NAMES, SimEvent, SimStream, SimStreams
 
 #: torch versions whose private ``torch.cuda._sanitizer`` this module was tested with.
@@ -390,9 +391,12 @@ class StreamSanitizer:
         stream = self._sim.current.id if device and self._sim is not None else HOST
         op = schema.name.split("::")[-1]
         self._launch(stream, op, reads, writes + fresh, where=_caller())
-        logged = self._classify(op, stream, reads, writes + fresh)
+        logged = [self._classify(op, stream, reads, writes + fresh)]
+        if op == "host_adam" and len(writes) == 4:  # the compiled one-pass update also casts into lp_out
+            lp_out = writes[3]
+            logged.append(LoggedOp("op", stream, "host_cast", lp_out.numel(), lp_out.numel() * FP32_BYTES))
         operation = self._sim.operation if self._sim is not None else None
-        self.log.append(dataclasses.replace(logged, sub_group=operation[1]) if operation else logged)
+        self.log.extend(dataclasses.replace(one, sub_group=operation[1]) if operation else one for one in logged)
         crosses = device and not all(self._is_device([t]) for t in touched)
         if crosses and (blocking and op == "copy_" or op == "_local_scalar_dense"):
             self.stream_synchronize(stream)  # a blocking transfer or a .item(): the host waits for the stream
@@ -403,7 +407,7 @@ class StreamSanitizer:
         elements = max((t.numel() for t in writes), default=0)
         if op in ALLOCATIONS:
             return LoggedOp("op", stream, "alloc")
-        if op.startswith("_fused_adam"):
+        if op.startswith("_fused_adam") or op == "host_adam":  # torch's kernels, or the compiled one-pass update
             lane = "host_adam" if stream == HOST else "device_adam"
             return LoggedOp("op", stream, lane, elements=sum(t.numel() for t in _tensors(writes[:1])))
         if op == "copy_" and writes and reads:
@@ -445,7 +449,8 @@ class StreamSanitizer:
         def watched_step(plan: Any, inputs: Any) -> Any:
             for i, (grad, lp) in enumerate(zip(inputs.grads, inputs.lp_targets, strict=True)):
                 self.name(grad, f"gradient buffer {i}")
-                self.name(lp, f"16-bit partition {i}", device=True)
+                # In device memory, unless DeepSpeed offloads parameters (then the engine downloads 16-bit results).
+                self.name(lp, f"16-bit partition {i}", device=not engine.lp_downloads)
             # Forward and backward use the gathered parameters on the default stream once it has waited for
             # the all-gather (partitioned_param_coordinator: current_stream().wait_stream(allgather_stream)).
             self.stream_wait_stream(COMPUTE, DS_ALLGATHER)

@@ -1,0 +1,264 @@
+"""The compiled one-pass host update (engine/host_adam.c): torch's formula bit for bit, whatever the split,
+the thread count, the instruction set or the build; the fallback and its warning without a compiler."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_dos.engine import native
+from lightning_dos.engine.kernels import AdamHyper, fused_host_update, step_tensor, tiled_host_update, torch_adam_update
+
+ADAMW = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True)
+HYPERS = {
+    "adamw": ADAMW,
+    "adam-l2": AdamHyper(lr=3e-3, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.01, decoupled=False),
+    "no-decay": AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True),
+    "lerp-second-form": AdamHyper(lr=1e-3, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.05, decoupled=True),
+}
+LP_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+needs_compiler = pytest.mark.skipif(
+    not native.available(),
+    reason=f"the compiled kernel is unavailable here ({native.unavailable_reason()}); "
+    "test_without_a_compiler_the_engine_warns_once_and_uses_torchs_kernels covers the fallback",
+)
+
+
+def _state(numel: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    param, grad, exp_avg = (torch.randn(numel, generator=gen) for _ in range(3))
+    return [param, grad, exp_avg, torch.rand(numel, generator=gen)]
+
+
+def _edge_values(numel: int) -> list[torch.Tensor]:
+    """Random state whose updated weights include fp16 overflow, fp16 subnormals, bf16 rounding ties and zero:
+    each cast's special cases, on the vector path and the scalar remainder alike."""
+    state = _state(numel, seed=numel)
+    param = state[0]
+    param[::7] *= 7e4  # past fp16's largest finite value
+    param[1::7] *= 3e-6  # fp16 subnormals
+    param[2::7] = torch.tensor(1.0 + 2.0**-8).expand_as(param[2::7])  # a bf16 tie (rounds to even)
+    param[3::11] = 0.0
+    return state
+
+
+def _native_step(state, hyper, step, scale, lp, kernel=native.host_adam, threads=None):  # noqa: ANN001, ANN202
+    h = hyper
+    kernel(*state, step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled, 1 / scale, lp, threads)
+
+
+@needs_compiler
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+    reason="torch runs its generic (non-SIMD) CPU kernels here, which round differently from its vector path; "
+    "test_the_result_does_not_depend_on_threads_splits_or_instruction_set still checks the kernel against itself",
+)
+@pytest.mark.parametrize("lp_dtype", LP_DTYPES)
+@pytest.mark.parametrize("hyper", HYPERS)
+def test_bit_identical_to_torchs_fused_adam_vector_path_then_cast(hyper: str, lp_dtype: torch.dtype) -> None:
+    """Three steps from the same state: every element torch computes on its vector path (all but the last
+    numel % 16) is the same bit for bit, the 16-bit copy is ``param.to(dtype)`` exactly, and the gradient is left
+    as it came."""
+    numel, scale = 4096 + 16 * 7 + 5, 3.7 * 2.0**12
+    ours, ref = _state(numel, seed=1), _state(numel, seed=1)
+    lp = torch.empty(numel, dtype=lp_dtype)
+    body = numel - numel % 16
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one chunk: torch's scalar path is then only the tensor's last few elements
+    try:
+        for step in (1, 2, 3):
+            grad = _state(numel, seed=10 + step)[1].mul_(scale)
+            ours[1].copy_(grad)
+            ref[1].copy_(grad)
+            _native_step(ours, HYPERS[hyper], step, scale, lp)
+            assert torch.equal(ours[1], grad), "the gradient is read, not written"
+            torch_adam_update(*ref[:1], ref[1].mul_(1 / scale), *ref[2:], step_tensor(step, torch.device("cpu")),
+                              HYPERS[hyper])  # fmt: skip
+            for name, mine, theirs in zip(("param", "exp_avg", "exp_avg_sq"), (ours[0], *ours[2:]), (ref[0], *ref[2:])):
+                assert torch.equal(mine[:body], theirs[:body]), f"{name} at step {step}"
+                torch.testing.assert_close(mine[body:], theirs[body:], rtol=1e-6, atol=1e-12)
+            assert torch.equal(lp, ours[0].to(lp_dtype))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_compiler
+@pytest.mark.parametrize("lp_dtype", LP_DTYPES)
+def test_the_result_does_not_depend_on_threads_or_where_a_sub_group_is_cut(lp_dtype: torch.dtype) -> None:
+    """Every element is computed by the same statements, so 1, 2, 3 or 7 threads, or the tensor cut into pieces
+    at odd offsets (sub-groups start anywhere; threads start on cache lines), give the same bits."""
+    numel = 3 * native.MIN_ELEMENTS_PER_THREAD + 4099  # large enough that several threads really run
+    results = []
+    for threads, cuts in ((1, []), (2, []), (3, []), (7, []), (1, [5, 1000, 70_001, 200_003])):
+        state, lp = _edge_values(numel), torch.empty(numel, dtype=lp_dtype)
+        bounds = [0, *cuts, numel]
+        for begin, end in zip(bounds, bounds[1:]):
+            piece = [t[begin:end] for t in state]
+            _native_step(piece, ADAMW, 2, 2.0**8, lp[begin:end], threads=threads)
+        results.append([*state, lp])
+    for other in results[1:]:
+        for mine, theirs in zip(other, results[0]):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0, equal_nan=True)
+
+
+def _compiler() -> str | None:
+    return native._compiler()
+
+
+@needs_compiler
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the builds compared are x86-64 levels")
+def test_every_instruction_set_and_build_gives_the_same_bits(tmp_path: Path) -> None:
+    """The library for this CPU, for plain x86-64 (SSE2: every cast on its scalar path), for x86-64-v3 (AVX2,
+    F16C: the AVX2 streaming casts), without OpenMP (its own threads), and with the portable fp16 conversion
+    (compilers without _Float16) all compute the same bits: the same as the cached build the engine runs."""
+    compiler = _compiler()
+    builds = {"engine's": native._load()}
+    for name, flags in {
+        "x86-64": ["-march=x86-64"],
+        "x86-64-v3": ["-march=x86-64-v3", "-fopenmp"],
+        "no OpenMP": ["-march=native"],
+        "portable fp16": ["-march=x86-64", "-DDOS_NO_FLOAT16"],
+    }.items():
+        target = tmp_path / f"{name.replace(' ', '_')}.so"
+        native.compile_library(compiler, flags, target)
+        builds[name] = native.HostAdamKernel(target)
+    numel = 2 * native.MIN_ELEMENTS_PER_THREAD + 1037
+    for lp_dtype in LP_DTYPES:
+        outputs = {}
+        for name, kernel in builds.items():
+            state, lp = _edge_values(numel), torch.empty(numel, dtype=lp_dtype)
+            for step in (1, 2):
+                _native_step(state, ADAMW, step, 3.7 * 2.0**12, lp, kernel=kernel, threads=2)
+            outputs[name] = [*state, lp]
+        for name, result in outputs.items():
+            for mine, theirs in zip(result, outputs["engine's"]):
+                torch.testing.assert_close(mine, theirs, rtol=0, atol=0, equal_nan=True, msg=f"{name}, {lp_dtype}")
+        assert torch.equal(outputs["engine's"][4], outputs["engine's"][0].to(lp_dtype)), "casts as torch casts"
+
+
+@needs_compiler
+def test_the_engine_host_path_is_the_compiled_kernel_and_agrees_with_torchs_tiles() -> None:
+    """``fused_host_update`` runs the compiled kernel (the gradient comes back as it came, where torch's tiles
+    unscale it in place), and one thread of torch's tiles gives the same bits on the vector body."""
+    numel, scale = 5000, 2.0**10
+    ours, theirs = _state(numel, seed=4), _state(numel, seed=4)
+    grad = ours[1].clone()
+    lp_ours, lp_theirs = torch.empty(numel, dtype=torch.bfloat16), torch.empty(numel, dtype=torch.bfloat16)
+    step = step_tensor(1, torch.device("cpu"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fused_host_update(*ours, step, ADAMW, 1 / scale, lp_ours)
+        tiled_host_update(*theirs, step, ADAMW, 1 / scale, lp_theirs, tile=1024)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(ours[1], grad) and not torch.equal(theirs[1], grad)
+    body = numel - numel % 16
+    for mine, other in zip([ours[0], *ours[2:], lp_ours], [theirs[0], *theirs[2:], lp_theirs]):
+        assert torch.equal(mine[:body], other[:body])
+
+
+@needs_compiler
+def test_bad_tensors_are_refused_before_anything_changes() -> None:
+    param, grad, exp_avg, exp_avg_sq = _state(64, seed=0)
+    before = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
+    h = ADAMW
+    hyper = (1, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled)
+    with pytest.raises(ValueError, match="contiguous fp32 CPU"):
+        native.host_adam(param, grad.double(), exp_avg, exp_avg_sq, *hyper)
+    with pytest.raises(ValueError, match="contiguous fp32 CPU"):
+        native.host_adam(param, torch.randn(128)[::2], exp_avg, exp_avg_sq, *hyper)
+    with pytest.raises(ValueError, match="lp_out"):
+        native.host_adam(param, grad, exp_avg, exp_avg_sq, *hyper, lp_out=torch.empty(63, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="lp_out"):
+        native.host_adam(param, grad, exp_avg, exp_avg_sq, *hyper, lp_out=torch.empty(64, dtype=torch.int16))
+    for now, then in zip((param, exp_avg, exp_avg_sq), before):
+        assert torch.equal(now, then)
+
+
+@needs_compiler
+def test_the_library_is_built_once_and_found_again(tmp_path: Path) -> None:
+    """A second process finds the cached library (same path, not rebuilt); a fresh cache builds it in seconds."""
+    script = textwrap.dedent(
+        """
+        import time
+        from lightning_dos.engine import native
+        start = time.perf_counter()
+        path = native.build()
+        print(path, path.stat().st_mtime_ns, round(time.perf_counter() - start, 2))
+        """
+    )
+    env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path)}
+    first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    path, mtime, seconds = first.stdout.split()
+    assert Path(path).is_relative_to(tmp_path) and float(seconds) < 60
+    assert second.stdout.split()[:2] == [path, mtime], "found, not rebuilt"
+    assert not list(Path(path).parent.glob("*.tmp")), "no partial library left behind"
+
+
+def test_without_a_compiler_the_engine_warns_once_and_uses_torchs_kernels(tmp_path: Path) -> None:
+    """No compiler on the machine (here: $CC names one that does not exist, and nothing is cached): the
+    engine warns once, with what to do, and its host and device updates use torch's kernels, which give the
+    three-pass result. LIGHTNING_DOS_NATIVE=0 does the same without the warning."""
+    script = textwrap.dedent(
+        """
+        import warnings, torch
+        from lightning_dos.engine import native
+        from lightning_dos.engine.kernels import AdamHyper, fused_host_update, step_tensor, torch_adam_update
+        from lightning_dos.engine.loop import InterleavedAdam
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            InterleavedAdam([300], [0], 64, torch.device("cpu"), torch.bfloat16)
+            InterleavedAdam([300], [0], 64, torch.device("cpu"), torch.bfloat16)
+        print("warnings:", len(caught))
+        for w in caught:
+            print(w.message)
+        print("available:", native.available(), "reason:", native.unavailable_reason())
+        torch.set_num_threads(1)
+        h = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True)
+        gen = torch.Generator().manual_seed(0)
+        ours = [torch.randn(999, generator=gen) for _ in range(4)]
+        ours[3].abs_()
+        ref = [t.clone() for t in ours]
+        lp = torch.empty(999, dtype=torch.bfloat16)
+        step = step_tensor(1, torch.device("cpu"))
+        fused_host_update(*ours, step, h, 0.25, lp)
+        ref[1].mul_(0.25)
+        torch_adam_update(*ref, step, h)
+        same = all(torch.equal(a, b) for a, b in zip(ours, ref)) and torch.equal(lp, ref[0].bfloat16())
+        print("three-pass result:", same)
+        """
+    )
+    env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path), "CC": "no-such-compiler-dos"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    out = done.stdout
+    assert "warnings: 1" in out, out
+    assert "no C compiler found" in out and "Install a C compiler" in out and "LIGHTNING_DOS_NATIVE=0" in out
+    assert "available: False" in out and "three-pass result: True" in out
+    env["LIGHTNING_DOS_NATIVE"] = "0"
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert "warnings: 0" in done.stdout and "reason: LIGHTNING_DOS_NATIVE=0" in done.stdout
+    assert "three-pass result: True" in done.stdout
+
+
+def test_a_compiler_that_fails_is_reported_with_its_output(tmp_path: Path) -> None:
+    """A compiler that runs but cannot build (here: one that always fails) leaves the engine on torch's kernels
+    with the command and the compiler's own message in the reason."""
+    failing = tmp_path / "failing-cc"
+    failing.write_text("#!/bin/sh\necho 'failing-cc: cannot compile' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    script = "from lightning_dos.engine import native; print(native.available()); print(native.unavailable_reason())"
+    env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path), "CC": str(failing)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.startswith("False") and "could not build host_adam.c" in done.stdout
+    assert "failing-cc: cannot compile" in done.stdout and "-march=native" in done.stdout
+    assert shutil.which("sh"), "the stand-in compiler is a shell script"
