@@ -20,13 +20,13 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from lightning_dos.engine import native
 from lightning_dos.engine.atomic import TornStateError, UpdateGuard, UpdateProgress
-from lightning_dos.engine.kernels import AdamHyper, adam_update, fused_host_update, step_tensor
+from lightning_dos.engine.inputs import StepInputs
+from lightning_dos.engine.kernels import adam_update, fused_host_update, step_tensor
 from lightning_dos.engine.perfmodel import predict
 from lightning_dos.engine.plan import Place, Plan, SubGroup, split_into_sub_groups
 from lightning_dos.engine.pool import STAGING_BYTES_PER_ELEMENT, BufferPool, DeviceBuffer
@@ -39,27 +39,6 @@ FP32_BYTES = 4
 STATE_BYTES_PER_ELEMENT = 3 * FP32_BYTES
 #: Device memory kept free for the caching allocator's fragmentation when the budget is derived.
 FREE_MEMORY_MARGIN = 0.10
-
-
-@dataclass
-class StepInputs:
-    """What one step needs from the framework, per DeepSpeed flat partition.
-
-    Attributes:
-        grads: fp32 gradient of each flat partition, in host memory (DeepSpeed's offload buffers).
-        lp_targets: the model's 16-bit (or fp32) partition of each flat, where the updated parameters go.
-        hypers: hyperparameters of each optimizer param group.
-        steps: the step number to apply to each flat partition (1 for its first update).
-        inv_grad_scale: factor that unscales and clips gradients (1 / DeepSpeed's combined scale).
-        predicted_s: the performance model's prediction for this step's plan, if any.
-    """
-
-    grads: Sequence[torch.Tensor]
-    lp_targets: Sequence[torch.Tensor]
-    hypers: Sequence[AdamHyper]
-    steps: Sequence[int]
-    inv_grad_scale: float = 1.0
-    predicted_s: float | None = None
 
 
 def _useful_buffers(plan: Plan) -> Plan:

@@ -17,21 +17,41 @@ and gradient. :func:`finish_on_host` does that, guided by :class:`~lightning_dos
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
 from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, TornStateError, UpdateInterrupted, UpdateProgress
+from lightning_dos.engine.inputs import StepInputs
 from lightning_dos.engine.kernels import adam_update, step_tensor
-from lightning_dos.engine.plan import Place, Plan
+from lightning_dos.engine.plan import Place, Plan, SubGroup
+from lightning_dos.engine.pool import BufferPool
 from lightning_dos.engine.report import StepReport
+from lightning_dos.engine.streams import Streams
 
-if TYPE_CHECKING:
-    from lightning_dos.engine.loop import InterleavedAdam, StepInputs
+
+class InterruptedEngine(Protocol):
+    """What recovery uses of :class:`~lightning_dos.engine.loop.InterleavedAdam` (typed here, so this module
+    does not import the loop that calls it)."""
+
+    sub_groups: list[SubGroup]
+    sizes: tuple[int, ...]
+    steps_taken: int
+    torn: str | None
+    last_report: StepReport | None
+    pool: BufferPool
+    streams: Streams
+    lp_downloads: bool
+    resident: dict[int, Any]
+
+    def _slices(self, sg: SubGroup, inputs: StepInputs) -> Sequence[torch.Tensor]: ...
+
+    def _evict(self, indices: list[int]) -> None: ...
 
 
 def settle_interrupted_update(
-    engine: InterleavedAdam, error: BaseException, inputs: StepInputs, progress: UpdateProgress
+    engine: InterruptedEngine, error: BaseException, inputs: StepInputs, progress: UpdateProgress
 ) -> StepReport:
     """Leave the state pre-step or post-step after ``error`` interrupted the update, and say which.
 
@@ -81,7 +101,7 @@ def settle_interrupted_update(
     raise UpdateInterrupted(message, POST_STEP, error) from error
 
 
-def finish_on_host(engine: InterleavedAdam, inputs: StepInputs, progress: UpdateProgress) -> list[int]:
+def finish_on_host(engine: InterruptedEngine, inputs: StepInputs, progress: UpdateProgress) -> list[int]:
     """Bring every sub-group of the interrupted update to post-step; return those finished here.
 
     Raises whatever the device raises when work already queued on it cannot complete (the caller then

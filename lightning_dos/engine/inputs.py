@@ -1,0 +1,31 @@
+"""What the framework hands the engine for one step (shared by the step loop and its recovery)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lightning_dos.engine.kernels import AdamHyper
+
+
+@dataclass
+class StepInputs:
+    """What one step needs from the framework, per DeepSpeed flat partition.
+
+    Attributes:
+        grads: fp32 gradient of each flat partition, in host memory (DeepSpeed's offload buffers).
+        lp_targets: the model's 16-bit (or fp32) partition of each flat, where the updated parameters go.
+        hypers: hyperparameters of each optimizer param group.
+        steps: the step number to apply to each flat partition (1 for its first update).
+        inv_grad_scale: factor that unscales and clips gradients (1 / DeepSpeed's combined scale).
+        predicted_s: the performance model's prediction for this step's plan, if any.
+    """
+
+    grads: Sequence[torch.Tensor]
+    lp_targets: Sequence[torch.Tensor]
+    hypers: Sequence[AdamHyper]
+    steps: Sequence[int]
+    inv_grad_scale: float = 1.0
+    predicted_s: float | None = None
