@@ -3,6 +3,7 @@ the thread count, the instruction set or the build; the fallback and its warning
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import subprocess
@@ -109,17 +110,13 @@ def test_the_result_does_not_depend_on_threads_or_where_a_sub_group_is_cut(lp_dt
             torch.testing.assert_close(mine, theirs, rtol=0, atol=0, equal_nan=True)
 
 
-def _compiler() -> str | None:
-    return native._compiler()
-
-
 @needs_compiler
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the builds compared are x86-64 levels")
 def test_every_instruction_set_and_build_gives_the_same_bits(tmp_path: Path) -> None:
     """The library for this CPU, for plain x86-64 (SSE2: every cast on its scalar path), for x86-64-v3 (AVX2,
     F16C: the AVX2 streaming casts), without OpenMP (its own threads), and with the portable fp16 conversion
     (compilers without _Float16) all compute the same bits: the same as the cached build the engine runs."""
-    compiler = _compiler()
+    compiler = native._compiler()
     builds = {"engine's": native._load()}
     for name, flags in {
         "x86-64": ["-march=x86-64"],
@@ -196,7 +193,7 @@ def test_the_library_is_built_once_and_found_again(tmp_path: Path) -> None:
         print(path, path.stat().st_mtime_ns, round(time.perf_counter() - start, 2))
         """
     )
-    env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path)}
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     path, mtime, seconds = first.stdout.split()
@@ -238,7 +235,7 @@ def test_without_a_compiler_the_engine_warns_once_and_uses_torchs_kernels(tmp_pa
         print("three-pass result:", same)
         """
     )
-    env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path), "CC": "no-such-compiler-dos"}
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "CC": "no-such-compiler-dos"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     out = done.stdout
     assert "warnings: 1" in out, out
@@ -257,7 +254,7 @@ def test_a_compiler_that_fails_is_reported_with_its_output(tmp_path: Path) -> No
     failing.write_text("#!/bin/sh\necho 'failing-cc: cannot compile' >&2\nexit 1\n")
     failing.chmod(0o755)
     script = "from lightning_dos.engine import native; print(native.available()); print(native.unavailable_reason())"
-    env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path), "CC": str(failing)}
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "CC": str(failing)}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert done.stdout.startswith("False") and "could not build host_adam.c" in done.stdout
     assert "failing-cc: cannot compile" in done.stdout and "-march=native" in done.stdout
