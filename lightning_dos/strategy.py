@@ -506,6 +506,15 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             trainer.callbacks.insert(0, _DeliverHeldSignals())
         self._callbacks_of = trainer.callbacks
 
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:
+        # Lightning's automatic loop has already divided the loss by ``accumulate_grad_batches``; DeepSpeed's
+        # ``engine.backward`` would divide it again (``scale_wrt_gas``), so gradients would reach the optimizer k
+        # times smaller than under plain Lightning: clipping would act at k times the user's threshold and Adam's
+        # eps would weigh k times more. Scale once, as plain Lightning does. (Manual optimization allows no
+        # accumulation, so there the flag changes nothing.)
+        kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any | None = None) -> None:
         # From another thread, wait for an update in flight; from inside it, refuse clearly.
         adapter = self.dos_adapter
