@@ -16,10 +16,10 @@ import torch
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.strategy import DeepSpeedCPUStrategy
 from tests.helpers import FP32_RTOL, TinyLM, full_parameters, loader, max_relative_error, trainer
+from tests.test_equivalence import SUB_GROUP, stock_offload_config
 
 STEPS = 6
 CLIP = 0.5
-SUB_GROUP = 700
 
 
 class GradNorms(L.Callback):
@@ -51,14 +51,6 @@ def fit(strategy, accumulate: int) -> tuple[dict[str, torch.Tensor], list[float]
         model, loader()
     )
     return full_parameters(model), norms.norms
-
-
-def stock_offload_config() -> dict:
-    return {
-        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "sub_group_size": SUB_GROUP},
-        "zero_force_ds_cpu_optimizer": False,
-        "zero_allow_untested_optimizer": True,
-    }
 
 
 @pytest.mark.parametrize("accumulate", [2, 4])
