@@ -195,11 +195,13 @@ def _print(s: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    console = Console(highlight=False)  # wraps at the terminal's width, or COLUMNS, or 80 in a pipe or a log file
     plan = s["plan"]
-    print(
+    console.print(
         f"SIMULATED (not measured): {s['params'] / 1e9:.1f}B params on {s['gpus']} rank(s), profile {s['profile']}\n"
         f"per rank: {s['sub_groups_per_rank']} sub-groups, {plan['streamed']} streamed through "
-        f"{plan['device_buffers']} buffer(s), {plan['resident']} resident, {plan['host']} on the host"
+        f"{plan['device_buffers']} buffer(s), {plan['resident']} resident, {plan['host']} on the host",
+        markup=False,
     )
     table = Table(title="the engine's schedule on a virtual node")
     table.add_column("quantity")
@@ -212,5 +214,5 @@ def _print(s: dict[str, Any]) -> None:
     table.add_row("GB host->device", f"{s['h2d_bytes'] / 1e9:.2f}")
     table.add_row("GB device->host", f"{s['d2h_bytes'] / 1e9:.2f}")
     table.add_row("stream races found", str(s["races"]))
-    Console().print(table)
-    print(f"trace: {s['trace']} (open in https://ui.perfetto.dev)")
+    console.print(table)
+    console.print(f"trace: {s['trace']} (open in https://ui.perfetto.dev)", markup=False)
