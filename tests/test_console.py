@@ -97,6 +97,13 @@ def test_plan_at_80_columns_in_a_pipe(timed: bool) -> None:
     assert "floor at r* =" in done.stdout
 
 
+@pytest.mark.parametrize("command", ["", "plan", "simulate", "report", "calibrate"])
+def test_help_at_80_columns_in_a_pipe(command: str) -> None:
+    done = _run_at_80(*([command] if command else []), "--help", timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage:") and _too_wide(done.stdout) == [], done.stdout
+
+
 def test_simulate_at_80_columns_in_a_pipe(tmp_path: Path) -> None:
     trace = tmp_path / "sim.json"
     done = _run_at_80("simulate", "--params", "20e9", "--profile", "paper-h100x4", "--trace", str(trace))

@@ -15,6 +15,7 @@ import argparse
 import functools
 import json
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,9 +108,21 @@ def _auto_plan(sizes: tuple[int, ...], rates: HardwareRates, lp_bytes: int, budg
     return choose_plan(sizes, rates, budget, lp_bytes, allow_resident=budget is not None)[0]
 
 
+def _description() -> str:
+    """The module's docstring for ``--help``: paragraphs and example lines wrapped to 80 columns."""
+    text = (__doc__ or "").replace(":mod:", "").strip()
+    example = functools.partial(textwrap.fill, width=80, break_on_hyphens=False, subsequent_indent="    ")
+    return "\n\n".join(
+        "\n".join(map(example, part.splitlines()))
+        if part.startswith("lightning-dos ")
+        else textwrap.fill(" ".join(part.split()), 80)
+        for part in text.split("\n\n")
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="lightning-dos simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="lightning-dos simulate", description=_description(), formatter_class=argparse.RawDescriptionHelpFormatter
     )
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--params", type=float, help="model parameters, e.g. 20e9")
