@@ -14,13 +14,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import textwrap
 from typing import Any
 
 DESCRIPTION = "Train with Deep Optimizer States (DeepSpeed ZeRO-3 offload, interleaved CPU/GPU updates)."
 
 #: LightningCLI's subcommands: name -> what it does.
 TRAINING_COMMANDS = {
-    "fit": "train a model (e.g. lightning-dos fit --config recipes/gpt-tiny.yaml)",
+    "fit": "train a model (lightning-dos fit --config recipes/gpt-tiny.yaml)",
     "validate": "run one evaluation epoch over the validation set",
     "test": "run one evaluation epoch over the test set",
     "predict": "run inference on your data",
@@ -29,26 +30,29 @@ TRAINING_COMMANDS = {
 #: Subcommands that are not LightningCLI's: name -> (module, what it does).
 EXTRA_COMMANDS = {
     "calibrate": ("lightning_dos.planner", "measure this machine's CPU/GPU/PCIe rates and write a profile"),
-    "plan": ("lightning_dos.planner", "predict update and iteration time of each offload scheme for a model"),
-    "report": ("lightning_dos.report", "draw a run's logged metrics (loss, LR, phase split, memory) as a PNG"),
+    "plan": ("lightning_dos.planner", "predict update and iteration time of each offload scheme"),
+    "report": ("lightning_dos.report", "draw a run's metrics (loss, LR, phase split, memory) as a PNG"),
     "simulate": ("lightning_dos.sim.simulate", "time the engine's schedule on a virtual node (simulated figures)"),
 }
 
 
 def usage() -> str:
-    """The top-level help: every subcommand, LightningCLI's and the extra ones."""
+    """The top-level help: every subcommand, LightningCLI's and the extra ones (in 80 columns)."""
     commands = {**TRAINING_COMMANDS, **{name: what for name, (_, what) in EXTRA_COMMANDS.items()}}
     width = max(len(name) for name in commands)
     lines = [
         "usage: lightning-dos SUBCOMMAND [options]",
         "",
-        DESCRIPTION,
+        textwrap.fill(DESCRIPTION, 80),
         "",
         "subcommands:",
         *(f"  {name:<{width}}  {what}" for name, what in commands.items()),
         "",
-        "lightning-dos SUBCOMMAND --help shows a subcommand's options "
-        "(for fit/validate/test/predict: LightningCLI's, e.g. --config, --trainer.*, --model.*, --data.*).",
+        textwrap.fill(
+            "lightning-dos SUBCOMMAND --help shows a subcommand's options "
+            "(for fit/validate/test/predict: LightningCLI's, e.g. --config, --trainer.*, --model.*, --data.*).",
+            80,
+        ),
     ]
     return "\n".join(lines)
 

@@ -8,6 +8,7 @@ applies it, and prints it once per rank.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
 
@@ -99,7 +100,11 @@ def apply_host_threads(setting: int | str, local_rank: int, global_rank: int, de
         _printed[global_rank] = placement
         cpus = format_cpulist(_affinity())
         # One write of the whole line: ranks share the console, and print() writes the newline separately.
-        line = f"[rank {global_rank}] host threads: {placement.threads} on CPUs {cpus} ({placement.why})\n"
-        sys.stdout.write(line)
+        # The reason goes on a second line where the console is too narrow for both (80 columns in a log file).
+        head = f"[rank {global_rank}] host threads: {placement.threads} on CPUs {cpus}"
+        line = f"{head} ({placement.why})"
+        if len(line) > shutil.get_terminal_size().columns:
+            line = f"{head}\n[rank {global_rank}]   ({placement.why})"
+        sys.stdout.write(line + "\n")
         sys.stdout.flush()
     return placement

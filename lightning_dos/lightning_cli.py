@@ -10,12 +10,12 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 
 import lightning_dos  # noqa: F401 - registers the strategy name "dos"
-from lightning_dos.callbacks import DOSMonitor, DOSProgressBar
+from lightning_dos.callbacks import DOSModelSummary, DOSMonitor, DOSProgressBar
 
 
 class SettingError(ValueError):
@@ -23,8 +23,8 @@ class SettingError(ValueError):
 
 
 class DOSCLI(LightningCLI):
-    """LightningCLI with the recipe GPT and byte corpus as defaults, the DOS monitor and progress bar on,
-    and CSV (plus TensorBoard, when installed) logs under ``trainer.default_root_dir``."""
+    """LightningCLI with the recipe GPT and byte corpus as defaults, the DOS monitor, progress bar and model
+    summary on, and CSV (plus TensorBoard, when installed) logs under ``trainer.default_root_dir``."""
 
     def instantiate_classes(self) -> None:
         # Settings are checked when the model, data and strategy are built, before any work: report a
@@ -57,6 +57,10 @@ class DOSCLI(LightningCLI):
             isinstance(c, DOSProgressBar) for c in callbacks
         ):
             callbacks.append(DOSProgressBar())
+        if config.get("enable_model_summary", True) is not False and not any(
+            isinstance(c, ModelSummary) for c in callbacks
+        ):
+            callbacks.append(DOSModelSummary())  # Lightning's, less the columns that say nothing here
         for callback in callbacks:
             # A recipe's checkpoints go beside its logs, so that `--ckpt_path ROOT/checkpoints/last.ckpt` finds them.
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:

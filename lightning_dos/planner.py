@@ -156,14 +156,18 @@ def _print_plan(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    console = Console(highlight=False)  # its width: the terminal's, or COLUMNS, or 80 in a pipe or a log file
     budget = result["budget_gb"]
     table = Table(
         title=f"{result['params'] / 1e9:.2f}B params over {result['gpus']} rank(s), {result['device']}: "
         f"{result['sub_groups_per_rank']} sub-group(s) of {result['sub_group_size']:,} elements per rank",
         caption=None if budget is None else f"device memory budget per rank: {budget:.1f} GB ('over': does not fit)",
     )
-    for column in ("scheme", "update s", "B params/s", "iteration s", "x floor", "GPU GB"):
-        table.add_column(column, justify="left" if column == "scheme" else "right", no_wrap=True)
+    # Two-line headers and no iteration column without forward/backward times: the table fits 80 columns.
+    timed = any(row["iteration_s"] is not None for row in result["rows"])
+    table.add_column("scheme", overflow="fold")
+    for column in ("update\ns", "B params\nper s", *(("iteration\ns",) if timed else ()), "x\nfloor", "GPU GB"):
+        table.add_column(column, justify="right", no_wrap=True)
     for row in result["rows"]:
         iteration = "-" if row["iteration_s"] is None else f"{row['iteration_s']:.3f}"
         held = f"{row['device_gb']:.2f}" + ("" if row["fits_budget"] else " over")
@@ -171,7 +175,7 @@ def _print_plan(result: dict) -> None:
             row["scheme"],
             f"{row['update_s']:.3f}",
             f"{row['update_params_per_s'] / 1e9:.2f}",
-            iteration,
+            *((iteration,) if timed else ()),
             f"{row['vs_floor']:.2f}",
             held,
         )
@@ -180,26 +184,31 @@ def _print_plan(result: dict) -> None:
         "floor T(r*)",
         f"{f['update_s']:.3f}",
         f"{f['update_params_per_s'] / 1e9:.2f}",
-        "-",
+        *(("-",) if timed else ()),
         "1.00",
         "-",
         end_section=True,
     )
-    Console().print(table)
+    console.print(table)
     o = result["ours"]
     where = "on the GPU" if result["device"] == "GPU" else "on the device"
-    print(
+    console.print(
         f"ours: {o['device_share']:.0%} of elements {where} ({o['streamed']} streamed through "
-        f"{o['device_buffers']} buffer(s), {o['resident']} resident); floor at r* = {f['r_star']:.2f}"
+        f"{o['device_buffers']} buffer(s), {o['resident']} resident); floor at r* = {f['r_star']:.2f}",
+        markup=False,
     )
     if result["device"].startswith("CPU"):
-        print("TwinFlow and the paper's strides need an accelerator; a CPU-only profile shows stock offload and ours.")
+        console.print(
+            "TwinFlow and the paper's strides need an accelerator; a CPU-only profile shows stock offload and ours.",
+            markup=False,
+        )
     ours_s = next(r["update_s"] for r in result["rows"] if r["scheme"] == "ours (auto)")
     ahead = [r["scheme"] for r in result["rows"] if "as_ours_s" in r and r["fits_budget"] and r["update_s"] < ours_s]
     if ahead:
-        print(
+        console.print(
             f"{', '.join(ahead)}: predicted ahead of ours because TwinFlow keeps its GPU share's gradients on the GPU; "
-            "this engine uploads every gradient from host memory (4 bytes per resident element)."
+            "this engine uploads every gradient from host memory (4 bytes per resident element).",
+            markup=False,
         )
 
 

@@ -11,6 +11,8 @@ when it is built (and the CLI before it builds its parser); installing again add
 - DeepSpeed's "Setting accelerator to CPU" on a machine without a GPU (Lightning already says "GPU
   available: False"), and its "... deepspeed_shm_comm_op built successfully" on every start.
 - Lightning's litlogger tip and its "TPU available: False" line.
+- Lightning's note that it skips its default model summary because the CLI gave it
+  :class:`~lightning_dos.callbacks.DOSModelSummary` (a user's own summary callback is still named).
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ KNOWN_LOG_LINES: tuple[tuple[str, str], ...] = (
     ("DeepSpeed", "Setting accelerator to CPU."),
     ("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging"),
     ("lightning.pytorch.utilities.rank_zero", "TPU available: False"),
+    (
+        "lightning.pytorch.utilities.rank_zero",
+        "Trainer already configured with model summary callbacks: "
+        "[<class 'lightning_dos.callbacks.summary.DOSModelSummary'>]",
+    ),
 )
 
 #: Lines DeepSpeed prints to stdout (``print``) that carry nothing for a user, as prefix and suffix.

@@ -391,7 +391,8 @@ class DOSMonitor(Callback):
         if self.summary and trainer.is_global_zero and self.history:
             from rich.console import Console
 
-            Console().print(summary_table(self.history))
+            on_accelerator = trainer.strategy.root_device.type != "cpu"
+            Console().print(summary_table(self.history, on_accelerator=on_accelerator))
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -544,12 +545,18 @@ _SUMMARY_ROWS = (
     ("peak memory, update", "dos/mem_peak_update_gb", 1.0, "GB"),
 )
 
+#: Rows that measure the accelerator's side: left out of a run without one when zero throughout.
+_DEVICE_ROWS = frozenset({"dos/h2d_gbps", "dos/d2h_gbps", "dos/pcie_util", "dos/gpu_fraction"})
 
-def summary_table(history: Sequence[dict[str, float]]) -> Any:
+
+def summary_table(history: Sequence[dict[str, float]], on_accelerator: bool = True) -> Any:
     """A rich table of the medians of ``history`` (rows of :class:`DOSMonitor` metrics).
 
     Args:
         history: one metrics dict per step.
+        on_accelerator: whether the run had an accelerator. Without one, the PCIe rows and the device share
+            are left out when they are zero at every step (nothing crossed a bus; they would read as a
+            measurement of one), as ``lightning-dos report`` leaves out their panels.
     """
     from rich.table import Table
 
@@ -560,8 +567,9 @@ def summary_table(history: Sequence[dict[str, float]]) -> Any:
     medians = {}
     for _, key, _, _ in _SUMMARY_ROWS:
         values = [row[key] for row in history if key in row]
-        if values:
-            medians[key] = statistics.median(values)
+        if not values or (not on_accelerator and key in _DEVICE_ROWS and not any(values)):
+            continue
+        medians[key] = statistics.median(values)
     step = medians.get("dos/step_s", 0.0)
     for label, key, scale, unit in _SUMMARY_ROWS:
         if key not in medians:

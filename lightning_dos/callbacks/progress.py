@@ -1,14 +1,21 @@
-"""A rich progress bar for offloaded training: loss, tokens/s and the device's share of the update, on one line."""
+"""A rich progress bar for offloaded training: loss, tokens/s and the device's share of the update, on one line
+at the console's width (80 columns in a default terminal or a log file)."""
 
 from __future__ import annotations
 
 import math
 import time
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
+from rich.cells import cell_len
+from rich.measure import Measurement
+from rich.progress import ProgressColumn, Task
+from rich.style import Style
+from rich.text import Text
 
 #: The DOS metrics the bar shows, when some callback (normally ``DOSMonitor``) provides them.
 DOS_KEYS = (
@@ -23,16 +30,21 @@ DOS_KEYS = (
 
 
 class DOSProgressBar(RichProgressBar):
-    """Lightning's rich progress bar kept to one line at 100 columns: loss (``loss``, ``val``), tokens/s and the
-    share of the update done on the device (``dev``, shown with an accelerator or when above 0%).
+    """Lightning's rich progress bar kept to one line at the console's width: loss (``loss``, ``val``), tokens/s
+    and the share of the update done on the device (``dev``, shown with an accelerator or when above 0%).
 
     Phase times, PCIe rates and memory belong to :class:`~lightning_dos.callbacks.DOSMonitor`'s end-of-fit
     table and the logs. Tokens per step come from the ``train/tokens_per_step`` metric the model logs (the
     recipe ``GPT`` does), or else from the size of the batch's first tensor; tokens/s is a running average
     over the wall time between training batches (validation time is left out) times the number of
     processes. The device share is read from ``trainer.callback_metrics`` when present there, else from the
-    latest step of a :class:`~lightning_dos.callbacks.DOSMonitor`. The bar is narrower than Lightning's and
-    its it/s column is left out, to make room.
+    latest step of a :class:`~lightning_dos.callbacks.DOSMonitor`.
+
+    The line fits the console (rich takes its width from the terminal, or ``COLUMNS``, or 80 in a pipe or a
+    log file): Lightning's it/s column is left out (tokens/s says more); below 100 columns the time column
+    shows only what is left (``eta``) while running and the time taken once done; the bar itself shrinks (to
+    no less than :data:`MIN_BAR_WIDTH`) when the metrics need the room; and if they still do not fit, the
+    least useful items are dropped (other metrics first, then ``dev``, ``tok/s``, ``val``; never ``loss``).
 
     Args:
         smoothing: weight of the newest batch in the tokens/s running average (0 < smoothing <= 1).
@@ -84,13 +96,20 @@ class DOSProgressBar(RichProgressBar):
         return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
 
     def configure_columns(self, trainer: L.Trainer) -> list:
-        # Room for the postfix on one line at 100 columns: a shorter bar, and no it/s (tok/s says more).
-        from lightning.pytorch.callbacks.progress.rich_progress import ProcessingSpeedColumn
+        # No it/s (tok/s says more); below WIDE_CONSOLE columns one time instead of two; the bar is sized
+        # (and shrunk further if need be) by _fit_to_width once the metrics are known.
+        from lightning.pytorch.callbacks.progress.rich_progress import CustomTimeColumn, ProcessingSpeedColumn
 
-        columns = [c for c in super().configure_columns(trainer) if not isinstance(c, ProcessingSpeedColumn)]
-        for column in columns:
+        narrow = self._console is not None and self._console.width < WIDE_CONSOLE
+        columns = []
+        for column in super().configure_columns(trainer):
+            if isinstance(column, ProcessingSpeedColumn):
+                continue
+            if narrow and isinstance(column, CustomTimeColumn):
+                column = CompactTimeColumn(style=self.theme.time)
             if hasattr(column, "bar_width"):
                 column.bar_width = BAR_WIDTH
+            columns.append(column)
         return columns
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, int | str | float]:
@@ -104,13 +123,79 @@ class DOSProgressBar(RichProgressBar):
             items["tok/s"] = _compact(self._tokens_per_s)
         on_accelerator = trainer.strategy.root_device.type != "cpu"
         items.update(format_dos_metrics(dos_metrics(trainer), show_zero_share=on_accelerator))
+        return self._fit_to_width(items)
+
+    def _fit_to_width(self, items: dict[str, Any]) -> dict[str, Any]:
+        """Shrink the bar, then drop items, until the training line fits the console's width."""
+        progress, console = self.progress, self._console
+        tasks = [] if progress is None else [t for t in progress.tasks if t.id == self.train_progress_bar_id]
+        if not tasks or console is None:
+            return items
+        bar, used = None, len(progress.columns) - 1  # one space between columns
+        for column in progress.columns:
+            if hasattr(column, "bar_width"):
+                bar = column
+            elif column is not self._metric_component:
+                used += Measurement.get(console, console.options, column.render(tasks[0])).maximum
+        room = console.width - used - (0 if bar is None else 1 + MIN_BAR_WIDTH)
+        for name in _drop_order(items):
+            if self._metrics_width(items) <= room:
+                break
+            del items[name]
+        if bar is not None:  # only ever shrinks, so that the bar does not jump as the metrics' widths change
+            bar.bar_width = max(MIN_BAR_WIDTH, min(bar.bar_width, room + MIN_BAR_WIDTH - self._metrics_width(items)))
         return items
+
+    def _metrics_width(self, items: Mapping[str, Any]) -> int:
+        """Columns the metrics take as Lightning's metrics column writes them."""
+        texts = []
+        for name, value in items.items():
+            if not isinstance(value, str):
+                try:
+                    value = f"{value:{self.theme.metrics_format}}"
+                except (TypeError, ValueError):
+                    value = str(value)
+            texts.append(f"{name}: {value}")
+        return cell_len(self.theme.metrics_text_delimiter.join(texts))
 
 
 #: Progress-bar names of the metrics the recipe logs with ``prog_bar=True`` (others keep their own names).
 SHORT_NAMES = {"train/loss": "loss", "val/loss": "val"}
-#: Width of the bar itself, in columns.
+#: Width of the bar itself, in columns, where there is room.
 BAR_WIDTH = 12
+#: The narrowest the bar gets before progress-bar items are dropped.
+MIN_BAR_WIDTH = 4
+#: Consoles at least this wide show elapsed and remaining time; narrower ones only one of them.
+WIDE_CONSOLE = 100
+#: Items the bar drops first when the line does not fit (names not listed here go before these).
+DROP_LAST = ("val", "tok/s", "dev")
+
+
+def _drop_order(items: Mapping[str, Any]) -> list[str]:
+    """Names to drop, first to last, to make room: other metrics (newest first), then dev, tok/s, val; never loss."""
+    others = [name for name in items if name not in DROP_LAST and name != "loss"]
+    return [*reversed(others), *(name for name in reversed(DROP_LAST) if name in items)]
+
+
+class CompactTimeColumn(ProgressColumn):
+    """One time instead of Lightning's two (elapsed and remaining): ``eta H:MM:SS`` while running, the time
+    taken once done.
+
+    Args:
+        style: rich style of the text.
+    """
+
+    max_refresh = 0.5  # as Lightning's time column: at most twice a second, to prevent jitter
+
+    def __init__(self, style: str | Style) -> None:
+        self.style = style
+        super().__init__()
+
+    def render(self, task: Task) -> Text:
+        if task.finished:
+            return Text(str(timedelta(seconds=int(task.finished_time or 0))), style=self.style)
+        left = task.time_remaining
+        return Text("eta " + ("-:--:--" if left is None else str(timedelta(seconds=int(left)))), style=self.style)
 
 
 def _compact(value: float) -> str:

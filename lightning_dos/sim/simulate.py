@@ -15,6 +15,7 @@ import argparse
 import functools
 import json
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,9 +108,21 @@ def _auto_plan(sizes: tuple[int, ...], rates: HardwareRates, lp_bytes: int, budg
     return choose_plan(sizes, rates, budget, lp_bytes, allow_resident=budget is not None)[0]
 
 
+def _description() -> str:
+    """The module's docstring for ``--help``: paragraphs and example lines wrapped to 80 columns."""
+    text = (__doc__ or "").replace(":mod:", "").strip()
+    example = functools.partial(textwrap.fill, width=80, break_on_hyphens=False, subsequent_indent="    ")
+    return "\n\n".join(
+        "\n".join(map(example, part.splitlines()))
+        if part.startswith("lightning-dos ")
+        else textwrap.fill(" ".join(part.split()), 80)
+        for part in text.split("\n\n")
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="lightning-dos simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="lightning-dos simulate", description=_description(), formatter_class=argparse.RawDescriptionHelpFormatter
     )
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--params", type=float, help="model parameters, e.g. 20e9")
@@ -195,11 +208,13 @@ def _print(s: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    console = Console(highlight=False)  # wraps at the terminal's width, or COLUMNS, or 80 in a pipe or a log file
     plan = s["plan"]
-    print(
+    console.print(
         f"SIMULATED (not measured): {s['params'] / 1e9:.1f}B params on {s['gpus']} rank(s), profile {s['profile']}\n"
         f"per rank: {s['sub_groups_per_rank']} sub-groups, {plan['streamed']} streamed through "
-        f"{plan['device_buffers']} buffer(s), {plan['resident']} resident, {plan['host']} on the host"
+        f"{plan['device_buffers']} buffer(s), {plan['resident']} resident, {plan['host']} on the host",
+        markup=False,
     )
     table = Table(title="the engine's schedule on a virtual node")
     table.add_column("quantity")
@@ -212,5 +227,5 @@ def _print(s: dict[str, Any]) -> None:
     table.add_row("GB host->device", f"{s['h2d_bytes'] / 1e9:.2f}")
     table.add_row("GB device->host", f"{s['d2h_bytes'] / 1e9:.2f}")
     table.add_row("stream races found", str(s["races"]))
-    Console().print(table)
-    print(f"trace: {s['trace']} (open in https://ui.perfetto.dev)")
+    console.print(table)
+    console.print(f"trace: {s['trace']} (open in https://ui.perfetto.dev)", markup=False)

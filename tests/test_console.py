@@ -1,0 +1,208 @@
+"""The console at 80 columns in a pipe (as in a default terminal or a log file): everything the main job, ``plan``
+and ``simulate`` print fits, the progress bar's last frame is one line, no header or cell is cut to ``…``,
+and a run without a GPU shows no GPU rows of zeros."""
+
+from __future__ import annotations
+
+import io
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.cells import cell_len
+
+from lightning_dos import DeepOptimizerStatesStrategy
+from lightning_dos.callbacks import DOSMonitor, DOSProgressBar
+from lightning_dos.callbacks.summary import informative_columns
+from tests.helpers import TinyLM, clean_env, loader, trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "recipes" / "gpt-tiny.yaml")
+#: Rows of the medians table that only an accelerator fills (zeros on a CPU run).
+DEVICE_ROWS = ("host to device", "device to host", "PCIe utilisation", "device share")
+
+
+def _run_at_80(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``python -m lightning_dos ARGS`` with COLUMNS=80, stdout and stderr into pipes (not a terminal)."""
+    env = {**clean_env(), "COLUMNS": "80", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "lightning_dos", *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _too_wide(text: str, width: int = 80) -> list[str]:
+    """Lines wider than ``width`` terminal cells (a box-drawing character is one cell, three UTF-8 bytes)."""
+    return [line for line in text.splitlines() if cell_len(line.rstrip()) > width]
+
+
+def test_the_main_job_at_80_columns_in_a_pipe(tmp_path: Path) -> None:
+    """The tiny recipe through the CLI, shrunk to stay fast, printed into a pipe at 80 columns."""
+    done = _run_at_80(
+        "fit",
+        "--config",
+        TINY,
+        "--trainer.max_steps",
+        "12",
+        "--trainer.val_check_interval",
+        "6",
+        "--trainer.limit_val_batches",
+        "1",
+        "--trainer.log_every_n_steps",
+        "3",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--model.n_layer",
+        "1",
+        "--model.warmup_steps",
+        "2",
+        "--data.max_bytes",
+        "100000",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    console = done.stdout + done.stderr
+    assert _too_wide(console) == [], console
+    assert "…" not in console, console
+    assert [line for line in console.splitlines() if "warning" in line.lower()] == [], console
+    lines = [line.rstrip() for line in done.stdout.splitlines() if line.strip()]
+    # The progress bar's last frame is the last line, whole: nothing of it wrapped onto a line of its own.
+    bar = lines[-1]
+    assert bar.startswith("Epoch 0") and "12/12" in bar, done.stdout[-2000:]
+    assert all(f" {item}: " in f" {bar}" for item in ("loss", "val", "tok/s")), bar
+    assert bar.split("tok/s: ")[1].strip(), bar
+    # Tables whole (every box line closed on the right); the model summary without FLOPs nobody counted.
+    boxed = [line for line in lines if line[:1] in "┏┃┡│└"]
+    assert boxed and all(line[-1:] in "┓┃┩│┘" for line in boxed), boxed
+    assert any("Name" in line and "Params" in line for line in boxed), done.stdout
+    assert "FLOPs" not in console, done.stdout
+    # The medians table: no GPU rows (zeros) in a run with no GPU; the rows with data are there.
+    assert "medians over 12 steps" in console
+    assert [row for row in DEVICE_ROWS if row in console] == [], done.stdout
+    assert all(row in console for row in ("forward", "backward", "update", "peak memory, update")), done.stdout
+
+
+@pytest.mark.parametrize("timed", [False, True], ids=["update only", "with forward and backward"])
+def test_plan_at_80_columns_in_a_pipe(timed: bool) -> None:
+    extra = ("--forward-s", "0.4", "--backward-s", "0.9") if timed else ()
+    done = _run_at_80("plan", "--params", "20e9", "--profile", "paper-h100x4", *extra, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert _too_wide(done.stdout) == [], done.stdout
+    assert "…" not in done.stdout, done.stdout
+    header = "\n".join(line for line in done.stdout.splitlines() if line.startswith("┃"))
+    for word in ("scheme", "update", "B params", "per s", "floor", "GPU GB"):
+        assert word in header, header
+    assert ("iteration" in header) == timed, "the iteration column only when forward/backward times are given"
+    for cell in ("stock ZeRO-3 offload", "TwinFlow ratio 0.5", "40.00 over", "ours (auto)", "floor T(r*)"):
+        assert cell in done.stdout, done.stdout
+    assert "floor at r* =" in done.stdout
+
+
+@pytest.mark.parametrize("command", ["", "plan", "simulate", "report", "calibrate"])
+def test_help_at_80_columns_in_a_pipe(command: str) -> None:
+    done = _run_at_80(*([command] if command else []), "--help", timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage:") and _too_wide(done.stdout) == [], done.stdout
+
+
+def test_simulate_at_80_columns_in_a_pipe(tmp_path: Path) -> None:
+    trace = tmp_path / "sim.json"
+    done = _run_at_80("simulate", "--params", "20e9", "--profile", "paper-h100x4", "--trace", str(trace))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _too_wide(done.stdout) == [], done.stdout
+    assert "…" not in done.stdout, done.stdout
+    assert "SIMULATED (not measured)" in done.stdout and "stream races found" in done.stdout
+    assert trace.exists()
+
+
+class _LoggedLM(TinyLM):
+    """TinyLM with its losses on the progress bar, as the recipe GPT logs them."""
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        loss = self.loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):  # noqa: ANN001
+        self.log("val/loss", self.loss(batch), prog_bar=True)
+
+
+@pytest.mark.parametrize("columns", [80, 56])
+def test_the_bar_with_a_device_share_keeps_to_one_line(
+    columns: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A real DOS fit (CPU, half the elements on the "device", so ``dev`` shows) whose bar is printed at
+    ``columns``: at 80 everything fits on one line with a narrower bar; at 56 the least useful items go
+    (``dev`` first, then ``tok/s``) and ``loss`` stays."""
+    monkeypatch.setenv("COLUMNS", str(columns))  # rich reads it when Lightning builds the bar's console
+    bar = DOSProgressBar()
+    run = trainer(
+        DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=2_000),
+        steps=8,
+        callbacks=[bar, DOSMonitor(summary=False)],
+        enable_progress_bar=True,
+        val_check_interval=4,
+        limit_val_batches=1,
+    )
+    run.fit(_LoggedLM(), train_dataloaders=loader(), val_dataloaders=loader())
+    printed = [line.rstrip() for line in capsys.readouterr().out.splitlines() if line.strip()]
+    last = printed[-1]
+    assert last.startswith("Epoch 0") and "8/8" in last, printed
+    assert _too_wide("\n".join(printed), columns) == [], printed
+    assert " loss: " in last, last
+    if columns == 80:
+        assert " dev: 50%" in last and " tok/s: " in last and " val: " in last, last
+    else:
+        assert " dev: " not in last, last
+
+
+def test_summary_columns_that_say_nothing_are_left_out() -> None:
+    data = [
+        (" ", ["0", "1"]),
+        ("Name", ["a", "b"]),
+        ("Params", ["1.0 K", "0  "]),
+        ("Params per Device", ["1.0 K", "0  "]),
+        ("Mode", ["train", "train"]),
+        ("FLOPs", ["0  ", "0  "]),
+    ]
+    assert [name for name, _ in informative_columns(data, total_flops=0)] == [" ", "Name", "Params", "Mode"]
+    sharded = [*data[:3], ("Params per Device", ["512  ", "0  "]), data[4], ("FLOPs", ["2.0 K", "0  "])]
+    kept = [name for name, _ in informative_columns(sharded, total_flops=2000)]
+    assert kept == [" ", "Name", "Params", "Params per Device", "Mode", "FLOPs"]
+
+
+def _printed(table: object) -> str:
+    from rich.console import Console
+
+    out = io.StringIO()
+    Console(file=out, width=80).print(table)
+    return out.getvalue()
+
+
+def test_the_medians_table_leaves_out_device_rows_of_zeros_only_without_an_accelerator() -> None:
+    from lightning_dos.callbacks.monitor import summary_table
+
+    idle = [{"dos/step_s": 1.0, "dos/update_s": 0.5, "dos/h2d_gbps": 0.0, "dos/gpu_fraction": 0.0}] * 3
+    cpu = _printed(summary_table(idle, on_accelerator=False))
+    assert "host to device" not in cpu and "device share" not in cpu and "update" in cpu
+    gpu = _printed(summary_table(idle, on_accelerator=True))
+    assert "host to device" in gpu and "device share" in gpu, "on a GPU a 0% share is a finding"
+    busy = [{**idle[0], "dos/gpu_fraction": 0.5}]
+    assert "device share" in _printed(summary_table(busy, on_accelerator=False)), "a share with data stays"
+
+
+def test_lightnings_note_about_the_summary_is_dropped_only_for_ours() -> None:
+    """Lightning says it skips its default summary when one is given: not said for DOSModelSummary (the CLI
+    adds it), still said for a user's own."""
+    from lightning_dos import quiet
+
+    quiet.install()
+    log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    head = "Trainer already configured with model summary callbacks: "
+    ours = head + "[<class 'lightning_dos.callbacks.summary.DOSModelSummary'>]. Skipping setting a default"
+    theirs = head + "[<class 'my.Summary'>]. Skipping setting a default"
+
+    def shown(message: str) -> bool:
+        record = logging.LogRecord(log.name, logging.INFO, __file__, 0, message, None, None)
+        return all(f.filter(record) for f in log.filters)
+
+    assert (shown(ours), shown(theirs)) == (False, True)
