@@ -13,15 +13,27 @@ blocked signal), so each runs exactly as it would have, only later. Masking the 
 process-directed signal to another thread (torch's and gloo's worker threads), whose C-level handler
 still schedules the Python handler in the main thread, mid-update.
 
+A second SIGINT or SIGTERM ends the process at once. The first is held like the others (a checkpoint
+its handler saves then holds a whole step) and a console line says so; but an update stuck in a device
+synchronisation never returns to Python, so a held signal would never act and only SIGKILL would end the
+process. Hence while holding, SIGINT and SIGTERM are installed one-shot (``SA_RESETHAND``, on Linux): the
+kernel puts their default disposition back as it delivers the first, and the second terminates the
+process without any Python code having to run. Once the main thread runs Python again, the first one's
+recording also resets the other of the two, so that a Ctrl-C after a SIGTERM acts at once as well.
+
 Only the main thread can install handlers, and only there do Python handlers run, so the hold does
 nothing in other threads (a checkpoint requested from the main thread while another thread updates waits
 on the engine's guard instead). Signals whose handler is ignored or was installed outside Python are left
-alone. The cost is eight ``signal.signal`` calls per step, a few microseconds.
+alone. The cost is eight ``signal.signal`` calls and two ``sigaction`` calls per step, a few microseconds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
 import signal
+import sys
 import threading
 import time
 from types import FrameType
@@ -30,6 +42,56 @@ from types import FrameType
 HELD_SIGNALS: tuple[signal.Signals, ...] = tuple(
     getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name)
 )
+
+
+#: The held signals whose second arrival ends the process at once (the ones people send to stop a run).
+STOPPING_SIGNALS: frozenset[int] = frozenset(int(s) for s in HELD_SIGNALS if s.name in ("SIGINT", "SIGTERM"))
+
+#: Linux's ``SA_RESETHAND``: the kernel restores the default disposition as it delivers the signal.
+_SA_RESETHAND = 0x80000000
+#: Linux's ``SA_ONSTACK``, which CPython sets on every handler it installs (how the layout below is checked).
+_SA_ONSTACK = 0x08000000
+
+
+class _SigAction(ctypes.Structure):
+    """``struct sigaction`` as glibc and musl lay it out on Linux (handler, 1024-bit mask, flags, restorer)."""
+
+    _fields_ = [
+        ("handler", ctypes.c_void_p),
+        ("mask", ctypes.c_ulong * (128 // ctypes.sizeof(ctypes.c_ulong))),
+        ("flags", ctypes.c_uint),
+        ("restorer", ctypes.c_void_p),
+    ]
+
+
+def _libc_sigaction() -> object | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sigaction
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.POINTER(_SigAction), ctypes.POINTER(_SigAction)]
+    function.restype = ctypes.c_int
+    return function
+
+
+_SIGACTION = _libc_sigaction()
+
+
+def _one_shot(signum: int) -> bool:
+    """Make the handler Python installed for ``signum`` one-shot at the kernel level; False where it cannot.
+
+    The handler stays CPython's own C handler (it only records the signal for the main thread); the kernel
+    resets the disposition to the default as it delivers the signal, so a second one acts without Python.
+    """
+    if _SIGACTION is None:
+        return False
+    action = _SigAction()
+    if _SIGACTION(signum, None, ctypes.byref(action)) != 0 or not action.flags & _SA_ONSTACK:
+        return False  # not the layout expected, or not CPython's handler: leave it as it is
+    action.flags |= _SA_RESETHAND
+    return _SIGACTION(signum, ctypes.byref(action), None) == 0
 
 
 class SignalHold:
@@ -52,7 +114,22 @@ class SignalHold:
         return self._since is not None
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
+        first_stop = signum in STOPPING_SIGNALS and not any(s in STOPPING_SIGNALS for s in self._pending)
         self._pending.append(signum)
+        if not first_stop:
+            return
+        # The kernel has already reset this signal (one-shot); the other stopping signal acts at once too.
+        for other in STOPPING_SIGNALS & self._saved.keys():
+            signal.signal(other, signal.SIG_DFL)
+        name = signal.Signals(signum).name
+        again = "Press Ctrl-C again" if signum == signal.SIGINT else f"Send {name} again"
+        line = (
+            f"lightning-dos: {name} held until the optimizer update is complete, so that a checkpoint holds the "
+            f"whole step. {again} to end the process at once (nothing is saved then).\n"
+        )
+        # Straight to the file descriptor: the handler may run while the main thread is inside a print.
+        with contextlib.suppress(OSError):
+            os.write(2, line.encode())
 
     def hold(self) -> None:
         """Start holding (no-op outside the main thread, or when already holding).
@@ -69,6 +146,8 @@ class SignalHold:
                     continue  # installed outside Python, or ignored: nothing to defer
                 self._saved[signum] = current
                 signal.signal(signum, self._record)
+                if signum in STOPPING_SIGNALS:
+                    _one_shot(signum)
         except BaseException:
             # A pending signal's handler raised (Ctrl-C just before the update): put everything back.
             self.release()

@@ -221,7 +221,8 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
     The update is atomic. SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 that arrive during it are held and
     delivered once Lightning has recorded the step (in ``on_train_batch_end``, before any other callback),
     so a handler that saves a checkpoint, such as Lightning's SLURM auto-requeue handler, saves a whole
-    step; the delay is at most one update phase plus Lightning's bookkeeping of the step. A checkpoint
+    step; the delay is at most one update phase plus Lightning's bookkeeping of the step. A second SIGINT
+    or SIGTERM in that time ends the process at once, even from an update hung in native code. A checkpoint
     saved from another thread waits for the update to end, so its optimizer state is whole (Lightning
     reads its own loop counters before that, unsynchronised: save resumable checkpoints from the training
     thread, as callbacks and signal handlers do). An exception inside the update leaves the

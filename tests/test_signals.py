@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +74,97 @@ def test_hold_does_nothing_outside_the_main_thread_or_for_ignored_signals() -> N
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_IGN  # left alone
     hold.release()
     hold.release()  # releasing twice is harmless
+
+
+# -- a second SIGINT or SIGTERM during a held update ends the process at once ---------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A child process that installs a handler for ``STOP`` that exits cleanly (as Lightning's and user handlers
+# do), holds, and then either blocks in C++ for good, as an update hung in a device synchronisation does
+# (a torch future nobody completes: its wait never returns to Python, so no Python handler can ever run), or
+# keeps running Python until it has recorded ``EXPECT`` signals, then releases.
+CHILD = """
+import os, signal, sys, threading, time, torch
+from lightning_dos.signals import SignalHold
+
+stop, mode, expect = signal.Signals[sys.argv[1]], sys.argv[2], int(sys.argv[3])
+def clean_exit(signum, frame):
+    print("handled", signal.Signals(signum).name, flush=True)
+    sys.exit(3)
+for s in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(s, clean_exit)
+hold = SignalHold()
+hold.hold()
+if mode == "hung":
+    # Said from another thread once the main thread is surely blocked (its handler never runs: see the test).
+    threading.Thread(target=lambda: (time.sleep(1), print("holding", flush=True))).start()
+    torch.futures.Future().wait()
+print("holding", flush=True)
+while len(hold._pending) < expect:
+    sum(range(100))  # bytecode boundaries: the recording handler runs here
+print("released", flush=True)
+hold.release()
+print("not reached", flush=True)
+"""
+
+
+def _child(stop: str, mode: str, expect: int = 1) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, stop, mode, str(expect)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert child.stdout is not None and child.stdout.readline() == "holding\n"
+    return child
+
+
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_a_second_signal_ends_an_update_hung_in_native_code_while_the_first_alone_is_held(stop: str) -> None:
+    child = _child(stop, "hung")
+    try:
+        child.send_signal(signal.Signals[stop])
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.wait(timeout=2)  # the first is held: neither the default action nor the clean exit
+        child.send_signal(signal.Signals[stop])
+        assert child.wait(timeout=30) == -signal.Signals[stop]  # the default action, at once
+    finally:
+        child.kill()
+    out, err = child.communicate()
+    assert "handled" not in out
+    # No Python ran in the main thread after the first signal (its recording would have said so): the kernel
+    # ended the process, not the hold's own Python-level reset.
+    assert "lightning-dos:" not in err
+
+
+@pytest.mark.parametrize(("first", "second"), [("SIGTERM", "SIGTERM"), ("SIGINT", "SIGTERM"), ("SIGTERM", "SIGINT")])
+def test_the_first_signal_says_a_second_ends_the_process_and_the_second_does(first: str, second: str) -> None:
+    child = _child(first, "running", expect=3)  # never releases on its own: it waits for a third signal
+    try:
+        child.send_signal(signal.Signals[first])
+        assert child.stderr is not None
+        line = child.stderr.readline()
+        again = "Press Ctrl-C again" if first == "SIGINT" else f"Send {first} again"
+        assert line.startswith(f"lightning-dos: {first} held until the optimizer update is complete"), line
+        assert f"{again} to end the process at once" in line, line
+        child.send_signal(signal.Signals[second])
+        assert child.wait(timeout=30) == -signal.Signals[second]
+    finally:
+        child.kill()
+    out, _ = child.communicate()
+    assert "handled" not in out and "released" not in out
+
+
+def test_one_signal_alone_is_held_then_runs_its_own_handler_on_release() -> None:
+    child = _child("SIGTERM", "running", expect=1)
+    try:
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=30) == 3  # the process's own handler, after the hold
+    finally:
+        child.kill()
+    out, err = child.communicate()
+    assert out.splitlines() == ["released", "handled SIGTERM"]
+    assert err.count("lightning-dos:") == 1
