@@ -27,7 +27,8 @@ releases the GIL (as torch's synchronisations do), and otherwise the recording h
 Only the main thread can install handlers, and only there do Python handlers run, so the hold does
 nothing in other threads (a checkpoint requested from the main thread while another thread updates waits
 on the engine's guard instead). Signals whose handler is ignored or was installed outside Python are left
-alone. The cost is eight ``signal.signal`` calls and two ``sigaction`` calls per step, a few microseconds.
+alone. The cost is eight ``signal.signal``, four ``sigaction`` and two ``set_wakeup_fd`` calls per step, well
+under a millisecond (0.1 to 0.2 ms measured on a loaded 2-core machine, as before those calls were added).
 """
 
 from __future__ import annotations
