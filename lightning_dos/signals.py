@@ -242,10 +242,10 @@ class SignalHold:
         global _watcher
         if _watcher is None:
             _watcher = _Watcher()
-        _watcher.hold = self
         # Whoever had the wakeup fd (an asyncio loop) gets it back on release, before the held signals are
         # raised again, so it sees each of them then, once.
         self._wakeup_before = signal.set_wakeup_fd(_watcher.write_fd, warn_on_full_buffer=False)
+        _watcher.hold = self  # only now: release gives the wakeup fd back only if this hold took it
 
     def _unwatch(self) -> None:
         if _watcher is None or _watcher.hold is not self:

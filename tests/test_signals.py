@@ -78,6 +78,28 @@ def test_hold_does_nothing_outside_the_main_thread_or_for_ignored_signals() -> N
     hold.release()  # releasing twice is harmless
 
 
+@pytest.mark.usefixtures("usr_handlers")
+def test_an_event_loops_wakeup_fd_is_given_back_and_sees_each_held_signal_once() -> None:
+    """The hold borrows CPython's wakeup fd (asyncio's self-pipe, where a loop runs) and gives it back."""
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+    before = signal.set_wakeup_fd(write)
+    try:
+        hold = SignalHold()
+        hold.hold()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        sum(range(1000))
+        hold.release()
+        assert signal.set_wakeup_fd(write) == write
+        assert os.read(read, 64) == bytes([signal.SIGUSR1])  # raised again on release, once
+    finally:
+        signal.set_wakeup_fd(before)
+        os.close(read)
+        os.close(write)
+
+
 # -- a second SIGINT or SIGTERM during a held update ends the process at once ---------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]
