@@ -45,6 +45,7 @@ from lightning_dos.engine.scheduler import PlacementScheduler
 from lightning_dos.engine.streams import Streams
 from lightning_dos.host_threads import apply_host_threads
 from lightning_dos.optimizers import check_optimizer
+from lightning_dos.ranks import Calibration, calibrate_together, reduce_min_over_ranks
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -221,7 +222,8 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
     The update is atomic. SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 that arrive during it are held and
     delivered once Lightning has recorded the step (in ``on_train_batch_end``, before any other callback),
     so a handler that saves a checkpoint, such as Lightning's SLURM auto-requeue handler, saves a whole
-    step; the delay is at most one update phase plus Lightning's bookkeeping of the step. A checkpoint
+    step; the delay is at most one update phase plus Lightning's bookkeeping of the step. A second SIGINT
+    or SIGTERM in that time ends the process at once, even from an update hung in native code. A checkpoint
     saved from another thread waits for the update to end, so its optimizer state is whole (Lightning
     reads its own loop counters before that, unsynchronised: save resumable checkpoints from the training
     thread, as callbacks and signal handlers do). An exception inside the update leaves the
@@ -360,6 +362,8 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         self.dos_scheduler: PlacementScheduler | None = None
         #: Elements per host calibration buffer, sized from the rank's partition once the model is known.
         self._calibration_numel = HOST_BUFFER_BYTES // 4
+        #: This rank's calibration (when, what it measured, what every rank uses), once fitting has started.
+        self.dos_calibration: Calibration | None = None
         self._callbacks_of: list[Callback] | None = None
 
     # -- public handles ---------------------------------------------------------------------------
@@ -395,7 +399,11 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             # the measurement sees a device with nothing else on it).
             elements = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
             self._calibration_numel = calibration_numel(-(-elements // max(1, self.world_size)))
-            _calibrated_rates(self.root_device, self._calibration_numel)
+            # Every rank at once, as they share the node during the update; all then use the slowest rates.
+            device, numel = self.root_device, self._calibration_numel
+            self.dos_calibration = calibrate_together(
+                lambda: _calibrated_rates(device, numel), reduce_min_over_ranks(device)
+            )
         return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
 
     def _check_host_memory(self, model: torch.nn.Module) -> None:
@@ -467,9 +475,13 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         )
         if coarse is not None:
             rank_zero_warn(coarse)
-        numel = self._calibration_numel
+        numel, calibrated = self._calibration_numel, self.dos_calibration
         self.dos_scheduler = PlacementScheduler(
-            self.fraction, self.dos_adapter.engine, calibrate=lambda device: _calibrated_rates(device, numel)
+            self.fraction,
+            self.dos_adapter.engine,
+            calibrate=lambda device: calibrated.agreed if calibrated else _calibrated_rates(device, numel),
+            # "auto" plans from inputs agreed by every rank, so all ranks run the same plan.
+            reduce_min=reduce_min_over_ranks(self.root_device),
         )
         self.dos_adapter.planner = self.dos_scheduler
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -24,7 +26,7 @@ from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, UpdateInterrupted
 from lightning_dos.engine.plan import Place, Plan
-from tests.helpers import TinyLM, full_parameters, lm_data, loader, trainer
+from tests.helpers import TinyLM, clean_env, full_parameters, lm_data, loader, trainer
 
 SUB_GROUP = 700
 STEPS = 5
@@ -212,6 +214,39 @@ def test_ctrl_c_mid_update_with_on_exception_checkpoint_saves_a_whole_step_that_
     saved = tmp_path / "interrupted.ckpt"
     assert same(contents(saved), reference[STEP]), "the checkpoint must hold the whole interrupted step"
     assert_resumes_exactly(tmp_path, saved, final)
+
+
+# A training run (in a child process, which is to die) that sends itself SIGTERM twice in the middle of an
+# update, as an impatient user or a scheduler would; Lightning's own SIGTERM handler is installed.
+SIGTERM_TWICE = """
+import os, signal, sys
+from pathlib import Path
+from tests.test_atomic_training import At, fit
+
+def twice(trainer):
+    os.kill(os.getpid(), signal.SIGTERM)
+    print("went on after the first", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    print("went on after the second", flush=True)
+
+fit(Path(sys.argv[1]), callbacks=[At("downloading", 4, twice)])
+"""
+
+
+def test_a_second_sigterm_mid_update_ends_the_process_at_once_while_the_first_alone_is_held(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", SIGTERM_TWICE, str(tmp_path)],
+        cwd=root,
+        env={**clean_env(), "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == -signal.SIGTERM, done.stderr[-3000:]
+    assert "went on after the first" in done.stdout and "went on after the second" not in done.stdout
+    said = [line for line in done.stderr.splitlines() if line.startswith("lightning-dos: SIGTERM held")]
+    assert len(said) == 1 and "Send SIGTERM again to end the process at once" in said[0], done.stderr[-3000:]
 
 
 class Injected(RuntimeError):

@@ -34,6 +34,7 @@ def _train_ranks(devices: int, out: Path, torchrun: bool = False) -> dict:
     assert done.returncode == 0, done.stderr[-3000:]
     result = torch.load(out)
     result["ranks"] = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(devices)]
+    result["planning"] = [json.loads(Path(f"{out}.rank{r}.planning.json").read_text()) for r in range(devices)]
     # Each rank's line (ranks share the console; another process may still interleave with a line).
     result["printed"] = re.findall(r"\[rank \d+\] host threads: [^\n\[]*", done.stdout)
     return result
@@ -58,6 +59,24 @@ def _assert_each_rank_has_its_own_cores(ranks: list[dict], printed: list[str]) -
     assert sorted(line.split("]")[0] for line in printed) == [f"[rank {r}" for r in range(len(ranks))], printed
 
 
+def _assert_ranks_calibrate_and_plan_together(ranks: list[dict]) -> None:
+    """Calibrations overlap in time although rank 1 arrives late (the job delays it by 3 s, more than a
+    calibration takes), every rank uses the slowest measured rate of each kind, and plans are the same: those
+    the run executed, and those "auto" chooses for rates, partition sizes and budgets that differ per rank
+    (alone, the ranks would choose different plans there)."""
+    started, ended = [rank["started"] for rank in ranks], [rank["ended"] for rank in ranks]
+    assert max(started) < min(ended), f"calibrations do not overlap: {list(zip(started, ended))}"
+    slowest = {key: min(rank["measured"][key] for rank in ranks) for key in ranks[0]["measured"]}
+    assert all(rank["agreed"] == slowest for rank in ranks), [rank["agreed"] for rank in ranks]
+    for key in ("plans", "auto_together", "agreed_inputs", "agreed_plan"):
+        assert all(rank[key] == ranks[0][key] for rank in ranks), (key, [rank[key] for rank in ranks])
+    assert ranks[0]["auto_alone"] != ranks[1]["auto_alone"], "the test's rates must lead to different plans alone"
+    assert ranks[0]["auto_together"][0] in [rank["auto_alone"] for rank in ranks]  # the slower host's plan
+    own = [rank["own_inputs"] for rank in ranks]
+    assert ranks[0]["agreed_inputs"]["budget"] == min(o["budget"] for o in own)
+    assert ranks[0]["agreed_inputs"]["sizes"] == [max(sizes) for sizes in zip(*(o["sizes"] for o in own))]
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding 2 ranks to their own cores needs 2 CPUs")
 def test_two_processes_train_to_the_same_parameters_as_one(tmp_path: Path, one_rank: dict) -> None:
     """ZeRO-3 over 2 CPU processes launched by Lightning: same global batch, same parameters (within 1e-5);
@@ -68,6 +87,8 @@ def test_two_processes_train_to_the_same_parameters_as_one(tmp_path: Path, one_r
     assert one_rank["total"] / 2 <= two["partition_numel"] < one_rank["total"] / 2 + 64  # half, plus padding
     _assert_each_rank_has_its_own_cores(two["ranks"], two["printed"])
     assert len(one_rank["ranks"][0]["placement_cores"]) == len(os.sched_getaffinity(0)), "one rank: every CPU"
+    _assert_ranks_calibrate_and_plan_together(two["planning"])
+    assert one_rank["planning"][0]["agreed"] == one_rank["planning"][0]["measured"]
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding 2 ranks to their own cores needs 2 CPUs")
@@ -76,6 +97,7 @@ def test_torchrun_ranks_get_cores_of_their_own_and_train_like_one(tmp_path: Path
     two = _train_ranks(2, tmp_path / "torchrun.pt", torchrun=True)
     assert max_relative_error(two["params"], one_rank["params"]) < 1e-5
     _assert_each_rank_has_its_own_cores(two["ranks"], two["printed"])
+    _assert_ranks_calibrate_and_plan_together(two["planning"])
 
 
 class StopAt(L.Callback):

@@ -6,6 +6,11 @@
   when prediction and measurement drift apart it plans again. With no accelerator everything stays on
   the host (calibration there takes a fraction of a second and only feeds the prediction).
 
+With several ranks (a ``reduce_min`` given), "auto" plans together: every rank plans at the same steps from
+the same inputs (:func:`~lightning_dos.engine.agree.agreed_plan_inputs`), so all run the same plan. Drift seen
+by any rank is agreed on every :data:`DRIFT_CHECK_EVERY` steps rather than acted on alone: a re-plan is a
+collective, which every rank must enter at the same step.
+
 Every mode gets a prediction when rates are known, so the monitor can put it beside the measurement.
 """
 
@@ -15,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from lightning_dos.engine.agree import ReduceMin, agreed_plan_inputs
 from lightning_dos.engine.loop import InterleavedAdam
 from lightning_dos.engine.perfmodel import HardwareRates, RateEstimator, choose_plan, predict
 from lightning_dos.engine.plan import FractionSpec, Plan, all_host
@@ -22,6 +28,8 @@ from lightning_dos.engine.report import StepReport
 
 #: How often "auto" re-plans even without drift, so slowly changing rates are followed.
 REPLAN_EVERY = 50
+#: With several ranks, how often (in steps) they agree whether any of them has seen drift.
+DRIFT_CHECK_EVERY = 10
 
 
 class PlacementScheduler:
@@ -30,7 +38,10 @@ class PlacementScheduler:
     Args:
         spec: the parsed ``gpu_fraction``.
         engine: the engine whose sub-groups are placed.
-        calibrate: measures this machine's rates (called once, lazily, only when a model is needed).
+        calibrate: measures this machine's rates (called once, lazily, only when a model is needed); with
+            several ranks, rates already agreed between them (the slowest of each).
+        reduce_min: element-wise minimum over the ranks (:data:`~lightning_dos.engine.agree.ReduceMin`), so
+            that ``"auto"`` chooses the same plan on every rank; None for a single process.
     """
 
     def __init__(
@@ -38,10 +49,13 @@ class PlacementScheduler:
         spec: FractionSpec,
         engine: InterleavedAdam,
         calibrate: Callable[[torch.device], HardwareRates],
+        reduce_min: ReduceMin | None = None,
     ) -> None:
         self.spec = spec
         self.engine = engine
         self._calibrate = calibrate
+        self._reduce_min = reduce_min
+        self._drifted = False  # seen here, not yet agreed with the other ranks
         self.estimator: RateEstimator | None = None
         self._plan: Plan | None = None
         self._planned_at = 0
@@ -72,20 +86,32 @@ class PlacementScheduler:
         elif not self.has_accelerator:
             # No accelerator: the host is the only place worth using; no search is needed.
             self._plan = self._plan or all_host(n)
-        elif self._plan is None or step - self._planned_at >= REPLAN_EVERY:
+        elif self._plan is None or step - self._planned_at >= REPLAN_EVERY or self._any_rank_drifted(step):
+            # Every condition is the same on every rank (steps, skipped ones included, advance together), so
+            # all ranks enter the re-plan's collectives at the same step.
             self._replan(step)
         rates = self._ensure_rates()
         engine = self.engine
         return self._plan, predict(engine.sizes, self._plan, rates, engine.lp_bytes, engine.lp_downloads).time_s
 
+    def _any_rank_drifted(self, step: int) -> bool:
+        if self._reduce_min is None or step % DRIFT_CHECK_EVERY:
+            return False
+        return self._reduce_min([0.0 if self._drifted else 1.0])[0] == 0.0
+
     def _replan(self, step: int) -> None:
         rates = self._ensure_rates()
         budget = self.engine.device_budget()
+        sizes = list(self.engine.sizes)
+        if self._reduce_min is not None:
+            # The same inputs on every rank, hence the same plan (choose_plan is deterministic).
+            sizes, budget, rates = agreed_plan_inputs(sizes, budget, rates, self._reduce_min)
+        self._drifted = False
         # Resident state stays on the device through forward and backward too, so it is only planned inside a
         # budget the user set; memory that is free at update time (activations gone) is for staging alone.
         resident_ok = self.engine.gpu_memory_budget is not None
         self._plan, _ = choose_plan(
-            self.engine.sizes,
+            sizes,
             rates,
             budget,
             self.engine.lp_bytes,
@@ -105,4 +131,7 @@ class PlacementScheduler:
         self.estimator.observe(report)
         if report.predicted_s is not None and self.estimator.observe_update(report.predicted_s, report.update_s):
             if self.spec.mode == "auto" and self.has_accelerator:
-                self._replan(report.step + 1)
+                if self._reduce_min is None:
+                    self._replan(report.step + 1)
+                else:
+                    self._drifted = True  # a re-plan is collective: the ranks agree on it at a check step

@@ -1,0 +1,74 @@
+"""Ranks that measure and plan together, through the process group Lightning and DeepSpeed set up.
+
+During the update every local rank streams over the same PCIe switch and updates on the same host memory
+bandwidth at once. A rank that calibrates alone measures an idle node and overstates both; ranks that
+calibrate at different moments measure different things, and may then choose different ``"auto"`` plans,
+the slowest of which gates every step. So all ranks calibrate at the same moment (a collective first, then
+all at once) and use the slowest rate of each kind over the ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from lightning_dos.engine.agree import ReduceMin, min_rates
+from lightning_dos.engine.perfmodel import HardwareRates
+
+
+def reduce_min_over_ranks(device: torch.device) -> ReduceMin | None:
+    """Element-wise minimum over every rank of the default process group; None with a single process.
+
+    Args:
+        device: this rank's device; NCCL reduces tensors on it, other backends (gloo) reduce host tensors.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() <= 1:
+        return None
+    where = device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def reduce_min(values: list[float]) -> list[float]:
+        # float64 holds every size and byte count exactly (below 2**53) and infinity for "no limit".
+        tensor = torch.tensor(values, dtype=torch.float64, device=where)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return tensor.tolist()  # waits for the collective on every backend
+
+    return reduce_min
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One rank's calibration.
+
+    Attributes:
+        started: wall-clock time (``time.time()``) the measurement began on this rank, after every rank was ready.
+        ended: wall-clock time it ended.
+        measured: the rates this rank measured.
+        agreed: the rates every rank uses: each the minimum over the ranks (``measured`` with one rank).
+    """
+
+    started: float
+    ended: float
+    measured: HardwareRates
+    agreed: HardwareRates
+
+
+def calibrate_together(measure: Callable[[], HardwareRates], reduce_min: ReduceMin | None) -> Calibration:
+    """Run ``measure`` on every rank at once and agree on the slowest rates.
+
+    Args:
+        measure: this rank's calibration.
+        reduce_min: the ranks' element-wise minimum (:func:`reduce_min_over_ranks`); None for one process.
+    """
+    if reduce_min is not None:
+        # A collective returns on no rank before every rank has entered it: the barrier before measuring.
+        reduce_min([0.0])
+    started = time.time()
+    measured = measure()
+    ended = time.time()
+    agreed = min_rates(measured, reduce_min) if reduce_min is not None else measured
+    return Calibration(started, ended, measured, agreed)

@@ -1,0 +1,55 @@
+"""Ranks calibrate and plan together, over a real two-process gloo group (the Trainer runs are in
+tests/test_reliability.py, through tests/jobs/train_ranks.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_dos.engine.agree import agreed_plan_inputs
+from lightning_dos.engine.calibrate import MIN_HOST_NUMEL, calibrate
+from lightning_dos.engine.perfmodel import HardwareRates
+from lightning_dos.ranks import calibrate_together, reduce_min_over_ranks
+
+LATE_S = 2.0
+
+
+def _rank(rank: int, world: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        reduce_min = reduce_min_over_ranks(torch.device("cpu"))
+        assert reduce_min is not None
+        time.sleep(LATE_S * rank)  # rank 1 comes late, as one that loads its data more slowly would
+        calibration = calibrate_together(lambda: calibrate(torch.device("cpu"), MIN_HOST_NUMEL), reduce_min)
+        record = {
+            "started": calibration.started,
+            "ended": calibration.ended,
+            "measured": calibration.measured.to_dict(),
+            "agreed": calibration.agreed.to_dict(),
+        }
+        rates = HardwareRates(1e9, 5e9, 4e9, 1.2e10, 1.2e10, 1e10, 1e10)
+        try:  # rank 1 holds one sub-group more: refused on every rank, none left waiting
+            agreed_plan_inputs([1000] * (3 + rank), None, rates, reduce_min)
+        except RuntimeError as error:
+            record["refused"] = str(error)
+        Path(f"{out}.{rank}.json").write_text(json.dumps(record))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_late_rank_still_calibrates_with_the_others_and_all_use_the_slowest_rates(tmp_path: Path) -> None:
+    out = str(tmp_path / "rank")
+    mp.spawn(_rank, args=(2, f"file://{tmp_path / 'store'}", out), nprocs=2, join=True)
+    ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
+    started, ended = [r["started"] for r in ranks], [r["ended"] for r in ranks]
+    assert max(started) < min(ended), f"calibrations do not overlap: {list(zip(started, ended))}"
+    assert abs(started[0] - started[1]) < LATE_S / 2  # rank 0 waited for rank 1
+    slowest = {key: min(r["measured"][key] for r in ranks) for key in ranks[0]["measured"]}
+    assert ranks[0]["agreed"] == ranks[1]["agreed"] == slowest
+    for r in ranks:
+        assert "between 3 and 4 optimizer sub-groups" in r["refused"] and "gpu_fraction" in r["refused"]
