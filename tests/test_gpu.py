@@ -13,13 +13,17 @@ import torch
 
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.engine.pool import STAGING_BYTES_PER_ELEMENT
-from tests.helpers import RandomPlacement, TinyLM, full_parameters, loader, max_relative_error, trainer
+from tests.helpers import FP32_RTOL, RandomPlacement, TinyLM, full_parameters, loader, max_relative_error, trainer
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def fit(strategy, steps: int = 20, callbacks=(), precision: str = "32-true", **kw) -> TinyLM:  # noqa: ANN001
+    """``steps`` of TinyLM on the GPU. The model's optimizer is torch.optim.AdamW(fused=True), whose formula the
+    engine's kernels compute, so plain Lightning ("auto") is the reference at FP32_RTOL (the per-op AdamW is itself
+    1.09e-5 from the fused one)."""
     L.seed_everything(0, verbose=False)
+    kw.setdefault("fused", True)
     model = TinyLM(**kw)
     trainer(strategy, steps=steps, precision=precision, callbacks=callbacks, accelerator="cuda").fit(model, loader())
     return model
@@ -31,7 +35,7 @@ def test_cuda_placements_match_plain_adamw(fraction: float) -> None:
     strategy = DeepOptimizerStatesStrategy(gpu_fraction=fraction, sub_group_size=700)
     model = fit(strategy)
     assert strategy.dos_engine.pool.pinned
-    assert max_relative_error(full_parameters(model), reference) < 1e-5
+    assert max_relative_error(full_parameters(model), reference) < FP32_RTOL
 
 
 def test_stress_many_small_sub_groups_random_plan_every_step() -> None:
@@ -82,8 +86,12 @@ def test_host_slabs_are_pinned_exactly_and_the_16_bit_staging_is_a_ring() -> Non
     assert pool.param.is_pinned() and pool.exp_avg.is_pinned() and pool.lp_staging.storage.is_pinned()
     # cudaHostRegister pins exactly the slabs' bytes: no power-of-two rounding to report.
     assert pool.pinned_bytes == pool.host_bytes
-    assert pool.lp_staging.storage.numel() == 2 * 700 < pool.param.numel()
-    assert pool.staging_allocations == 1, "device staging is allocated once and kept"
+    # One 700-element slot per sub-group (pool.LP_STAGING_SLOTS is None): reused across steps, never within one.
+    engine = strategy.dos_engine
+    assert pool.lp_staging.slots == len(engine.sub_groups) and pool.lp_staging.slot_numel == max(engine.sizes)
+    assert pool.lp_staging.storage.numel() == len(engine.sub_groups) * 700
+    # Device staging lives only during each update: three updates, three allocations, none held after.
+    assert pool.staging_allocations == 3 and pool.device_bytes_in_use == 0
 
 
 def test_parameter_offload_updates_on_the_gpu_and_matches_plain_adamw() -> None:
@@ -96,7 +104,7 @@ def test_parameter_offload_updates_on_the_gpu_and_matches_plain_adamw() -> None:
     assert report.device_elements > 0
     # Device sub-groups' 16-bit results come down beside their fp32 state (12 B + 4 B fp32 per element).
     assert report.d2h_bytes == 16 * report.device_elements
-    assert max_relative_error(full_parameters(model), reference) < 1e-5
+    assert max_relative_error(full_parameters(model), reference) < FP32_RTOL
 
 
 def test_resuming_with_another_placement_on_cuda_agrees_to_float_precision(tmp_path) -> None:  # noqa: ANN001
@@ -107,7 +115,7 @@ def test_resuming_with_another_placement_on_cuda_agrees_to_float_precision(tmp_p
 
     def run(fraction: float, ckpt_path=None, save: bool = False) -> dict:  # noqa: ANN001
         L.seed_everything(0, verbose=False)
-        model = TinyLM()
+        model = TinyLM(fused=True)
         callbacks = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1)] if save else []
         t = trainer(
             DeepOptimizerStatesStrategy(gpu_fraction=fraction, sub_group_size=700),
@@ -122,4 +130,4 @@ def test_resuming_with_another_placement_on_cuda_agrees_to_float_precision(tmp_p
 
     straight = run(0.5, save=True)
     resumed = run(0.0, ckpt_path=str(next(tmp_path.glob("*step=5*"))))
-    assert max_relative_error(resumed, straight) < 1e-5
+    assert max_relative_error(resumed, straight) < FP32_RTOL
