@@ -131,3 +131,41 @@ def test_resuming_with_another_placement_on_cuda_agrees_to_float_precision(tmp_p
     straight = run(0.5, save=True)
     resumed = run(0.0, ckpt_path=str(next(tmp_path.glob("*step=5*"))))
     assert max_relative_error(resumed, straight) < FP32_RTOL
+
+
+# -- a missing wait must fail on a real GPU -----------------------------------------------------------------
+
+
+def test_delayed_streams_equal_adamw_under_torchs_cuda_sanitizer() -> None:
+    """16M-element sub-groups, one stream at a time sleeping before each piece of work (tests/delayed_streams.py),
+    in a process of its own with TORCH_CUDA_SANITIZER=1: torch's sanitizer checks every kernel and copy, and the
+    result, the host slabs and the 16-bit parameters read right after each step equal AdamW(fused=True)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1", "PYTHONPATH": os.pathsep.join([str(root), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.delayed_streams"], cwd=root, env=env, capture_output=True, text=True, timeout=500
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "equal to AdamW(fused=True) in every run" in done.stdout
+
+
+def test_removing_any_wait_host_wait_or_tail_event_makes_the_delayed_streams_differ() -> None:
+    """Each synchronisation of engine/loop.py removed in turn (tests/test_stream_sanitizer.py's mutations): with
+    the stream it orders against sleeping, the GPU result differs (tests/test_gpu_check.py shows on CPU that the
+    harness's plans reach every one of them)."""
+    import inspect
+
+    import lightning_dos.engine.loop as loop_module
+    from tests.delayed_streams import check
+    from tests.test_stream_sanitizer import find_mutations, mutant_engine
+
+    missed = []
+    for line, what in find_mutations(inspect.getsource(loop_module)):
+        if not check(mutant_engine(line), stop_at_first=True):
+            missed.append(what)
+    assert not missed, f"removing these went unnoticed on the GPU: {missed}"
