@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from lightning_dos.engine.perfmodel import HardwareRates, choose_plan, floor, predict
+from lightning_dos.engine.perfmodel import HardwareRates, choose_plan, floor, planning_budget, predict
 from lightning_dos.engine.plan import Place, Plan, auto_sub_group_size, split_into_sub_groups, stride_plan
 from lightning_dos.profiles import load_profile, save_profile
 
@@ -67,6 +67,11 @@ def recipe_parameters(path: str) -> int:
 def plan_rows(params: int, gpus: int, rates: HardwareRates, meta: dict[str, Any], args: argparse.Namespace) -> dict:
     """Every scheme's predicted update for a model of ``params`` on ``gpus`` ranks.
 
+    Without ``args.budget`` the rows are what runs by default: "ours (auto)" streams within the profile's
+    memory free after backward (less the strategy's 10% margin) and holds nothing between updates, and the
+    schemes that keep state resident through forward and backward (TwinFlow) are left out. With
+    ``args.budget`` (device bytes spare at the forward/backward peak, the strategy's ``gpu_memory_budget``)
+    resident state is planned and compared too, and must fit that budget beside the update's buffers.
     TwinFlow and the paper's strides need an accelerator; with a CPU-only profile only stock offload and ours
     are shown. The floor is searched at every shown scheme's device share too, and "ours (auto)" searches a
     superset of the placements shown, so within the device budget no row is below the floor and none is
@@ -78,7 +83,9 @@ def plan_rows(params: int, gpus: int, rates: HardwareRates, meta: dict[str, Any]
     sizes = [sg.numel for sg in split_into_sub_groups([per_rank], [0], size)]
     count = len(sizes)
     lp = args.lp_bytes
-    budget = args.budget if args.budget is not None else meta.get("device_free_bytes")
+    # As the strategy decides: an explicit budget holds resident state and the update's buffers; without one
+    # only the update's buffers, in the memory free after backward.
+    budget, resident_ok = planning_budget(args.budget, meta.get("device_free_bytes"))
     accelerator = has_accelerator(rates)
     # (scheme, update seconds, device bytes it holds during the update, streamed share, resident share)
     rows: list[tuple[str, float, float, float, float]] = [
@@ -86,28 +93,28 @@ def plan_rows(params: int, gpus: int, rates: HardwareRates, meta: dict[str, Any]
     ]
     # TwinFlow's placement run by this engine (its GPU share resident, gradients uploaded from host memory).
     twinflow_as_ours: dict[str, float] = {}
-    if accelerator:
-        for g in TWINFLOW_RATIOS:
-            # DeepSpeed keeps the first int(g * n) whole sub-groups on the GPU: fp32 param, moments and gradient,
-            # all run. Their share of the elements is what they hold (near-equal cuts are not exactly equal).
-            kept = int(g * count)
-            share = sum(sizes[:kept]) / per_rank
-            resident = Plan(tuple(Place.RESIDENT if i < kept else Place.HOST for i in range(count)))
-            twinflow_as_ours[f"TwinFlow ratio {g:.1f}"] = predict(sizes, resident, rates, lp).time_s
-            rows.append(
-                (
-                    f"TwinFlow ratio {g:.1f}",
-                    twinflow_update_s(per_rank, share, rates, lp),
-                    16 * share * per_rank,
-                    0.0,
-                    share,
-                )
+    # TwinFlow holds its GPU share through forward and backward: shown only inside an explicit budget.
+    for g in TWINFLOW_RATIOS if accelerator and resident_ok else ():
+        # DeepSpeed keeps the first int(g * n) whole sub-groups on the GPU: fp32 param, moments and gradient,
+        # all run. Their share of the elements is what they hold (near-equal cuts are not exactly equal).
+        kept = int(g * count)
+        share = sum(sizes[:kept]) / per_rank
+        resident = Plan(tuple(Place.RESIDENT if i < kept else Place.HOST for i in range(count)))
+        twinflow_as_ours[f"TwinFlow ratio {g:.1f}"] = predict(sizes, resident, rates, lp).time_s
+        rows.append(
+            (
+                f"TwinFlow ratio {g:.1f}",
+                twinflow_update_s(per_rank, share, rates, lp),
+                16 * share * per_rank,
+                0.0,
+                share,
             )
-        for k in STRIDES:
-            plan = stride_plan(count, k)
-            stride = predict(sizes, plan, rates, lp)
-            rows.append((f"paper stride {k}", stride.time_s, stride.peak_device_bytes, plan.device_share(sizes), 0.0))
-    ours_plan, ours = choose_plan(sizes, rates, budget, lp, allow_resident=True)
+        )
+    for k in STRIDES if accelerator else ():
+        plan = stride_plan(count, k)
+        stride = predict(sizes, plan, rates, lp)
+        rows.append((f"paper stride {k}", stride.time_s, stride.peak_device_bytes, plan.device_share(sizes), 0.0))
+    ours_plan, ours = choose_plan(sizes, rates, budget, lp, allow_resident=resident_ok)
     ours_shares = (
         sum(sizes[i] for i in ours_plan.streamed_indices) / sum(sizes),
         sum(sizes[i] for i in ours_plan.resident_indices) / sum(sizes),
@@ -118,8 +125,10 @@ def plan_rows(params: int, gpus: int, rates: HardwareRates, meta: dict[str, Any]
         return budget is None or held <= budget
 
     shown = [(r, q) for _, _, held, r, q in rows if fits(held)]
-    # TwinFlow's resident share keeps its gradients on the GPU: the floor must allow that too.
-    r_star, t_floor = floor(per_rank, rates, lp, budget, shares=shown, resident_up_bytes=0)
+    # TwinFlow's resident share keeps its gradients on the GPU: the floor must allow that too. Resident state
+    # only within an explicit budget, as everywhere.
+    resident_room = budget if resident_ok else None
+    r_star, t_floor = floor(per_rank, rates, lp, resident_room, shares=shown, resident_up_bytes=0)
     fwd_bwd = (args.forward_s or 0.0) + (args.backward_s or 0.0)
     table = [
         {
@@ -129,10 +138,12 @@ def plan_rows(params: int, gpus: int, rates: HardwareRates, meta: dict[str, Any]
             "iteration_s": fwd_bwd + t if args.forward_s is not None or args.backward_s is not None else None,
             "vs_floor": t / t_floor,
             "device_gb": held / 1e9,
+            # Held through forward and backward as well (resident state); the rest is freed after the update.
+            "held_gb": 16 * q * per_rank / 1e9,
             "fits_budget": fits(held),
             **({"as_ours_s": twinflow_as_ours[name]} if name in twinflow_as_ours else {}),
         }
-        for name, t, held, _, _ in rows
+        for name, t, held, _, q in rows
     ]
     return {
         "params": params,
@@ -141,6 +152,9 @@ def plan_rows(params: int, gpus: int, rates: HardwareRates, meta: dict[str, Any]
         "sub_group_size": size,
         "sub_groups_per_rank": count,
         "budget_gb": None if budget is None else budget / 1e9,
+        # "forward/backward peak": an explicit --budget, spare at that peak (resident state allowed in it);
+        # "update only": the profile's free memory after backward less 10%, streaming buffers only.
+        "budget_kind": "forward/backward peak" if resident_ok else "update only",
         "ours": {
             "device_share": ours_plan.device_share(sizes),
             "device_buffers": ours_plan.device_buffers,
@@ -158,15 +172,37 @@ def _print_plan(result: dict) -> None:
 
     console = Console(highlight=False)  # its width: the terminal's, or COLUMNS, or 80 in a pipe or a log file
     budget = result["budget_gb"]
+    if budget is None:
+        caption = None
+    elif result["budget_kind"] == "update only":
+        caption = (
+            f"device memory per rank for the update: {budget:.1f} GB, the profile's free memory after backward less "
+            "10% ('over': does not fit); nothing is held between updates."
+        )
+    else:
+        caption = (
+            f"device memory budget per rank: {budget:.1f} GB spare at the forward/backward peak, for resident state "
+            "and the update's buffers together ('over': does not fit)."
+        )
+    caption = " ".join(
+        filter(None, [caption, "GPU GB: held during the update; held GB: of it, held through forward and backward."])
+    )
     table = Table(
         title=f"{result['params'] / 1e9:.2f}B params over {result['gpus']} rank(s), {result['device']}: "
         f"{result['sub_groups_per_rank']} sub-group(s) of {result['sub_group_size']:,} elements per rank",
-        caption=None if budget is None else f"device memory budget per rank: {budget:.1f} GB ('over': does not fit)",
+        caption=caption,
     )
     # Two-line headers and no iteration column without forward/backward times: the table fits 80 columns.
     timed = any(row["iteration_s"] is not None for row in result["rows"])
     table.add_column("scheme", overflow="fold")
-    for column in ("update\ns", "B params\nper s", *(("iteration\ns",) if timed else ()), "x\nfloor", "GPU GB"):
+    for column in (
+        "update\ns",
+        "B params\nper s",
+        *(("iteration\ns",) if timed else ()),
+        "x\nfloor",
+        "GPU\nGB",
+        "held\nGB",
+    ):
         table.add_column(column, justify="right", no_wrap=True)
     for row in result["rows"]:
         iteration = "-" if row["iteration_s"] is None else f"{row['iteration_s']:.3f}"
@@ -178,6 +214,7 @@ def _print_plan(result: dict) -> None:
             *((iteration,) if timed else ()),
             f"{row['vs_floor']:.2f}",
             held,
+            f"{row['held_gb']:.2f}",
         )
     f = result["floor"]
     table.add_row(
@@ -186,6 +223,7 @@ def _print_plan(result: dict) -> None:
         f"{f['update_params_per_s'] / 1e9:.2f}",
         *(("-",) if timed else ()),
         "1.00",
+        "-",
         "-",
         end_section=True,
     )
@@ -200,6 +238,13 @@ def _print_plan(result: dict) -> None:
     if result["device"].startswith("CPU"):
         console.print(
             "TwinFlow and the paper's strides need an accelerator; a CPU-only profile shows stock offload and ours.",
+            markup=False,
+        )
+    elif result["budget_kind"] == "update only":
+        console.print(
+            "These are the default settings: nothing is kept resident. TwinFlow and resident sub-groups hold their "
+            "state through forward and backward; pass --budget BYTES, the device memory spare at the "
+            "forward/backward peak (the strategy's gpu_memory_budget), to plan and compare them.",
             markup=False,
         )
     ours_s = next(r["update_s"] for r in result["rows"] if r["scheme"] == "ours (auto)")
@@ -261,7 +306,14 @@ def _parser() -> argparse.ArgumentParser:
         "--sub-group-size", default="auto", help="elements per sub-group, or auto (as the strategy sizes them)"
     )
     plan.add_argument("--lp-bytes", type=int, default=2, choices=(2, 4), help="bytes per model parameter")
-    plan.add_argument("--budget", type=float, help="device bytes for the update (default: the profile's free memory)")
+    plan.add_argument(
+        "--budget",
+        type=float,
+        help="device bytes per rank spare at the forward/backward peak, as the strategy's gpu_memory_budget: "
+        "resident state (TwinFlow, ours) and the update's buffers must fit in it. Default: what the strategy "
+        "does without one, nothing resident and the update's buffers in the profile's free memory after "
+        "backward, less 10%%",
+    )
     plan.add_argument("--forward-s", type=float, help="forward time, to predict the iteration")
     plan.add_argument("--backward-s", type=float, help="backward time, to predict the iteration")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -238,10 +238,11 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             ``"auto"``: sized from the rank's partition so that placement can be fine (about 32 sub-groups, none
             under 1,048,576 elements nor over the paper's 1e8); the choice is logged once when fitting starts.
             An explicit size that leaves a fixed ``gpu_fraction`` far from the asked share is warned about.
-        gpu_memory_budget: bytes of accelerator memory the update phase may use; None derives it from the
-            memory free after backward, less a 10% margin. With an explicit budget, ``"auto"`` may also keep
-            optimizer state resident on the accelerator across iterations (it must then fit beside
-            activations); without one it only streams.
+        gpu_memory_budget: bytes of accelerator memory spare at the forward/backward peak that the engine may
+            hold: ``"auto"`` may then keep optimizer state resident on the accelerator across iterations, and
+            resident state plus the update's streaming buffers stay inside it. None (the default): nothing is
+            kept on the accelerator between updates; each update's streaming buffers are sized from the memory
+            free after backward, less a 10% margin, and given back to torch's caching allocator at its end.
         streams_factory: builds the engine's streams for the model's device; None (the default) uses the
             real ones. Tests and tools pass ``lightning_dos.sim``'s simulated accelerator here to check the
             engine's stream ordering on CPU; it is never chosen automatically.
@@ -545,8 +546,8 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         if adapter is not None:
             adapter.release_signals()
             adapter.deliver_after_step = True
-            # Resident optimizer state comes home (the host slabs are the state of record after fit) and the
-            # engine's persistent device staging is given back.
+            # Resident optimizer state comes home (the host slabs are the state of record after fit) and any
+            # device staging an interrupted update left is given back.
             adapter.engine.release_device_memory()
         callbacks = self._callbacks_of
         if callbacks is not None:

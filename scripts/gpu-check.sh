@@ -1,12 +1,23 @@
 #!/usr/bin/env bash
-# The GPU checks, on a machine with a CUDA GPU: the CUDA tests, the CPU suite, `lightning-dos calibrate` and
-# the benchmark presets that fit one GPU (1b, 3b); every table is appended, dated, to bench/RESULTS.md.
-# Steps can run one at a time (a GPU lease may limit one command to 10 minutes):
-#   bash scripts/gpu-check.sh                 # all steps (about 20 minutes on one H100 with 16 cores)
-#   bash scripts/gpu-check.sh tests calibrate # or any of: tests, calibrate, bench-1b, bench-3b
-# Python: .venv/bin/python if there is one, else $PYTHON or python3. On a bare GPU machine that reaches no
-# registry, ship the missing wheels first (`bash scripts/gpu-wheels.sh` here, then send .whl along): they are
-# installed into /tmp/site. With no GPU it says so and exits 0.
+# The GPU checks, on a machine with a CUDA GPU, in steps that each finish inside 10 minutes on one H100 with
+# 16 cores (a GPU lease may limit one command to that); every table is appended, dated, to bench/RESULTS.md.
+#   bash scripts/gpu-check.sh                      # every step, in order
+#   bash scripts/gpu-check.sh cuda-tests memory    # or any of the steps below, by name
+# Steps:
+#   cuda-tests   the CUDA pass (tests/test_gpu.py), the delayed-stream test under TORCH_CUDA_SANITIZER=1 included
+#   cpu-tests-1  the CPU pass, Trainer-heavy files (equivalence, behaviour, atomic training, stream sanitizer)
+#   cpu-tests-2  the CPU pass, the other Trainer files (monitor, reliability, CLI, evaluation, recipes, ...)
+#   cpu-tests-3  the CPU pass, every other test file (units, kernels, planner, simulate, ...)
+#   calibrate    lightning-dos calibrate on this GPU
+#   bench-1b     bench/run.py --preset 1b (stock offload against ours: update time, peak GPU memory)
+#   bench-3b     bench/run.py --preset 3b
+#   memory       bench/memory.py: host and pinned bytes per parameter against stock offload (device bytes
+#                against stock offload are bench-1b/3b's peak-GPU column)
+# Python: .venv/bin/python if there is one, else $PYTHON or python3: on the GPU machine its own torch (a CUDA
+# torch wheel cannot be carried there), under which tests that pin this project's torch internals skip by name
+# (tests/conftest.py, PINNED_TORCH_TESTS). On a bare GPU machine that reaches no registry, ship the missing
+# wheels first (`bash scripts/gpu-wheels.sh` here, then send .whl along): they are installed into /tmp/site.
+# With no GPU it says so and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
@@ -28,41 +39,72 @@ if [ -n "$missing" ]; then
   exit 2
 fi
 
+all_steps=(cuda-tests cpu-tests-1 cpu-tests-2 cpu-tests-3 calibrate bench-1b bench-3b memory)
+# The CPU pass in three parts of a few minutes each on 16 cores; part 3 is every file not named in 1 or 2.
+cpu_part1=(test_equivalence test_engine_behaviour test_atomic_training test_stream_sanitizer)
+cpu_part2=(test_monitor test_reliability test_cli test_evaluation test_recipes test_device_memory test_resources
+           test_strategy_config test_atomic_engine)
+cpu_files() {  # part number -> its test files
+  local part=$1 f name
+  case $part in
+    1) for name in "${cpu_part1[@]}"; do echo "tests/$name.py"; done ;;
+    2) for name in "${cpu_part2[@]}"; do echo "tests/$name.py"; done ;;
+    3) for f in tests/test_*.py; do
+         name=$(basename "$f" .py)
+         [[ $name == test_gpu || " ${cpu_part1[*]} ${cpu_part2[*]} " == *" $name "* ]] || echo "$f"
+       done ;;
+  esac
+}
+
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests calibrate bench-1b bench-3b)
+[ ${#steps[@]} -eq 0 ] && steps=("${all_steps[@]}")
+for step in "${steps[@]}"; do
+  [[ " ${all_steps[*]} " == *" $step "* ]] || {
+    echo "gpu-check: unknown step '$step'; use any of: ${all_steps[*]}" >&2
+    exit 2
+  }
+done
 stamp=$(date -u +%Y-%m-%dT%H:%MZ)
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+torch_version=$($py -c "import torch; print(torch.__version__)")
 out=bench/out/gpu-check-$(date -u +%Y%m%d-%H%M%S)
 mkdir -p "$out"
 status=0
 section() {  # title, file: append a dated section to bench/RESULTS.md
-  { printf '\n## GPU check: %s (%s, %s)\n\n```\n' "$1" "${gpu:-CUDA GPU}" "$stamp"; cat "$2"; printf '```\n'; } \
-    >> bench/RESULTS.md
+  { printf '\n## GPU check: %s (%s, torch %s, %s)\n\n```\n' "$1" "${gpu:-CUDA GPU}" "$torch_version" "$stamp"
+    cat "$2"; printf '```\n'; } >> bench/RESULTS.md
+}
+run_logged() {  # log file, command...: run it, tee its output, remember a failure
+  local log=$1
+  shift
+  "$@" 2>&1 | tee "$log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 for step in "${steps[@]}"; do
   echo "== gpu-check: $step"
   case $step in
-    tests)
-      $py -m pytest -q -p no:cacheprovider --accelerator cuda tests/test_gpu.py 2>&1 | tee "$out/cuda-tests.txt"
-      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-      $py -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/cpu-tests.txt"
-      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-      tail -n 3 "$out/cuda-tests.txt" > "$out/tests-summary.txt"
-      tail -n 3 "$out/cpu-tests.txt" >> "$out/tests-summary.txt"
-      section "tests (CUDA pass, then CPU pass)" "$out/tests-summary.txt" ;;
+    cuda-tests)
+      run_logged "$out/cuda-tests.txt" $py -m pytest -q -rs -p no:cacheprovider --accelerator cuda tests/test_gpu.py
+      tail -n 3 "$out/cuda-tests.txt" > "$out/cuda-tests-summary.txt"
+      section "CUDA tests (tests/test_gpu.py)" "$out/cuda-tests-summary.txt" ;;
+    cpu-tests-[123])
+      part=${step#cpu-tests-}
+      mapfile -t files < <(cpu_files "$part")
+      run_logged "$out/$step.txt" $py -m pytest -q -rs -p no:cacheprovider "${files[@]}"
+      { grep -E '^SKIPPED' "$out/$step.txt" | cut -c1-200; tail -n 1 "$out/$step.txt"; } > "$out/$step-summary.txt"
+      section "CPU tests, part $part of 3" "$out/$step-summary.txt" ;;
     calibrate)
-      $py -m lightning_dos calibrate --out "$out/profile.yaml" 2>&1 | tee "$out/calibrate.txt"
-      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      run_logged "$out/calibrate.txt" $py -m lightning_dos calibrate --out "$out/profile.yaml"
       section "lightning-dos calibrate" "$out/calibrate.txt" ;;
     bench-1b|bench-3b)
       preset=${step#bench-}
-      DS_ACCELERATOR=cuda $py bench/run.py --preset "$preset" --out "$out/$preset.json" 2>&1 | tee "$out/$step.txt"
-      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      run_logged "$out/$step.txt" env DS_ACCELERATOR=cuda $py bench/run.py --preset "$preset" --out "$out/$preset.json"
       grep -E '^(#|\|)' "$out/$step.txt" > "$out/$step-table.txt"
       section "bench/run.py --preset $preset" "$out/$step-table.txt" ;;
-    *)
-      echo "gpu-check: unknown step '$step'; use tests, calibrate, bench-1b or bench-3b" >&2
-      exit 2 ;;
+    memory)
+      run_logged "$out/memory.txt" $py bench/memory.py
+      grep -E '^(#|\||pre-flight)' "$out/memory.txt" > "$out/memory-table.txt"
+      section "bench/memory.py" "$out/memory-table.txt" ;;
   esac
 done
 echo "gpu-check: tables appended to bench/RESULTS.md; logs in $out"

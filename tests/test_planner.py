@@ -7,11 +7,15 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_dos.cli import main
+from lightning_dos.engine.loop import InterleavedAdam
 from lightning_dos.engine.perfmodel import HardwareRates
+from lightning_dos.engine.plan import parse_gpu_fraction
+from lightning_dos.engine.scheduler import PlacementScheduler
 from lightning_dos.planner import plan_rows
 from lightning_dos.profiles import load_profile
 
@@ -69,11 +73,68 @@ def test_every_column_of_the_table_is_filled(capsys) -> None:  # noqa: ANN001
     assert main(["plan", "--params", "7e9", "--forward-s", "0.5", "--backward-s", "1"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("│")]
-    assert len(rows) == 1 + 5 + 3 + 1 + 1, out  # stock, TwinFlow x5, strides x3, ours, floor
+    assert len(rows) == 1 + 3 + 1 + 1, out  # stock, strides x3, ours, floor (nothing resident by default)
+    assert main(["plan", "--params", "7e9", "--budget", "20e9"]) == 0
+    out += capsys.readouterr().out
+    rows += [line for line in out.splitlines() if line.startswith("│")][len(rows) :]
+    assert len(rows) == 6 + 1 + 5 + 3 + 1 + 1, out  # then stock, TwinFlow x5, strides x3, ours, floor
     for line in rows:
         cells = [cell.strip() for cell in line.strip("│").split("│")]
-        assert len(cells) == 6 and all(cells), line
+        assert len(cells) == 7 and all(cells), line
     assert "over 4 rank(s), GPU" in out
+
+
+def test_default_rows_are_what_the_strategy_runs_and_resident_rows_need_a_budget(capsys) -> None:  # noqa: ANN001
+    """Without --budget nothing is resident (20B on paper-h100x4 once planned 16 of 50 sub-groups resident,
+    25.6 GB held through forward and backward, which the strategy never does by default); with --budget,
+    memory spare at the forward/backward peak, resident state and TwinFlow are planned inside it."""
+    default = _plan(capsys, "--params", "20e9")
+    assert default["ours"]["resident"] == 0 and default["ours"]["streamed"] > 0
+    assert default["budget_kind"] == "update only" and default["budget_gb"] == pytest.approx(27.0)
+    assert all(r["held_gb"] == 0 for r in default["rows"])
+    assert not any(r["scheme"].startswith("TwinFlow") for r in default["rows"])
+    budgeted = _plan(capsys, "--params", "20e9", "--budget", "25.6e9")
+    assert budgeted["ours"]["resident"] > 0 and budgeted["budget_kind"] == "forward/backward peak"
+    ours = next(r for r in budgeted["rows"] if r["scheme"] == "ours (auto)")
+    assert 0 < ours["held_gb"] <= ours["device_gb"] <= 25.6 and ours["fits_budget"]
+    assert sum(r["scheme"].startswith("TwinFlow") for r in budgeted["rows"]) == 5
+
+
+class _FreeMemory(InterleavedAdam):
+    """The engine on a machine with no GPU, told how much device memory is free after backward (what
+    ``torch.cuda.mem_get_info`` says on a GPU), and that it runs on an accelerator."""
+
+    free_after_backward = 0
+
+    def device_budget(self) -> int | None:
+        if self.gpu_memory_budget is not None:
+            return super().device_budget()
+        return int(0.9 * self.free_after_backward)
+
+
+@pytest.mark.parametrize("budget", [None, 2.56e5], ids=["default", "explicit budget"])
+def test_the_strategys_scheduler_chooses_the_plan_that_plan_shows(capsys, budget) -> None:  # noqa: ANN001
+    """The strategy's "auto" and `lightning-dos plan` agree, at 1/100,000 of 20B on paper-h100x4 (times and
+    memory scale alike): same resident, streamed and buffer counts."""
+    rates, meta = load_profile("paper-h100x4")
+    per_rank, size = 50_000, 1_000
+    free = meta["device_free_bytes"] // 100_000
+    engine = _FreeMemory([per_rank], [0], size, torch.device("cpu"), torch.float32, pin=False)
+    engine.free_after_backward = free
+    engine.gpu_memory_budget = None if budget is None else int(budget)
+    engine.device = torch.device("cuda", 0)  # the scheduler plans device work only for an accelerator
+    scheduler = PlacementScheduler(parse_gpu_fraction("auto"), engine, calibrate=lambda device: rates)
+    plan, _ = scheduler(1)
+    args = argparse.Namespace(
+        sub_group_size=size, lp_bytes=4, budget=None if budget is None else int(budget), forward_s=None, backward_s=None
+    )
+    shown = plan_rows(4 * per_rank, 4, rates, {"device_free_bytes": free, "device": "cuda"}, args)["ours"]
+    assert (len(plan.resident_indices), len(plan.streamed_indices), plan.device_buffers) == (
+        shown["resident"],
+        shown["streamed"],
+        shown["device_buffers"],
+    )
+    assert (len(plan.resident_indices) > 0) == (budget is not None)
 
 
 # Profiles within what hardware pairs in practice: PCIe 8-64 GB/s per direction (duplex 50-100% of it), host

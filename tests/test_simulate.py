@@ -43,14 +43,17 @@ def test_replay_orders_work_by_waits_and_blocks_the_host_on_host_waits() -> None
 
 
 @pytest.mark.parametrize("params", [7e9, 13e9, 20e9])
-@pytest.mark.parametrize("resident", [True, False], ids=["plan's auto (resident allowed)", "strategy's auto"])
+@pytest.mark.parametrize("resident", [True, False], ids=["auto within an explicit budget", "default auto"])
 def test_replayed_engine_schedule_agrees_with_the_performance_model(params: float, resident: bool) -> None:
     rates, meta = load_profile("paper-h100x4")
     sizes = sub_group_sizes(int(params), meta["gpus_per_node"], 100_000_000)
-    if resident:  # as `lightning-dos plan` and `simulate` choose it
-        plan = auto_plan(sizes, rates, 2, meta["device_free_bytes"])
-    else:  # as the strategy chooses it without a user budget: streaming only, within 90% of the free memory
-        plan, _ = choose_plan(sizes, rates, int(0.9 * meta["device_free_bytes"]), 2, allow_resident=False)
+    if resident:  # an explicit budget (memory spare at the forward/backward peak): resident state allowed in it
+        plan = auto_plan(sizes, rates, 2, meta["device_free_bytes"], allow_resident=True)
+        assert plan.resident_indices
+    else:  # as the strategy, `plan` and `simulate` choose it by default: streaming only, within 90% of the free memory
+        plan = auto_plan(sizes, rates, 2, int(0.9 * meta["device_free_bytes"]))
+        assert not plan.resident_indices
+        assert plan == choose_plan(sizes, rates, int(0.9 * meta["device_free_bytes"]), 2, allow_resident=False)[0]
     assert plan.device_indices, "auto puts work on the GPU at this size"
     result = simulate(sizes, plan, rates, 2)
     assert result.races == 0
@@ -64,6 +67,21 @@ def test_simulate_command_prints_the_table_and_writes_a_trace(tmp_path, capsys) 
     assert "SIMULATED" in out and "busy share" in out and "replay / prediction" in out
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["name"] for e in events if e["ph"] == "X"} >= {"upload", "download", "host_adam", "lp_upload"}
+
+
+def test_simulate_plans_what_the_strategy_runs_resident_state_only_with_a_budget(tmp_path, capsys) -> None:  # noqa: ANN001
+    """By default nothing is resident (the strategy keeps none without a gpu_memory_budget); --budget is memory
+    spare at the forward/backward peak, and resident state plus the update's buffers fit in it."""
+    trace = str(tmp_path / "sim.json")
+    assert main(["simulate", "--params", "20e9", "--trace", trace, "--json"]) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert default["plan"]["resident"] == 0 and default["plan"]["streamed"] > 0
+    assert default["held_between_updates_bytes"] == 0 and default["budget_kind"] == "update only"
+    assert default["budget_gb"] == pytest.approx(0.9 * 30)  # the profile's free memory after backward, less 10%
+    assert main(["simulate", "--params", "20e9", "--trace", trace, "--json", "--budget", "25.6e9"]) == 0
+    budgeted = json.loads(capsys.readouterr().out)
+    assert budgeted["plan"]["resident"] > 0 and budgeted["budget_kind"] == "forward/backward peak"
+    assert 0 < budgeted["held_between_updates_bytes"] <= budgeted["update_device_bytes"] <= 25.6e9
 
 
 def test_simulate_refuses_bad_settings(capsys) -> None:  # noqa: ANN001

@@ -27,7 +27,7 @@ from lightning_dos.engine import native
 from lightning_dos.engine.atomic import TornStateError, UpdateGuard, UpdateProgress
 from lightning_dos.engine.inputs import StepInputs
 from lightning_dos.engine.kernels import adam_update, fused_host_update, step_tensor
-from lightning_dos.engine.perfmodel import predict
+from lightning_dos.engine.perfmodel import FREE_MEMORY_MARGIN, predict
 from lightning_dos.engine.plan import Place, Plan, SubGroup, split_into_sub_groups
 from lightning_dos.engine.pool import STAGING_BYTES_PER_ELEMENT, BufferPool, DeviceBuffer
 from lightning_dos.engine.recovery import settle_interrupted_update
@@ -37,8 +37,6 @@ from lightning_dos.engine.streams import Streams, make_streams
 FP32_BYTES = 4
 #: fp32 bytes a streamed sub-group moves each way besides its gradient: param, exp_avg, exp_avg_sq.
 STATE_BYTES_PER_ELEMENT = 3 * FP32_BYTES
-#: Device memory kept free for the caching allocator's fragmentation when the budget is derived.
-FREE_MEMORY_MARGIN = 0.10
 
 
 def _useful_buffers(plan: Plan) -> Plan:
@@ -56,8 +54,11 @@ class InterleavedAdam:
         device: the accelerator device sub-groups are updated on (``cuda:N``, or ``cpu`` with no GPU).
         lp_dtype: dtype of the model's parameters.
         pin: pin host memory when CUDA is available.
-        gpu_memory_budget: bytes of device memory the update may use for staging; None derives it from
-            the memory free at the start of each update (plus the engine's own staging), less a 10% margin.
+        gpu_memory_budget: bytes of device memory the engine may hold at any point of the iteration: resident
+            state (kept through forward and backward) plus, during the update, its streaming buffers; so it is
+            memory spare at the forward/backward peak. None: the update's streaming buffers are sized from the
+            memory free at its start, less a 10% margin, and freed at its end. Streaming buffers are never
+            held between updates.
         streams: the streams all asynchronous work is issued through; None picks the real ones for
             ``device`` (CUDA streams on a GPU, synchronous no-ops on CPU). Tests and tools pass a simulated
             accelerator (``lightning_dos.sim``) here; it must be for ``device``.
@@ -151,10 +152,10 @@ class InterleavedAdam:
         if self.device.type != "cuda":
             return None
         free, _ = torch.cuda.mem_get_info(self.device)
-        # Memory the caching allocator holds but no tensor uses is free for our staging too, and so is the
-        # staging the engine keeps between updates.
+        # Memory the caching allocator holds but no tensor uses (the activations backward just freed, the
+        # last update's staging) is free for this update's staging too.
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return int((free + cached + self.pool.device_bytes_in_use) * (1.0 - FREE_MEMORY_MARGIN))
+        return int((free + cached) * (1.0 - FREE_MEMORY_MARGIN))
 
     def device_bytes(self, plan: Plan, buffers: int) -> int:
         """Device memory ``plan`` needs during the update: resident state plus streaming buffers."""
@@ -257,7 +258,7 @@ class InterleavedAdam:
         progress.places = plan.places
         # State leaving the device (the plan moved it, or it no longer fits) comes home first.
         self._evict([i for i in self.resident if plan.places[i] != Place.RESIDENT])
-        buffers = self._allocate(plan, budget)
+        buffers = self._allocate(plan)
         if buffers is None:
             plan = plan.with_host(plan.streamed_indices)
             buffers = []
@@ -281,24 +282,24 @@ class InterleavedAdam:
         # 16-bit parameter in place for the next forward.
         for event in tails:
             streams.host_wait(event)
+        # Nothing queued touches the staging buffers any more: back to the caching allocator, so the next
+        # forward's activations can have that memory (the engine holds no device memory between updates
+        # beyond resident state, which only an explicit budget plans).
+        self.pool.release_staging()
         report.update_s = time.perf_counter() - wall_start
         report.spans = streams.spans() if self.timing else []
         self.last_report = report
         return report
 
-    def _allocate(self, plan: Plan, budget: int | None) -> list[DeviceBuffer] | None:
-        """Streaming buffers for the plan, reused from earlier steps when they suffice; None (after one
-        warning) when the device is out of memory."""
-        resident = self.device_bytes(Plan(plan.places, 0), 0)
-        staging_budget = None if budget is None else budget - resident
+    def _allocate(self, plan: Plan) -> list[DeviceBuffer] | None:
+        """This update's streaming buffers (the plan fits the budget already); None (after one warning) when
+        the device is out of memory."""
         device_ids = plan.streamed_indices
         if not device_ids:
-            if staging_budget is not None and self.pool.device_bytes_in_use > staging_budget:
-                self.pool.release_staging()  # the budget shrank: give the memory back
             return []
         count = min(plan.device_buffers, len(device_ids))
         try:
-            return self.pool.staging_for(count, max(self.sizes[i] for i in device_ids), staging_budget)
+            return self.pool.staging_for(count, max(self.sizes[i] for i in device_ids))
         except torch.OutOfMemoryError:
             self._warn_fallback("device staging could not be allocated (out of memory)")
             return None

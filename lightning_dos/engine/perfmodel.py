@@ -385,6 +385,27 @@ def _plan_of(n: int, resident_order: Sequence[int], stream_order: Sequence[int],
     return Plan(places, buffers)
 
 
+#: Device memory kept free for the caching allocator's fragmentation when the update's budget is derived.
+FREE_MEMORY_MARGIN = 0.10
+
+
+def planning_budget(gpu_memory_budget: int | None, free_after_backward: int | None) -> tuple[int | None, bool]:
+    """The device bytes ``"auto"`` plans the update in, and whether it may keep sub-groups resident, as the
+    strategy decides them.
+
+    With an explicit ``gpu_memory_budget`` (memory spare at the forward/backward peak): that budget, holding
+    resident state and the update's streaming buffers together. Without one: the memory free after backward
+    less :data:`FREE_MEMORY_MARGIN`, for streaming buffers alone, freed at the update's end; nothing resident,
+    since resident state would be held through the next forward and backward, which need that memory.
+    None for ``free_after_backward``: no limit.
+    """
+    if gpu_memory_budget is not None:
+        return gpu_memory_budget, True
+    if free_after_backward is None:
+        return None, False
+    return int(free_after_backward * (1.0 - FREE_MEMORY_MARGIN)), False
+
+
 def floor(
     total_elements: int,
     rates: HardwareRates,

@@ -1,4 +1,4 @@
-"""The buffer pool: host slabs the engine owns, a small 16-bit staging ring, and persistent device staging.
+"""The buffer pool: host slabs the engine owns, a small 16-bit staging ring, and per-update device staging.
 
 Host side, allocated once: three fp32 slabs (master weights, first and second moments) holding every
 sub-group back to back, so DeepSpeed's flat partitions and optimizer state can be views into them.
@@ -12,10 +12,12 @@ a registered block pins exactly its own bytes. :attr:`BufferPool.pinned_bytes` r
 pinned. Without CUDA nothing is pinned and the results are identical.
 
 Device side: N staging buffers, each able to hold one streamed sub-group's fp32 param, moments and
-gradient (and its 16-bit cast when the 16-bit parameters live on the host). They are allocated once,
-grown when a plan needs more, and kept across steps, so activations cannot fragment the memory they
-need between two updates; they are freed when the budget no longer holds them and at teardown.
-Resident sub-groups keep their state on the device across iterations, in blocks of their own.
+gradient (and its 16-bit cast when the 16-bit parameters live on the host). They are allocated at the start
+of every update, sized from what the update may use, and given back to torch's caching allocator at its end:
+nothing of them is held through the next forward and backward, whose activations need that memory back
+(the blocks stay reserved by torch, so the next forward and the next update reuse them). Resident
+sub-groups keep their state on the device across iterations, in blocks of their own; the strategy plans
+them only inside an explicit ``gpu_memory_budget``.
 """
 
 from __future__ import annotations
@@ -154,9 +156,9 @@ class BufferPool:
         self.pinned_bytes = 0
         if self.pinned:
             self._pin(self._host_tensors())
-        #: Persistent device staging buffers (kept across steps).
+        #: Device staging buffers of the update in flight (empty between updates).
         self.staging: list[DeviceBuffer] = []
-        #: How many times device staging was (re)allocated, for tests and logs.
+        #: How many times device staging was allocated (once per update that streams), for tests and logs.
         self.staging_allocations = 0
         #: Device bytes held across iterations by resident sub-groups (param, moments, gradient).
         self.resident_bytes = 0
@@ -204,7 +206,7 @@ class BufferPool:
 
     @property
     def device_bytes_in_use(self) -> int:
-        """Device bytes held by the persistent staging buffers."""
+        """Device bytes held by the staging buffers (0 between updates)."""
         return sum(b.nbytes for b in self.staging)
 
     def _new_buffer(self, capacity: int, with_lp: bool) -> DeviceBuffer:
@@ -212,18 +214,14 @@ class BufferPool:
         lp = self._allocate(capacity, self.lp_dtype) if with_lp else None
         return DeviceBuffer(*block.split(capacity), lp=lp)
 
-    def staging_for(self, count: int, capacity: int, budget: int | None = None) -> list[DeviceBuffer]:
-        """``count`` device staging buffers of at least ``capacity`` elements (may raise OutOfMemoryError).
+    def staging_for(self, count: int, capacity: int) -> list[DeviceBuffer]:
+        """``count`` device staging buffers of ``capacity`` elements for one update (may raise OutOfMemoryError).
 
-        The buffers already held are reused when they are enough and fit ``budget`` (None: no limit);
-        otherwise they are freed first and exactly what is asked for is allocated, one block per buffer,
-        so an out-of-memory error leaves nothing half-allocated (and no staging held).
+        One block per buffer, allocated now; an out-of-memory error leaves nothing half-allocated (and no
+        staging held). The caller gives them back with :meth:`release_staging` once the update's last copy
+        has landed.
         """
         with_lp = self.lp_on_host and self.accelerated
-        held = self.staging
-        enough = len(held) >= count and all(b.capacity >= capacity for b in held)
-        if enough and (budget is None or self.device_bytes_in_use <= budget):
-            return held[:count]
         self.release_staging()
         buffers = [self._new_buffer(capacity, with_lp) for _ in range(count)]
         self.staging = buffers
@@ -231,7 +229,10 @@ class BufferPool:
         return buffers
 
     def release_staging(self) -> None:
-        """Free the persistent device staging (teardown, or the budget no longer holds it)."""
+        """Give the staging buffers back to the caching allocator (every update's end, and teardown).
+
+        Only once no queued work reads or writes them: the allocator hands a freed block to the next
+        allocation on its stream at once."""
         self.staging = []
 
     def allocate_resident(self, capacity: int) -> DeviceBuffer:

@@ -65,6 +65,7 @@ def settle_interrupted_update(
     out_of_memory = isinstance(error, torch.OutOfMemoryError)
     if not progress.touched and not out_of_memory:
         engine.steps_taken -= 1
+        _release_staging_once_idle(engine)
         raise UpdateInterrupted(
             f"lightning-dos: {what} interrupted optimizer step {step} before any state changed; "
             "the optimizer state is pre-step (the step was not taken)",
@@ -99,6 +100,16 @@ def settle_interrupted_update(
         )
         return report
     raise UpdateInterrupted(message, POST_STEP, error) from error
+
+
+def _release_staging_once_idle(engine: InterruptedEngine) -> None:
+    """Give the update's staging buffers back once the work queued on them has finished (uploads may be in
+    flight before any sub-group is touched); a device that cannot even synchronise keeps them until teardown."""
+    try:
+        engine.streams.device_synchronize()
+    except Exception:  # noqa: BLE001 - the caller raises the error that interrupted the update
+        return
+    engine.pool.release_staging()
 
 
 def finish_on_host(engine: InterruptedEngine, inputs: StepInputs, progress: UpdateProgress) -> list[int]:

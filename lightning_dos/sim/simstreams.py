@@ -6,6 +6,11 @@ device synchronisation, device allocation and free is reported to an optional :c
 (the race checker). Nothing runs asynchronously: the simulation gives CI the *order* the engine
 states, and the checker decides whether that order would be enough on a real GPU.
 
+Its :class:`DeviceMemoryAccount` counts the device bytes the engine holds over the whole iteration, phase
+by phase (forward, backward, update, between steps, named by
+:class:`~lightning_dos.sim.iteration.IterationMemory` under a Trainer): the update window alone cannot
+show memory held into the next forward.
+
 Never chosen automatically: a test or tool passes it to the engine (``streams=``) or to the strategy
 (``streams_factory=``).
 """
@@ -56,6 +61,45 @@ class SimEvent:
         """Work is synchronous: nothing to wait for."""
 
 
+@dataclass
+class PhaseMemory:
+    """Device bytes the engine held during one phase of the iteration.
+
+    Attributes:
+        name: the phase (``forward``, ``backward``, ``update``, ``between steps``, or ``setup`` before any).
+        start_bytes: held when the phase began.
+        peak_bytes: the most held at any moment of it.
+        end_bytes: held when it ended (None while it runs).
+    """
+
+    name: str
+    start_bytes: int
+    peak_bytes: int
+    end_bytes: int | None = None
+
+
+class DeviceMemoryAccount:
+    """Bytes of simulated device memory allocated and not yet freed, with the peak of every phase."""
+
+    def __init__(self) -> None:
+        self.held_bytes = 0
+        #: Every phase so far, in order; the last one is running.
+        self.phases: list[PhaseMemory] = [PhaseMemory("setup", 0, 0)]
+
+    def enter(self, name: str) -> None:
+        """End the running phase and start ``name``."""
+        self.phases[-1].end_bytes = self.held_bytes
+        self.phases.append(PhaseMemory(name, self.held_bytes, self.held_bytes))
+
+    def allocated(self, nbytes: int) -> None:
+        self.held_bytes += nbytes
+        current = self.phases[-1]
+        current.peak_bytes = max(current.peak_bytes, self.held_bytes)
+
+    def freed(self, nbytes: int) -> None:
+        self.held_bytes -= nbytes
+
+
 class StreamListener(Protocol):
     """What a checker hears from :class:`SimStreams` (every method is called synchronously)."""
 
@@ -97,6 +141,8 @@ class SimStreams(Streams):
         self._event_ids = itertools.count(1)
         #: Bytes of simulated device memory allocated and not yet freed.
         self.allocated_bytes = 0
+        #: The same, phase by phase of the iteration.
+        self.memory = DeviceMemoryAccount()
 
     @contextlib.contextmanager
     def lane(self, lane: str, sub_group: int, nbytes: int, stream: SimStream | None = None) -> Iterator[None]:
@@ -166,6 +212,7 @@ class SimStreams(Streams):
         # it as soon as the host drops it.
         stream = self.current
         self.allocated_bytes += nbytes
+        self.memory.allocated(nbytes)
         start = tensor.data_ptr()
         weakref.finalize(tensor, self._free, start, start + nbytes, nbytes, stream)
         if self.listener is not None:
@@ -174,5 +221,6 @@ class SimStreams(Streams):
 
     def _free(self, start: int, end: int, nbytes: int, stream: SimStream) -> None:
         self.allocated_bytes -= nbytes
+        self.memory.freed(nbytes)
         if self.listener is not None:
             self.listener.on_free(start, end, stream)

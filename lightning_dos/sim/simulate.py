@@ -25,7 +25,14 @@ import torch
 
 from lightning_dos.engine.kernels import AdamHyper
 from lightning_dos.engine.loop import InterleavedAdam, StepInputs
-from lightning_dos.engine.perfmodel import HardwareRates, Prediction, choose_plan, predict
+from lightning_dos.engine.perfmodel import (
+    DEVICE_BYTES,
+    HardwareRates,
+    Prediction,
+    choose_plan,
+    planning_budget,
+    predict,
+)
 from lightning_dos.engine.plan import Plan, parse_gpu_fraction, split_into_sub_groups
 from lightning_dos.sim.replay import ReplayResult, replay, write_perfetto
 from lightning_dos.sim.sanitizer import StreamSanitizer
@@ -96,16 +103,22 @@ def sub_group_sizes(params: int, gpus: int, sub_group_size: int) -> list[int]:
     return [sg.numel for sg in split_into_sub_groups([per_rank], [0], sub_group_size)]
 
 
-def auto_plan(sizes: Sequence[int], rates: HardwareRates, lp_bytes: int, budget: int | None) -> Plan:
-    """The plan ``gpu_fraction="auto"`` chooses (as ``lightning-dos plan`` shows it: residency allowed within
-    the budget)."""
-    return _auto_plan(tuple(sizes), rates, lp_bytes, budget)
+def auto_plan(
+    sizes: Sequence[int], rates: HardwareRates, lp_bytes: int, budget: int | None, allow_resident: bool = False
+) -> Plan:
+    """The plan ``gpu_fraction="auto"`` chooses within ``budget`` device bytes (None: no limit), as the strategy
+    and ``lightning-dos plan`` choose it: streaming only by default (``budget`` then being the memory free after
+    backward, less 10%), resident sub-groups too with ``allow_resident`` (``budget`` then being an explicit
+    ``gpu_memory_budget``, memory spare at the forward/backward peak)."""
+    return _auto_plan(tuple(sizes), rates, lp_bytes, budget, allow_resident)
 
 
 @functools.lru_cache(maxsize=16)
-def _auto_plan(sizes: tuple[int, ...], rates: HardwareRates, lp_bytes: int, budget: int | None) -> Plan:
+def _auto_plan(
+    sizes: tuple[int, ...], rates: HardwareRates, lp_bytes: int, budget: int | None, allow_resident: bool
+) -> Plan:
     # The search takes seconds at 50 sub-groups; the same question is asked again by tests and repeated runs.
-    return choose_plan(sizes, rates, budget, lp_bytes, allow_resident=budget is not None)[0]
+    return choose_plan(sizes, rates, budget, lp_bytes, allow_resident=allow_resident)[0]
 
 
 def _description() -> str:
@@ -134,7 +147,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--sub-group-size", type=float, default=1e8, help="elements per sub-group")
     parser.add_argument("--lp-bytes", type=int, default=2, choices=(2, 4), help="bytes per model parameter")
-    parser.add_argument("--budget", type=float, help="device bytes for the update (default: the profile's free memory)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        help="device bytes per rank spare at the forward/backward peak, as the strategy's gpu_memory_budget "
+        "('auto' may then keep sub-groups resident in it). Default: what the strategy does without one, nothing "
+        "resident and the update's buffers in the profile's free memory after backward, less 10%%",
+    )
     parser.add_argument(
         "--trace", type=Path, default=Path("runs/simulate/trace.json"), help="Perfetto trace to write (JSON)"
     )
@@ -166,12 +185,19 @@ def main(argv: list[str]) -> int:
     if params <= 0:
         return _fail("--params must be positive")
     gpus = args.gpus_per_node or int(meta.get("gpus_per_node", 1))
-    budget = int(args.budget) if args.budget is not None else meta.get("device_free_bytes")
+    budget, resident_ok = planning_budget(
+        int(args.budget) if args.budget is not None else None, meta.get("device_free_bytes")
+    )
     sizes = sub_group_sizes(params, gpus, int(args.sub_group_size))
-    plan = auto_plan(sizes, rates, args.lp_bytes, budget) if spec.mode == "auto" else spec.plan(len(sizes))
+    if spec.mode == "auto":
+        plan = auto_plan(sizes, rates, args.lp_bytes, budget, allow_resident=resident_ok)
+    else:
+        plan = spec.plan(len(sizes))
     result = simulate(sizes, plan, rates, args.lp_bytes)
     trace = write_perfetto(args.trace, result.replayed, f"{params / 1e9:.1f}B on {args.profile}")
     summary = _summary(result, params, gpus, args.profile, trace)
+    summary["budget_gb"] = None if budget is None else budget / 1e9
+    summary["budget_kind"] = "forward/backward peak" if resident_ok else "update only"
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -193,6 +219,9 @@ def _summary(result: Simulation, params: int, gpus: int, profile: str, trace: Pa
             "host": len(result.plan.host_indices),
             "device_buffers": result.plan.device_buffers,
         },
+        # Device bytes during the update (predicted), and of them those held through forward and backward.
+        "update_device_bytes": p.peak_device_bytes,
+        "held_between_updates_bytes": DEVICE_BYTES * sum(result.sizes[i] for i in result.plan.resident_indices),
         "update_s": r.time_s,
         "predicted_s": p.time_s,
         "replay_over_prediction": result.ratio,
@@ -210,10 +239,21 @@ def _print(s: dict[str, Any]) -> None:
 
     console = Console(highlight=False)  # wraps at the terminal's width, or COLUMNS, or 80 in a pipe or a log file
     plan = s["plan"]
+    budget = s.get("budget_gb")
+    if budget is not None and s.get("budget_kind") == "update only":
+        memory = (
+            f"default settings: nothing resident, the update's buffers within {budget:.1f} GB "
+            "(free after backward, less 10%)"
+        )
+    elif budget is not None:
+        memory = f"--budget {budget:.1f} GB spare at the forward/backward peak: resident state and the update's buffers"
+    else:
+        memory = "no device memory limit"
     console.print(
         f"SIMULATED (not measured): {s['params'] / 1e9:.1f}B params on {s['gpus']} rank(s), profile {s['profile']}\n"
         f"per rank: {s['sub_groups_per_rank']} sub-groups, {plan['streamed']} streamed through "
-        f"{plan['device_buffers']} buffer(s), {plan['resident']} resident, {plan['host']} on the host",
+        f"{plan['device_buffers']} buffer(s), {plan['resident']} resident, {plan['host']} on the host\n"
+        f"device memory: {memory}",
         markup=False,
     )
     table = Table(title="the engine's schedule on a virtual node")
@@ -226,6 +266,8 @@ def _print(s: dict[str, Any]) -> None:
         table.add_row(f"busy share: {lane}", f"{share:.0%}")
     table.add_row("GB host->device", f"{s['h2d_bytes'] / 1e9:.2f}")
     table.add_row("GB device->host", f"{s['d2h_bytes'] / 1e9:.2f}")
+    table.add_row("GB on the GPU during the update", f"{s['update_device_bytes'] / 1e9:.2f}")
+    table.add_row("GB held through forward and backward", f"{s['held_between_updates_bytes'] / 1e9:.2f}")
     table.add_row("stream races found", str(s["races"]))
     console.print(table)
     console.print(f"trace: {s['trace']} (open in https://ui.perfetto.dev)", markup=False)

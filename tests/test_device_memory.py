@@ -1,0 +1,85 @@
+"""Device memory the engine holds over the whole iteration, not only the update window.
+
+Real Lightning Trainer, real DeepSpeed ZeRO-3, on the simulated accelerator (``streams_factory=SimStreams``),
+whose memory account records the peak of every phase: forward, backward, update, between steps. Streaming
+buffers must be gone before the next forward; only resident state, planned inside an explicit
+``gpu_memory_budget``, may stay.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+
+from lightning_dos import DeepOptimizerStatesStrategy
+from lightning_dos.engine.plan import Place, Plan
+from lightning_dos.engine.pool import STAGING_BYTES_PER_ELEMENT
+from lightning_dos.sim.iteration import BACKWARD, BETWEEN, FORWARD, UPDATE, IterationMemory
+from lightning_dos.sim.simstreams import SimStreams
+from tests.helpers import TinyLM, full_parameters, loader, max_relative_error, trainer
+
+SUB_GROUP = 700
+STEPS = 4
+
+
+def fit(strategy: DeepOptimizerStatesStrategy, *callbacks: L.Callback) -> tuple[TinyLM, IterationMemory]:
+    L.seed_everything(0, verbose=False)
+    model, memory = TinyLM(), IterationMemory()
+    trainer(strategy, steps=STEPS, callbacks=[memory, *callbacks]).fit(model, loader())
+    return model, memory
+
+
+class FixedPlan(L.Callback):
+    """Sub-groups resident, streamed and on the host in turn, every step (the strategy's own planners keep
+    nothing resident without a budget; a budget makes room for this)."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        adapter = trainer.strategy.dos_adapter
+        order = (Place.RESIDENT, Place.DEVICE, Place.HOST)
+        places = tuple(order[i % 3] for i in range(len(adapter.engine.sub_groups)))
+        adapter.planner = lambda step: (Plan(places, 2), None)
+
+
+def test_default_settings_hold_no_device_memory_between_updates() -> None:
+    """No ``gpu_memory_budget``: streaming buffers are allocated for each update and freed at its end, so
+    forward, backward and the time between steps see none of the engine's device memory."""
+    strategy = DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=SUB_GROUP, streams_factory=SimStreams)
+    model, memory = fit(strategy)
+    updates = memory.phases(UPDATE)
+    assert len(updates) == STEPS and len(memory.phases(FORWARD)) == len(memory.phases(BACKWARD)) == STEPS
+    one_buffer = STAGING_BYTES_PER_ELEMENT * max(strategy.dos_engine.sizes)
+    assert all(u.peak_bytes >= one_buffer for u in updates), "every update streamed through device buffers"
+    assert all(u.end_bytes == 0 for u in updates), [u.end_bytes for u in updates]
+    assert memory.held_outside_updates() == 0, [(p.name, p.peak_bytes) for p in memory.phases()]
+    assert strategy.dos_engine.pool.staging_allocations == STEPS, "staging is allocated for every update"
+    assert not strategy.dos_engine.resident
+
+
+def test_with_a_budget_only_resident_state_is_held_between_updates_and_it_fits() -> None:
+    """An explicit budget bounds what the engine holds at the forward/backward peak: resident state only,
+    inside the budget; during the update resident state plus staging stays inside it too. Training equals
+    plain AdamW, and teardown gives everything back."""
+    L.seed_everything(0, verbose=False)
+    reference = TinyLM()
+    trainer("auto", steps=STEPS).fit(reference, loader())
+    budget = 80_000  # a third of the ~8.2K elements resident (~44 KB) and two 700-element buffers (22.4 KB)
+    strategy = DeepOptimizerStatesStrategy(
+        gpu_fraction=0.5, sub_group_size=SUB_GROUP, gpu_memory_budget=budget, streams_factory=SimStreams
+    )
+    model, memory = fit(strategy, FixedPlan())
+    engine = strategy.dos_engine
+    resident_bytes = STAGING_BYTES_PER_ELEMENT * sum(engine.sizes[i] for i in engine.last_report.plan.resident_indices)
+    assert 0 < resident_bytes <= budget and engine.last_report.plan.streamed_indices
+    assert not engine.last_report.fallback_host, "the plan fits the budget untrimmed"
+    outside = memory.phases(FORWARD, BACKWARD, BETWEEN)[2:]  # from the second iteration (resident state is up)
+    assert outside and all(p.peak_bytes == resident_bytes for p in outside), [(p.name, p.peak_bytes) for p in outside]
+    assert all(resident_bytes < u.peak_bytes <= budget for u in memory.phases(UPDATE))
+    assert all(u.end_bytes == resident_bytes for u in memory.phases(UPDATE))
+    assert engine.streams.memory.held_bytes == 0, "teardown brings resident state home and frees it"
+    assert max_relative_error(full_parameters(model), full_parameters(reference)) < 1e-5
+
+
+def test_iteration_memory_refuses_a_strategy_without_the_simulated_accelerator() -> None:
+    strategy = DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=SUB_GROUP)
+    with pytest.raises(ValueError, match="streams_factory=SimStreams"):
+        fit(strategy)

@@ -1,0 +1,100 @@
+"""The GPU checks themselves, on CPU: the delayed-stream harness on the simulated accelerator, the torch-version
+skips, and scripts/gpu-check.sh's steps (the CUDA tests cannot run here; they must collect and skip cleanly)."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_dos.engine.loop as loop_module
+from lightning_dos.sim.sanitizer import StreamSanitizer
+from tests.conftest import PINNED_TORCH, PINNED_TORCH_TESTS, pinned_torch_skip
+from tests.delayed_streams import run
+from tests.test_stream_sanitizer import find_mutations, mutant_engine
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu-check.sh"
+
+
+def _harness(engine_class: type, lp_on_host: bool) -> tuple[list[str], list]:
+    """tests/delayed_streams.py's steps at 64 elements per sub-group on the simulated accelerator, under the
+    race checker with DeepSpeed's unsynchronised model (its gradient copies are not waited for at backward's end)."""
+    checker = StreamSanitizer()
+    outcome = run(
+        engine_class,
+        lp_on_host=lp_on_host,
+        sub_group=64,
+        streams=checker.streams(),
+        watch=lambda engine: checker.watch(engine, backward_sync=False),
+    )
+    return outcome.errors, checker.races
+
+
+@pytest.mark.parametrize("lp_on_host", [False, True], ids=["16-bit on the device", "parameter offload"])
+def test_delayed_stream_harness_equals_adamw_and_is_race_free_on_the_simulated_accelerator(lp_on_host: bool) -> None:
+    errors, races = _harness(loop_module.InterleavedAdam, lp_on_host)
+    assert errors == [] and races == []
+
+
+def test_the_delayed_stream_harness_reaches_every_synchronisation_of_the_engine() -> None:
+    """Its plans put each wait, host wait and tail event of engine/loop.py to use: removing any one is a race in
+    one of its runs. On a GPU the sleeping stream turns that race into a wrong result (tests/test_gpu.py)."""
+    mutations = find_mutations(inspect.getsource(loop_module))
+    assert len(mutations) >= 9
+    unreached = []
+    for line, what in mutations:
+        engine_class = mutant_engine(line)
+        if not any(_harness(engine_class, lp_on_host)[1] for lp_on_host in (False, True)):
+            unreached.append(what)
+    assert not unreached, f"the harness never needs these: {unreached}"
+
+
+def test_tests_pinning_torch_internals_skip_by_name_only_under_another_torch() -> None:
+    for key in PINNED_TORCH_TESTS:
+        module, name = key.split("::")
+        assert f"def {name}(" in (ROOT / "tests" / module).read_text(), f"{key} names no test"
+    pinned = "tests/test_kernels.py::test_fused_update_is_bit_identical_to_three_passes[engine-x]"
+    reason = pinned_torch_skip(pinned, "2.11.0+cu128")
+    assert reason is not None and f"torch {PINNED_TORCH}" in reason and "2.11.0+cu128" in reason
+    assert pinned_torch_skip(pinned, f"{PINNED_TORCH}.0+cpu") is None
+    assert pinned_torch_skip("tests/test_planner.py::test_unknown_profile_is_refused", "2.11.0") is None
+    assert torch.__version__.startswith(PINNED_TORCH + "."), "CI runs the pinned torch: nothing is skipped here"
+
+
+def test_gpu_check_script_parses_and_says_so_without_a_gpu() -> None:
+    assert subprocess.run(["bash", "-n", str(SCRIPT)], check=False).returncode == 0
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: scripts/gpu-check.sh would run its steps (the GPU machine runs it)")
+    done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and "no CUDA GPU visible" in done.stdout
+
+
+def test_gpu_check_cpu_parts_cover_every_test_file_once() -> None:
+    parts = subprocess.run(
+        ["bash", "-c", f'source <(sed -n "/^all_steps=/,/^}}/p" {SCRIPT}); for p in 1 2 3; do cpu_files $p; done'],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    expected = sorted(f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py") if p.name != "test_gpu.py")
+    assert sorted(parts) == expected
+
+
+def test_the_cuda_tests_collect_and_skip_cleanly_without_a_gpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the CUDA pass runs them")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_gpu.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert " skipped" in done.stdout and "passed" not in done.stdout and "error" not in done.stdout.lower()
