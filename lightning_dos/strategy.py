@@ -40,11 +40,11 @@ from lightning_dos.engine.plan import (
     coarse_share_warning,
     parse_gpu_fraction,
 )
-from lightning_dos.engine.pool import BufferPool
 from lightning_dos.engine.scheduler import PlacementScheduler
 from lightning_dos.engine.streams import Streams
 from lightning_dos.host_threads import apply_host_threads
 from lightning_dos.optimizers import check_optimizer
+from lightning_dos.preflight import GRAD_ACCUM_DTYPES, HostFigure, pin_backend, rank_host_figure
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -69,7 +69,8 @@ def _refuse(setting: str, value: Any, valid: str) -> DOSConfigError:
 def merge_required_config(config: dict[str, Any], sub_group_size: int) -> dict[str, Any]:
     """Return ``config`` with what the engine requires filled in; refuse keys that conflict with it.
 
-    Required: ZeRO stage 3, optimizer offload to ``cpu`` with pinned memory, TwinFlow's ``ratio`` left at
+    Required: ZeRO stage 3, optimizer offload to ``cpu`` with pinned memory (``pin_memory: false`` is refused in
+    either offload section), TwinFlow's ``ratio`` left at
     1.0 (the engine places sub-groups itself), and ``zero_force_ds_cpu_optimizer`` off so that
     ``torch.optim.Adam``/``AdamW`` from ``configure_optimizers`` are accepted.
     """
@@ -99,16 +100,36 @@ def merge_required_config(config: dict[str, Any], sub_group_size: int) -> dict[s
             ratio,
             "TwinFlow's fixed ratio conflicts with the engine; use 1.0 and gpu_fraction instead",
         )
-    offload["pin_memory"] = True
+    _require_pinned(offload, "offload_optimizer")
     zero.setdefault("sub_group_size", sub_group_size)
-    param_device = str((zero.get("offload_param") or {}).get("device", "none")).lower()
+    param_offload = zero.get("offload_param") or {}
+    param_device = str(param_offload.get("device", "none")).lower()
     if param_device == "nvme":
         raise _refuse("zero_optimization.offload_param.device", "nvme", "use 'cpu' or 'none'")
+    if param_device == "cpu":
+        _require_pinned(param_offload, "offload_param")
     if config.get("zero_force_ds_cpu_optimizer", False):
         raise _refuse("zero_force_ds_cpu_optimizer", True, "leave it false: the engine runs torch Adam/AdamW itself")
     config["zero_force_ds_cpu_optimizer"] = False
     config.setdefault("zero_allow_untested_optimizer", True)
     return config
+
+
+def _require_pinned(section: dict[str, Any], name: str) -> None:
+    """Refuse ``pin_memory: false`` in an offload section, else set it true.
+
+    Unpinned, the copies of that section's buffers become synchronous and silently remove the overlap the
+    engine exists for; a contradicting key is refused, like every other one.
+    """
+    if section.get("pin_memory", True) is not True:
+        raise _refuse(
+            f"zero_optimization.{name}.pin_memory",
+            section["pin_memory"],
+            "unpinned host buffers make their copies synchronous, which removes the overlap of transfers with "
+            "the update: remove the key or set it to true (where the CUDA runtime refuses to pin the engine's "
+            "slabs, they fall back to pageable memory by themselves, with a warning)",
+        )
+    section["pin_memory"] = True
 
 
 class DeepSpeedCPUStrategy(DeepSpeedStrategy):
@@ -361,6 +382,8 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         #: Elements per host calibration buffer, sized from the rank's partition once the model is known.
         self._calibration_numel = HOST_BUFFER_BYTES // 4
         self._callbacks_of: list[Callback] | None = None
+        #: This rank's pre-flight host-memory figure, once fitting has started (None before).
+        self.dos_host_figure: HostFigure | None = None
 
     # -- public handles ---------------------------------------------------------------------------
 
@@ -389,7 +412,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
 
     def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:
         if optimizer is not None:
-            self._check_host_memory(model)
+            self._check_host_memory(model, optimizer)
             # Calibrate now, before DeepSpeed and the engine allocate the optimizer state: the measuring
             # buffers are freed by then, so they never add to the run's peak host memory (and on a GPU
             # the measurement sees a device with nothing else on it).
@@ -398,16 +421,22 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             _calibrated_rates(self.root_device, self._calibration_numel)
         return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
 
-    def _check_host_memory(self, model: torch.nn.Module) -> None:
+    def _check_host_memory(self, model: torch.nn.Module, optimizer: Optimizer) -> None:
         """Refuse to start, with the figures, when the node's host memory cannot hold the optimizer state.
 
-        Counted per rank, for every rank on this node: DeepSpeed's fp32 gradient buffer (4 B/param), the
-        engine's fp32 master weights and moments (12 B/param; DeepSpeed's own fp32 partition becomes a view
-        of them), the 16-bit staging ring, and the 16-bit parameters when they are offloaded too.
+        Counted per rank (:func:`~lightning_dos.preflight.rank_host_figure`), for every rank on this node: every
+        buffer DeepSpeed will pin, rounded as its pinning really rounds (torch's caching host allocator: a power
+        of two per buffer), and the engine's slabs. The figure is kept as :attr:`dos_host_figure`.
         """
-        params = [p for p in model.parameters() if p.requires_grad]
-        total = sum(int(getattr(p, "ds_numel", p.numel())) for p in params)
-        per_rank = -(-total // max(1, self.world_size))
+        world = max(1, self.world_size)
+        trainable = {id(p) for p in model.parameters() if p.requires_grad}
+        group_numels = [
+            [-(-int(getattr(p, "ds_numel", p.numel())) // world) for p in group["params"] if id(p) in trainable]
+            for group in optimizer.param_groups
+        ]
+        group_numels = [numels for numels in group_numels if numels]
+        per_rank = sum(sum(numels) for numels in group_numels)
+        total = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if p.requires_grad)
         zero = self.config["zero_optimization"]
         params_on_host = str((zero.get("offload_param") or {}).get("device", "none")).lower() == "cpu"
         # The 16-bit dtype DeepSpeed will use, from the config Lightning has formatted by now.
@@ -415,25 +444,28 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
             if (self.config.get(key) or {}).get("enabled"):
                 lp_dtype = dtype
-        lp_bytes = torch.empty((), dtype=lp_dtype).element_size()
+        accum = (self.config.get("data_types") or {}).get("grad_accum_dtype")
         on_accelerator = isinstance(self.accelerator, CUDAAccelerator)
-        engine = BufferPool.planned_host_bytes(
-            per_rank,
-            lp_dtype,
-            lp_on_host=params_on_host or not on_accelerator,
-            largest_sub_group=(
+        figure = self.dos_host_figure = rank_host_figure(
+            group_numels,
+            lp_dtype=lp_dtype,
+            grad_accum_dtype=lp_dtype if accum is None else GRAD_ACCUM_DTYPES.get(str(accum).lower(), torch.float32),
+            deepspeed_sub_group_size=zero.get("sub_group_size"),
+            engine_sub_group_size=(
                 auto_sub_group_size(per_rank)
                 if self.engine_sub_group_size == "auto"
                 else int(self.engine_sub_group_size)
             ),
+            on_accelerator=on_accelerator,
+            params_on_host=params_on_host,
+            backend=pin_backend(on_accelerator),
         )
-        deepspeed_bytes = 4 * per_rank + (lp_bytes * per_rank if params_on_host and on_accelerator else 0)
         local_ranks = max(1, len(self.parallel_devices or [None]))
         check_host_memory(
-            local_ranks * (engine + deepspeed_bytes),
+            local_ranks * figure.total,
             what=(
                 f"the offloaded optimizer state of {total / 1e6:.1f}M parameters ({per_rank / 1e6:.1f}M per rank, "
-                f"{local_ranks} rank(s) on this node)"
+                f"{local_ranks} rank(s) on this node: {figure.describe(per_rank)})"
             ),
             fix=(
                 "Spread the model over more nodes (ZeRO-3 divides this state by the number of ranks), train a "
@@ -527,6 +559,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             # Resident optimizer state comes home (the host slabs are the state of record after fit) and the
             # engine's persistent device staging is given back.
             adapter.engine.release_device_memory()
+            # Pinned memory is given back now, not when the garbage collector finds this strategy: sweeps and
+            # notebooks fit again in the same process.
+            adapter.engine.pool.release_host()
         callbacks = self._callbacks_of
         if callbacks is not None:
             callbacks[:] = [c for c in callbacks if not isinstance(c, _DeliverHeldSignals)]
