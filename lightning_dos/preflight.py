@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_dos.engine.hostslab import page_rounded
+from lightning_dos.engine.plan import auto_sub_group_size
 from lightning_dos.engine.pool import BufferPool
 
 FP32_BYTES = 4
@@ -101,6 +102,34 @@ def deepspeed_sub_groups(group_numels: Sequence[Sequence[int]], sub_group_size: 
     return sizes
 
 
+def least_rounded_sub_group_size(group_numels: Sequence[Sequence[int]], default: int) -> int:
+    """A DeepSpeed ``sub_group_size`` near ``default`` whose fp32 gradient buffers waste the least when torch pins
+    them (each rounded up to a power of two of bytes).
+
+    DeepSpeed closes a sub-group at the parameter that reaches the size, so sub-groups of about ``default``
+    elements (1e8: 400 MB, pinned as 512 MiB) waste a third or more. A size of ``2**k`` less the largest
+    parameter keeps every sub-group at or under ``2**k`` elements, a power of two of fp32 bytes; the candidates
+    are those for 2**24 elements up to the power of two at or above ``default`` (none under 2**23), and
+    ``default`` itself; the one with the fewest pinned bytes wins (the largest among equals: fewer flats).
+
+    Args:
+        group_numels: per optimizer parameter group, each trainable parameter's partition size on this rank.
+        default: the size used otherwise.
+    """
+    largest = max((n for numels in group_numels for n in numels), default=0)
+    candidates = {default}
+    for k in range(24, default.bit_length() + 1):
+        size = (1 << k) - largest
+        if size >= 1 << 23:
+            candidates.add(size)
+
+    def pinned(size: int) -> tuple[int, int]:
+        blocks = sum(power_of_two_ceil(FP32_BYTES * n) for n in deepspeed_sub_groups(group_numels, size))
+        return blocks, -size
+
+    return min(candidates, key=pinned)
+
+
 @dataclass
 class HostFigure:
     """The pre-flight figure of one rank: each buffer's bytes as it will really be held.
@@ -135,6 +164,7 @@ def rank_host_figure(
     on_accelerator: bool,
     params_on_host: bool,
     backend: str,
+    state_owner: str = "engine",
 ) -> HostFigure:
     """Host bytes one rank holds once DeepSpeed and the engine have allocated (see the module's docstring).
 
@@ -147,6 +177,8 @@ def rank_host_figure(
         on_accelerator: training runs on an accelerator (else the engine's device side is the CPU).
         params_on_host: parameter offload to the CPU is on.
         backend: how DeepSpeed pins (:func:`pin_backend`).
+        state_owner: ``"engine"`` (its slabs hold master weights and moments) or ``"deepspeed"`` (stock offload:
+            DeepSpeed's own fp32 partitions and its CPU Adam's moments, 12 B/param, not pinned).
     """
     total = sum(sum(numels) for numels in group_numels)
     lp_size = torch.empty((), dtype=lp_dtype).element_size()
@@ -162,9 +194,74 @@ def rank_host_figure(
     add("DeepSpeed gradient partitions", [accum_size * total])
     if params_on_host and on_accelerator:
         add("DeepSpeed offloaded 16-bit parameters", [lp_size * sum(numels) for numels in group_numels])
+    if state_owner == "deepspeed":
+        figure.items.append(("DeepSpeed fp32 master weights and moments", 3 * FP32_BYTES * total))
+        figure.nominal += 3 * FP32_BYTES * total
+        return figure
     engine = BufferPool.planned_host_bytes(
         total, lp_dtype, lp_on_host=params_on_host or not on_accelerator, largest_sub_group=engine_sub_group_size
     )
     figure.items.append(("engine slabs", engine))
     figure.nominal += engine
     return figure
+
+
+def partition_numels(
+    model: torch.nn.Module, param_groups: Sequence[Mapping[str, object]], world_size: int
+) -> list[list[int]]:
+    """Per optimizer parameter group with trainable parameters, each one's partition size on a rank (ZeRO-3 pads
+    a parameter to a multiple of the world size and gives each rank an equal share)."""
+    world = max(1, world_size)
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    groups = [
+        [-(-int(getattr(p, "ds_numel", p.numel())) // world) for p in group["params"] if id(p) in trainable]
+        for group in param_groups
+    ]
+    return [numels for numels in groups if numels]
+
+
+def figure_for(
+    model: torch.nn.Module,
+    param_groups: Sequence[Mapping[str, object]],
+    config: Mapping[str, object],
+    *,
+    world_size: int,
+    on_accelerator: bool,
+    engine_sub_group_size: int | str,
+    state_owner: str = "engine",
+    env: Mapping[str, str] = os.environ,
+) -> HostFigure:
+    """:func:`rank_host_figure` for ``model`` trained with ``param_groups`` under DeepSpeed ``config``.
+
+    Args:
+        model: the model, before DeepSpeed partitions it (or after: ``ds_numel`` is read where present).
+        param_groups: the optimizer's parameter groups (each a mapping with ``"params"``).
+        config: the DeepSpeed config as it will be given to ``deepspeed.initialize``.
+        world_size: data-parallel ranks the parameters are partitioned over.
+        on_accelerator: training runs on CUDA.
+        engine_sub_group_size: the engine's sub-group size, or ``"auto"``.
+        state_owner: see :func:`rank_host_figure`.
+        env: the environment (for ``DS_PIN_MEMORY_BACKEND``).
+    """
+    group_numels = partition_numels(model, param_groups, world_size)
+    per_rank = sum(sum(numels) for numels in group_numels)
+    zero = config.get("zero_optimization") or {}
+    params_on_host = str((zero.get("offload_param") or {}).get("device", "none")).lower() == "cpu"
+    lp_dtype = torch.float32
+    for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        if (config.get(key) or {}).get("enabled"):
+            lp_dtype = dtype
+    accum = (config.get("data_types") or {}).get("grad_accum_dtype")
+    return rank_host_figure(
+        group_numels,
+        lp_dtype=lp_dtype,
+        grad_accum_dtype=lp_dtype if accum is None else GRAD_ACCUM_DTYPES.get(str(accum).lower(), torch.float32),
+        deepspeed_sub_group_size=zero.get("sub_group_size"),
+        engine_sub_group_size=(
+            auto_sub_group_size(per_rank) if engine_sub_group_size == "auto" else int(engine_sub_group_size)
+        ),
+        on_accelerator=on_accelerator,
+        params_on_host=params_on_host,
+        backend=pin_backend(on_accelerator, env),
+        state_owner=state_owner,
+    )

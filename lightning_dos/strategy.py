@@ -36,7 +36,6 @@ from lightning_dos.engine.perfmodel import HardwareRates
 from lightning_dos.engine.plan import (
     MAX_AUTO_SUB_GROUP,
     FractionSpec,
-    auto_sub_group_size,
     coarse_share_warning,
     parse_gpu_fraction,
 )
@@ -44,7 +43,13 @@ from lightning_dos.engine.scheduler import PlacementScheduler
 from lightning_dos.engine.streams import Streams
 from lightning_dos.host_threads import apply_host_threads
 from lightning_dos.optimizers import check_optimizer
-from lightning_dos.preflight import GRAD_ACCUM_DTYPES, HostFigure, pin_backend, rank_host_figure
+from lightning_dos.preflight import (
+    HostFigure,
+    figure_for,
+    least_rounded_sub_group_size,
+    partition_numels,
+    pin_backend,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -428,37 +433,23 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         buffer DeepSpeed will pin, rounded as its pinning really rounds (torch's caching host allocator: a power
         of two per buffer), and the engine's slabs. The figure is kept as :attr:`dos_host_figure`.
         """
-        world = max(1, self.world_size)
-        trainable = {id(p) for p in model.parameters() if p.requires_grad}
-        group_numels = [
-            [-(-int(getattr(p, "ds_numel", p.numel())) // world) for p in group["params"] if id(p) in trainable]
-            for group in optimizer.param_groups
-        ]
-        group_numels = [numels for numels in group_numels if numels]
-        per_rank = sum(sum(numels) for numels in group_numels)
         total = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if p.requires_grad)
-        zero = self.config["zero_optimization"]
-        params_on_host = str((zero.get("offload_param") or {}).get("device", "none")).lower() == "cpu"
-        # The 16-bit dtype DeepSpeed will use, from the config Lightning has formatted by now.
-        lp_dtype = torch.float32
-        for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-            if (self.config.get(key) or {}).get("enabled"):
-                lp_dtype = dtype
-        accum = (self.config.get("data_types") or {}).get("grad_accum_dtype")
-        on_accelerator = isinstance(self.accelerator, CUDAAccelerator)
-        figure = self.dos_host_figure = rank_host_figure(
-            group_numels,
-            lp_dtype=lp_dtype,
-            grad_accum_dtype=lp_dtype if accum is None else GRAD_ACCUM_DTYPES.get(str(accum).lower(), torch.float32),
-            deepspeed_sub_group_size=zero.get("sub_group_size"),
-            engine_sub_group_size=(
-                auto_sub_group_size(per_rank)
-                if self.engine_sub_group_size == "auto"
-                else int(self.engine_sub_group_size)
-            ),
-            on_accelerator=on_accelerator,
-            params_on_host=params_on_host,
-            backend=pin_backend(on_accelerator),
+        per_rank = -(-total // max(1, self.world_size))
+        on_cuda = isinstance(self.accelerator, CUDAAccelerator)
+        if self.engine_sub_group_size == "auto" and pin_backend(on_cuda) == "torch":
+            # DeepSpeed's sub-groups are ours to size here: sized so that their pinned fp32 gradient buffers land
+            # at or just under a power of two, which torch's pinned allocator rounds every block up to.
+            zero = self.config["zero_optimization"]
+            zero["sub_group_size"] = least_rounded_sub_group_size(
+                partition_numels(model, optimizer.param_groups, self.world_size), int(zero["sub_group_size"])
+            )
+        figure = self.dos_host_figure = figure_for(
+            model,
+            optimizer.param_groups,
+            self.config,
+            world_size=self.world_size,
+            on_accelerator=on_cuda,
+            engine_sub_group_size=self.engine_sub_group_size,
         )
         local_ranks = max(1, len(self.parallel_devices or [None]))
         check_host_memory(

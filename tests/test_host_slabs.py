@@ -109,6 +109,21 @@ def test_host_slabs_are_page_aligned_mappings_marked_dontfork_and_a_forked_child
 # -- point 3: teardown unpins; repeated fits in one process do not accumulate pinned memory ---------------
 
 
+def test_closing_a_slab_unpins_at_once_and_unmaps_with_its_last_view() -> None:
+    registrar = RecordingRegistrar()
+    slab = hostslab.HostSlab(3 * mmap.PAGESIZE, torch.float32)
+    assert slab.pin(registrar) == 0 and registrar.live == {slab.address: slab.nbytes}
+    view = slab.tensor[5:9]
+    view.fill_(2.0)
+    assert slab.close() is False  # a view still exports the mapping: it is not unmapped under that view ...
+    assert registrar.live == {} and not slab.registered  # ... but it is unpinned now
+    assert slab.mapped and view.sum().item() == 8.0  # and the view reads valid memory
+    del view
+    assert not slab.mapped  # the last view took the mapping with it
+    lone = hostslab.HostSlab(1000, torch.bfloat16)
+    assert lone.close() is True and not lone.mapped  # nothing views it: unmapped at once
+
+
 class PinnedWhileFitting(L.Callback):
     def __init__(self) -> None:
         self.pinned_bytes: list[int] = []
@@ -132,8 +147,9 @@ def test_repeated_fits_in_one_process_do_not_accumulate_pinned_or_ring_memory() 
             fitted = trainer(strategy, steps=3, callbacks=(watch,))
             fitted.fit(TinyLM(), loader())
             pool = strategy.dos_engine.pool
-            assert pool.lp_staging is None and pool._ring_slab is not None and pool._ring_slab.closed
-            ring_bytes = pool._ring_slab.nbytes
+            ring = pool._ring_slab
+            assert pool.lp_staging is None and ring is not None and ring.closed and not ring.mapped  # unmapped
+            ring_bytes = ring.nbytes
             # While fitting, exactly this fit's slabs were pinned (the ring included) ...
             assert watch.pinned_bytes and set(watch.pinned_bytes) == {pool.host_bytes}
             # ... and after it nothing is: not this fit's, nor any earlier one's.

@@ -18,6 +18,7 @@ import torch
 
 from lightning_dos.preflight import (
     deepspeed_sub_groups,
+    least_rounded_sub_group_size,
     pin_backend,
     pinned_block_bytes,
     power_of_two_ceil,
@@ -77,6 +78,31 @@ def test_a_7b_model_on_cuda_counts_deepspeeds_rounding() -> None:
     assert pinned.total > exact.total == exact.nominal == pinned.nominal
     # The engine's own slabs are registered exactly: no rounding on them.
     assert items["engine slabs"] == dict(exact.items)["engine slabs"]
+
+
+def _pinned_fp32_gradients(groups: list[list[int]], size: int) -> tuple[int, int]:
+    sizes = deepspeed_sub_groups(groups, size)
+    return sum(power_of_two_ceil(4 * n) for n in sizes), sum(4 * n for n in sizes)
+
+
+def test_under_auto_deepspeeds_sub_groups_are_sized_to_waste_the_least_pinned_memory() -> None:
+    """Where torch pins DeepSpeed's fp32 gradient buffers, "auto" sizes DeepSpeed's sub-groups so that they land at
+    or under a power of two: 4096x4096 layers in 1e8-element sub-groups take 1.33x their bytes, 1x once sized."""
+    layers = [[4096 * 4096] * 128]
+    size = least_rounded_sub_group_size(layers, 100_000_000)
+    pinned, nominal = _pinned_fp32_gradients(layers, 100_000_000)
+    assert pinned / nominal > 1.3  # six layers (402 MB) in a 512 MiB block, 21 times
+    pinned, nominal = _pinned_fp32_gradients(layers, size)
+    assert pinned == nominal
+    # A 7B model's layers over 8 ranks (13.7M elements each): 1.23x at 1e8, 1.09x once sized.
+    ranked = [[7_000_000_000 // 8 // 64] * 64]
+    before, after = (
+        _pinned_fp32_gradients(ranked, s) for s in (100_000_000, least_rounded_sub_group_size(ranked, 10**8))
+    )
+    assert before[0] / before[1] > 1.2 and after[0] / after[1] < 1.1
+    # Never worse than the default, whatever the shapes (one huge parameter leaves no better choice).
+    odd = [[16_000_000] * 200 + [65_000_000]]
+    assert _pinned_fp32_gradients(odd, least_rounded_sub_group_size(odd, 10**8)) <= _pinned_fp32_gradients(odd, 10**8)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])

@@ -57,10 +57,31 @@ class CudaRegistrar:
     name = "cudaHostRegister"
 
     def register(self, address: int, nbytes: int) -> int:
-        return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1))
+        code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1))
+        if code != 0:
+            _clear_cuda_error()
+        return code
 
     def unregister(self, address: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a refused registration, which is handled: torch checks
+    ``cudaGetLastError`` after its kernel launches and would otherwise blame the next kernel for it."""
+    clear = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+    if clear is not None:
+        clear()
+        return
+    import ctypes
+    import os
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:  # the runtime torch already loaded, never another copy
+            ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
 
 
 _override: list[Registrar | None] = []
@@ -92,9 +113,9 @@ _lock = threading.Lock()
 
 
 def live_bytes() -> int:
-    """Bytes of all slabs in this process not yet closed."""
+    """Bytes of all slabs in this process still mapped (a closed slab counts until its last view is gone)."""
     with _lock:
-        return sum(slab.nbytes for slab in _live if not slab.closed)
+        return sum(slab.nbytes for slab in _live if slab.mapped)
 
 
 def registered_bytes() -> int:
@@ -123,18 +144,26 @@ class HostSlab:
         self.closed = False
         self._registrar: Registrar | None = None
         self._mapping: mmap.mmap | None = None
+        self._mapped: weakref.ref[mmap.mmap] | None = None  # the mapping, without keeping it alive
         if self.nbytes == 0:
             self.tensor = torch.empty(0, dtype=dtype)
         else:
             # Private and anonymous: zero pages until written, so untouched moments cost nothing yet.
             self._mapping = mmap.mmap(-1, page_rounded(self.nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self._mapping.madvise(mmap.MADV_DONTFORK)
+            self._mapped = weakref.ref(self._mapping)
             # Through a memoryview: the tensor's storage holds that export, so the mapping lives as long as any
             # view of it and ``mmap.close`` refuses to unmap it meanwhile (``frombuffer`` on the mmap itself
             # would keep the object but not the export, and close() would unmap memory still viewed).
             self.tensor = torch.frombuffer(memoryview(self._mapping), dtype=dtype, count=numel)
         with _lock:
             _live.add(self)
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the slab's memory is still mapped (by the slab, or after :meth:`close` by a view of it)."""
+        mapping = self._mapped() if self._mapped is not None else None
+        return mapping is not None and not mapping.closed
 
     @property
     def address(self) -> int:
