@@ -8,6 +8,14 @@ host memory, so this is the sum of everything ZeRO-3 offload holds; a short sequ
 of one keep activations small beside it. The engine's own figures (host bytes it allocated, bytes really
 pinned) come with our rows.
 
+Beside it, the pre-flight figure (what ``DeepOptimizerStatesStrategy`` checks host memory against before it
+allocates: DeepSpeed's offload buffers, rounded as their pinning rounds, and the engine's slabs; for stock, the
+same model of DeepSpeed with its own fp32 partitions and CPU Adam moments in place of the slabs) and what it is
+compared with, like with like: "state held" = the resident set after the steps less the resident set where
+DeepSpeed starts allocating the optimizer's state (its fp32 partitions), both with the C allocator's freed heap
+handed back. The rest of "fit adds" is the device side, which on CPU is host memory too (ZeRO-3's 16-bit
+partitions, gathered parameters, gradients, buckets, activations, and freed heap glibc keeps).
+
     python bench/memory.py                                    # 8x512 GPT (25M params), both precisions
     python bench/memory.py --n-layer 4 --n-embd 256 --steps 2 --precisions 32-true
 """
@@ -33,6 +41,23 @@ def _status_bytes(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def _record_before_optimizer_state(into: dict) -> None:
+    """Record the resident set (freed heap handed back) where DeepSpeed starts allocating the optimizer's state;
+    DeepSpeed's method runs unchanged."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    from lightning_dos.engine.hostmem import resident_bytes, return_freed_memory
+
+    original = Stage3._create_fp32_partitions
+
+    def measured(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        return_freed_memory()
+        into["before_state"] = resident_bytes()
+        return original(self, *args, **kwargs)
+
+    Stage3._create_fp32_partitions = measured
+
+
 def child(args: argparse.Namespace) -> None:
     """One fit; prints one JSON line."""
     sys.path.insert(0, str(ROOT))
@@ -42,7 +67,17 @@ def child(args: argparse.Namespace) -> None:
 
     from bench.run import StockGPT, make_strategy
     from lightning_dos.data import ByteCorpusDataModule
+    from lightning_dos.engine.hostmem import resident_bytes, return_freed_memory
+    from lightning_dos.preflight import figure_for
     from lightning_dos.recipes.gpt import GPT
+
+    class Held(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *rest: object) -> None:
+            return_freed_memory()
+            marks["held"] = resident_bytes()
+
+    marks: dict = {}
+    _record_before_optimizer_state(marks)
 
     strategy, ours = make_strategy(args.system, args.sub_group_size)
     L.seed_everything(0, verbose=False)
@@ -60,6 +95,7 @@ def child(args: argparse.Namespace) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        callbacks=[Held()],
     )
     data.prepare_data()
     data.setup("fit")
@@ -72,12 +108,45 @@ def child(args: argparse.Namespace) -> None:
     if ours:
         pool = strategy.dos_engine.pool
         row.update(engine_host_bytes=pool.host_bytes, pinned_bytes=pool.pinned_bytes)
+        figure = strategy.dos_host_figure
+    else:
+        # Stock has no pre-flight: the same model of DeepSpeed's buffers, its own fp32 state in place of the slabs.
+        # One parameter group: without pinning (CPU) grouping changes how sub-groups are cut, not their sum.
+        figure = figure_for(
+            model,
+            [{"params": list(model.parameters())}],
+            strategy.config,
+            world_size=1,
+            on_accelerator=False,
+            engine_sub_group_size=args.sub_group_size,
+            state_owner="deepspeed",
+        )
+    row.update(preflight=figure.total, state_held=marks["held"] - marks["before_state"])
     del torch
     print("RESULT " + json.dumps(row), flush=True)
 
 
 def _per_param(row: dict) -> float:
     return (row["peak"] - row["baseline"]) / row["params"]
+
+
+def preflight_table(rows: list[dict]) -> str:
+    """The pre-flight figure beside what the run held, per (precision, system): medians over repeats."""
+    lines = [
+        "| precision | system | pre-flight B/param | state held B/param (range) | held / pre-flight "
+        "| fit adds B/param |",
+        "|" + "---|" * 6,
+    ]
+    for precision, system in dict.fromkeys((r["precision"], r["system"]) for r in rows):
+        mine = [r for r in rows if (r["precision"], r["system"]) == (precision, system)]
+        params = mine[0]["params"]
+        held = [r["state_held"] / params for r in mine]
+        pre = statistics.median(r["preflight"] for r in mine) / params
+        lines.append(
+            f"| {precision} | {system} | {pre:.2f} | {statistics.median(held):.2f} ({min(held):.2f}-{max(held):.2f}) "
+            f"| {statistics.median(held) / pre:.3f} | {statistics.median(_per_param(r) for r in mine):.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
@@ -145,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(json.loads(lines[-1][len("RESULT ") :]))
             print(f"# done: {system} {precision}", file=sys.stderr, flush=True)
     print(table(rows))
+    print()
+    print(preflight_table(rows))
     return 0
 
 

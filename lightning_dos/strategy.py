@@ -36,15 +36,20 @@ from lightning_dos.engine.perfmodel import HardwareRates
 from lightning_dos.engine.plan import (
     MAX_AUTO_SUB_GROUP,
     FractionSpec,
-    auto_sub_group_size,
     coarse_share_warning,
     parse_gpu_fraction,
 )
-from lightning_dos.engine.pool import BufferPool
 from lightning_dos.engine.scheduler import PlacementScheduler
 from lightning_dos.engine.streams import Streams
 from lightning_dos.host_threads import apply_host_threads
 from lightning_dos.optimizers import check_optimizer
+from lightning_dos.preflight import (
+    HostFigure,
+    figure_for,
+    least_rounded_sub_group_size,
+    partition_numels,
+    pin_backend,
+)
 from lightning_dos.ranks import Calibration, calibrate_together, reduce_min_over_ranks
 
 if TYPE_CHECKING:
@@ -70,7 +75,8 @@ def _refuse(setting: str, value: Any, valid: str) -> DOSConfigError:
 def merge_required_config(config: dict[str, Any], sub_group_size: int) -> dict[str, Any]:
     """Return ``config`` with what the engine requires filled in; refuse keys that conflict with it.
 
-    Required: ZeRO stage 3, optimizer offload to ``cpu`` with pinned memory, TwinFlow's ``ratio`` left at
+    Required: ZeRO stage 3, optimizer offload to ``cpu`` with pinned memory (``pin_memory: false`` is refused in
+    either offload section), TwinFlow's ``ratio`` left at
     1.0 (the engine places sub-groups itself), and ``zero_force_ds_cpu_optimizer`` off so that
     ``torch.optim.Adam``/``AdamW`` from ``configure_optimizers`` are accepted.
     """
@@ -100,16 +106,36 @@ def merge_required_config(config: dict[str, Any], sub_group_size: int) -> dict[s
             ratio,
             "TwinFlow's fixed ratio conflicts with the engine; use 1.0 and gpu_fraction instead",
         )
-    offload["pin_memory"] = True
+    _require_pinned(offload, "offload_optimizer")
     zero.setdefault("sub_group_size", sub_group_size)
-    param_device = str((zero.get("offload_param") or {}).get("device", "none")).lower()
+    param_offload = zero.get("offload_param") or {}
+    param_device = str(param_offload.get("device", "none")).lower()
     if param_device == "nvme":
         raise _refuse("zero_optimization.offload_param.device", "nvme", "use 'cpu' or 'none'")
+    if param_device == "cpu":
+        _require_pinned(param_offload, "offload_param")
     if config.get("zero_force_ds_cpu_optimizer", False):
         raise _refuse("zero_force_ds_cpu_optimizer", True, "leave it false: the engine runs torch Adam/AdamW itself")
     config["zero_force_ds_cpu_optimizer"] = False
     config.setdefault("zero_allow_untested_optimizer", True)
     return config
+
+
+def _require_pinned(section: dict[str, Any], name: str) -> None:
+    """Refuse ``pin_memory: false`` in an offload section, else set it true.
+
+    Unpinned, the copies of that section's buffers become synchronous and silently remove the overlap the
+    engine exists for; a contradicting key is refused, like every other one.
+    """
+    if section.get("pin_memory", True) is not True:
+        raise _refuse(
+            f"zero_optimization.{name}.pin_memory",
+            section["pin_memory"],
+            "unpinned host buffers make their copies synchronous, which removes the overlap of transfers with "
+            "the update: remove the key or set it to true (where the CUDA runtime refuses to pin the engine's "
+            "slabs, they fall back to pageable memory by themselves, with a warning)",
+        )
+    section["pin_memory"] = True
 
 
 class DeepSpeedCPUStrategy(DeepSpeedStrategy):
@@ -366,6 +392,8 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         #: This rank's calibration (when, what it measured, what every rank uses), once fitting has started.
         self.dos_calibration: Calibration | None = None
         self._callbacks_of: list[Callback] | None = None
+        #: This rank's pre-flight host-memory figure, once fitting has started (None before).
+        self.dos_host_figure: HostFigure | None = None
 
     # -- public handles ---------------------------------------------------------------------------
 
@@ -394,7 +422,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
 
     def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:
         if optimizer is not None:
-            self._check_host_memory(model)
+            self._check_host_memory(model, optimizer)
             # Calibrate now, before DeepSpeed and the engine allocate the optimizer state: the measuring
             # buffers are freed by then, so they never add to the run's peak host memory (and on a GPU
             # the measurement sees a device with nothing else on it).
@@ -407,42 +435,37 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             )
         return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
 
-    def _check_host_memory(self, model: torch.nn.Module) -> None:
+    def _check_host_memory(self, model: torch.nn.Module, optimizer: Optimizer) -> None:
         """Refuse to start, with the figures, when the node's host memory cannot hold the optimizer state.
 
-        Counted per rank, for every rank on this node: DeepSpeed's fp32 gradient buffer (4 B/param), the
-        engine's fp32 master weights and moments (12 B/param; DeepSpeed's own fp32 partition becomes a view
-        of them), the 16-bit staging ring, and the 16-bit parameters when they are offloaded too.
+        Counted per rank (:func:`~lightning_dos.preflight.rank_host_figure`), for every rank on this node: every
+        buffer DeepSpeed will pin, rounded as its pinning really rounds (torch's caching host allocator: a power
+        of two per buffer), and the engine's slabs. The figure is kept as :attr:`dos_host_figure`.
         """
-        params = [p for p in model.parameters() if p.requires_grad]
-        total = sum(int(getattr(p, "ds_numel", p.numel())) for p in params)
+        total = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if p.requires_grad)
         per_rank = -(-total // max(1, self.world_size))
-        zero = self.config["zero_optimization"]
-        params_on_host = str((zero.get("offload_param") or {}).get("device", "none")).lower() == "cpu"
-        # The 16-bit dtype DeepSpeed will use, from the config Lightning has formatted by now.
-        lp_dtype = torch.float32
-        for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-            if (self.config.get(key) or {}).get("enabled"):
-                lp_dtype = dtype
-        lp_bytes = torch.empty((), dtype=lp_dtype).element_size()
-        on_accelerator = isinstance(self.accelerator, CUDAAccelerator)
-        engine = BufferPool.planned_host_bytes(
-            per_rank,
-            lp_dtype,
-            lp_on_host=params_on_host or not on_accelerator,
-            largest_sub_group=(
-                auto_sub_group_size(per_rank)
-                if self.engine_sub_group_size == "auto"
-                else int(self.engine_sub_group_size)
-            ),
+        on_cuda = isinstance(self.accelerator, CUDAAccelerator)
+        if self.engine_sub_group_size == "auto" and pin_backend(on_cuda) == "torch":
+            # DeepSpeed's sub-groups are ours to size here: sized so that their pinned fp32 gradient buffers land
+            # at or just under a power of two, which torch's pinned allocator rounds every block up to.
+            zero = self.config["zero_optimization"]
+            zero["sub_group_size"] = least_rounded_sub_group_size(
+                partition_numels(model, optimizer.param_groups, self.world_size), int(zero["sub_group_size"])
+            )
+        figure = self.dos_host_figure = figure_for(
+            model,
+            optimizer.param_groups,
+            self.config,
+            world_size=self.world_size,
+            on_accelerator=on_cuda,
+            engine_sub_group_size=self.engine_sub_group_size,
         )
-        deepspeed_bytes = 4 * per_rank + (lp_bytes * per_rank if params_on_host and on_accelerator else 0)
         local_ranks = max(1, len(self.parallel_devices or [None]))
         check_host_memory(
-            local_ranks * (engine + deepspeed_bytes),
+            local_ranks * figure.total,
             what=(
                 f"the offloaded optimizer state of {total / 1e6:.1f}M parameters ({per_rank / 1e6:.1f}M per rank, "
-                f"{local_ranks} rank(s) on this node)"
+                f"{local_ranks} rank(s) on this node: {figure.describe(per_rank)})"
             ),
             fix=(
                 "Spread the model over more nodes (ZeRO-3 divides this state by the number of ranks), train a "
@@ -549,6 +572,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             # Resident optimizer state comes home (the host slabs are the state of record after fit) and any
             # device staging an interrupted update left is given back.
             adapter.engine.release_device_memory()
+            # Pinned memory is given back now, not when the garbage collector finds this strategy: sweeps and
+            # notebooks fit again in the same process.
+            adapter.engine.pool.release_host()
         callbacks = self._callbacks_of
         if callbacks is not None:
             callbacks[:] = [c for c in callbacks if not isinstance(c, _DeliverHeldSignals)]

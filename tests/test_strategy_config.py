@@ -72,6 +72,16 @@ BAD_SETTINGS = [
         "use 1.0",
     ),
     ({"config": {"zero_force_ds_cpu_optimizer": True}}, "zero_force_ds_cpu_optimizer", "leave it false"),
+    (
+        {"config": {"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memory": False}}}},
+        "offload_optimizer.pin_memory",
+        "set it to true",
+    ),
+    (
+        {"config": {"zero_optimization": {"offload_param": {"device": "cpu", "pin_memory": False}}}},
+        "offload_param.pin_memory",
+        "set it to true",
+    ),
     ({"config": {"zero_optimization": "yes"}}, "zero_optimization", "mapping"),
     ({"config": "/nonexistent/ds_config.json"}, "config", "does not exist"),
     ({"host_threads": 0}, "host_threads", "positive integer"),

@@ -6,10 +6,12 @@ When the 16-bit parameters live on an accelerator, host-updated sub-groups are c
 few staging slots of the largest sub-group's size, each reused once its previous upload has finished,
 instead of a full-size copy of the model (2 bytes per parameter saved).
 
-Pinning, on CUDA, registers ordinary pageable memory with ``cudaHostRegister``: torch's pinned
-allocator rounds every block up to a power of two (5e9 elements ask for 70 GB and get 120 GB), while
-a registered block pins exactly its own bytes. :attr:`BufferPool.pinned_bytes` reports what is really
-pinned. Without CUDA nothing is pinned and the results are identical.
+Each host buffer is a :class:`~lightning_dos.engine.hostslab.HostSlab`: a page-aligned mapping of its own,
+excluded from forked children, registered with ``cudaHostRegister`` on CUDA. torch's pinned allocator rounds
+every block up to a power of two (5e9 elements ask for 70 GB and get 120 GB), while a registered block pins
+exactly its own bytes. :attr:`BufferPool.pinned_bytes` reports what is really pinned. Without CUDA nothing is
+pinned and the results are identical; a refused registration leaves the slabs pageable, with one warning.
+:meth:`BufferPool.release_host` (teardown) unpins every slab at once and frees the 16-bit ring.
 
 Device side: N staging buffers, each able to hold one streamed sub-group's fp32 param, moments and
 gradient (and its 16-bit cast when the 16-bit parameters live on the host). They are allocated at the start
@@ -22,11 +24,13 @@ them only inside an explicit ``gpu_memory_budget``.
 
 from __future__ import annotations
 
-import weakref
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from lightning_dos.engine.hostslab import PAGEABLE_COST, HostSlab, Registrar, default_registrar
 
 FP32_BYTES = 4
 #: Device staging bytes per element of a streamed sub-group: param, exp_avg, exp_avg_sq, grad.
@@ -36,28 +40,6 @@ STAGING_BYTES_PER_ELEMENT = 4 * FP32_BYTES
 #: paper-h100x4 (tests/test_simulate.py), 2 slots took the update to 1.4-1.75x the prediction, 4 slots to
 #: 1.4-1.7x, one per sub-group to 0.96-1.0x. So every sub-group keeps a slot until a plan-aware ring exists.
 LP_STAGING_SLOTS: int | None = None
-
-
-def _unregister(pointers: list[int], keep_alive: list[torch.Tensor]) -> None:
-    """Unpin registered host blocks (the tensors are still alive here, so the memory is too)."""
-    cudart = torch.cuda.cudart()
-    for pointer in pointers:
-        cudart.cudaHostUnregister(pointer)
-    keep_alive.clear()
-
-
-def _register(tensor: torch.Tensor) -> None:
-    """Pin ``tensor``'s pageable memory in place, exactly its bytes (CUDA only)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
-        return
-    # cudaHostRegisterPortable (1): pinned for every CUDA context, as torch's own pin_memory_utils does.
-    code = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 1))
-    if code != 0:
-        raise RuntimeError(
-            f"lightning-dos: cudaHostRegister of {nbytes / 1e9:.2f} GB of host memory failed (CUDA error {code}); "
-            "the locked-memory limit may be too low (ulimit -l) or host memory is short"
-        )
 
 
 @dataclass
@@ -144,18 +126,22 @@ class BufferPool:
         self.device = device
         self.lp_dtype = lp_dtype
         self._allocate = allocate or (lambda numel, dtype: torch.empty(numel, dtype=dtype, device=device))
-        self.pinned = bool(pin and torch.cuda.is_available())
         self.accelerated = device.type != "cpu" if accelerated is None else accelerated
         self.lp_on_host = not self.accelerated if lp_on_host is None else lp_on_host
         slots, slot = self.ring_shape(total_numel, largest_sub_group, self.lp_on_host)
-        self.param = torch.empty(total_numel, dtype=torch.float32)
-        self.exp_avg = torch.zeros(total_numel, dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros(total_numel, dtype=torch.float32)
-        self.lp_staging = StagingRing(torch.empty(slots * slot, dtype=lp_dtype), slots) if slots else None
+        # Zero-filled mappings: the moments start at zero, as torch.zeros would, and cost nothing until written.
+        self._slabs = [HostSlab(total_numel, torch.float32) for _ in range(3)]
+        self.param, self.exp_avg, self.exp_avg_sq = (slab.tensor for slab in self._slabs)
+        self.lp_staging: StagingRing | None = None
+        self._ring_slab: HostSlab | None = None
+        if slots:
+            self._ring_slab = HostSlab(slots * slot, lp_dtype)
+            self._slabs.append(self._ring_slab)
+            self.lp_staging = StagingRing(self._ring_slab.tensor, slots)
         #: Host bytes really pinned (registered), exactly; 0 when nothing is pinned.
         self.pinned_bytes = 0
-        if self.pinned:
-            self._pin(self._host_tensors())
+        registrar = default_registrar() if pin else None
+        self.pinned = registrar is not None and self._pin(registrar)
         #: Device staging buffers of the update in flight (empty between updates).
         self.staging: list[DeviceBuffer] = []
         #: How many times device staging was allocated (once per update that streams), for tests and logs.
@@ -182,25 +168,45 @@ class BufferPool:
         lp_size = torch.empty((), dtype=lp_dtype).element_size()
         return 3 * FP32_BYTES * total_numel + lp_size * slots * slot
 
-    def _host_tensors(self) -> list[torch.Tensor]:
-        ring = [self.lp_staging.storage] if self.lp_staging is not None else []
-        return [self.param, self.exp_avg, self.exp_avg_sq, *ring]
+    def _pin(self, registrar: Registrar) -> bool:
+        """Register every slab; on a refusal unregister those done and stay pageable, with one warning."""
+        for slab in self._slabs:
+            code = slab.pin(registrar)
+            if code != 0:
+                for done in self._slabs:
+                    done.unpin()
+                total = sum(s.nbytes for s in self._slabs)
+                warnings.warn(
+                    f"lightning-dos: {registrar.name} refused {total / 1e9:.2f} GB of host memory (error {code}), so "
+                    f"{PAGEABLE_COST}. The locked-memory limit (ulimit -l) is not the cause: the NVIDIA driver does "
+                    "not charge registrations to it; look at the container runtime's or the host's memory.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                self.pinned_bytes = 0
+                return False
+            self.pinned_bytes += slab.nbytes
+        return True
 
-    def _pin(self, tensors: list[torch.Tensor]) -> None:
-        pointers = []
-        try:
-            for tensor in tensors:
-                _register(tensor)
-                pointers.append(tensor.data_ptr())
-                self.pinned_bytes += tensor.numel() * tensor.element_size()
-        finally:
-            # Unpinned when the pool goes away, while it still holds the tensors.
-            weakref.finalize(self, _unregister, pointers, list(tensors))
+    def release_host(self) -> None:
+        """Unpin every host slab now and free the 16-bit staging ring (teardown; not left to the garbage collector).
+
+        The fp32 master weights and moments stay readable, as pageable memory, for what reads them after
+        training (a checkpoint saved after ``fit``, DeepSpeed's accessors); their mappings go with the last
+        tensor that views them.
+        """
+        for slab in self._slabs:
+            slab.unpin()
+        self.pinned, self.pinned_bytes = False, 0
+        if self._ring_slab is not None:
+            self.lp_staging = None
+            self._ring_slab.close()
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of host memory the pool holds (pinned when :attr:`pinned`)."""
-        return sum(t.numel() * t.element_size() for t in self._host_tensors())
+        """Bytes of host memory the pool allocated: its slabs (pinned while :attr:`pinned`), the 16-bit ring
+        included after :meth:`release_host` freed it."""
+        return sum(slab.nbytes for slab in self._slabs)
 
     # -- device staging ----------------------------------------------------------------------
 

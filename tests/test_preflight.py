@@ -1,0 +1,124 @@
+"""The host pre-flight figure (issue 19, point 2): every buffer DeepSpeed pins, rounded as its pinning rounds,
+and the engine's slabs; compared with the host memory a real run adds.
+
+Without CUDA nothing is pinned, so the real run checks the unrounded figure, and the rounding arithmetic of
+torch's caching host allocator (and of DeepSpeed's native backend) is checked as a unit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_dos.preflight import (
+    deepspeed_sub_groups,
+    least_rounded_sub_group_size,
+    pin_backend,
+    pinned_block_bytes,
+    power_of_two_ceil,
+    rank_host_figure,
+)
+from tests.helpers import clean_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_pinned_blocks_are_rounded_as_each_backend_rounds() -> None:
+    # torch's caching host allocator: the next power of two (c10::llvm::PowerOf2Ceil), exact powers unchanged.
+    assert [power_of_two_ceil(n) for n in (0, 1, 3, 4, 5, 4096, 4097)] == [0, 1, 4, 4, 8, 4096, 8192]
+    # A 1e8-element fp32 sub-group (DeepSpeed's sub_group_size under "auto") asks for 400 MB and gets 512 MiB.
+    assert pinned_block_bytes(400_000_000, "torch") == 1 << 29
+    # DeepSpeed's native backend pins whole pages; unpinned memory is its own size.
+    assert pinned_block_bytes(400_000_001, "native") % os.sysconf("SC_PAGE_SIZE") == 0
+    assert 0 <= pinned_block_bytes(400_000_001, "native") - 400_000_001 < os.sysconf("SC_PAGE_SIZE")
+    assert pinned_block_bytes(400_000_001, "none") == 400_000_001
+    with pytest.raises(ValueError, match="pin backend"):
+        pinned_block_bytes(1, "cuda")
+
+
+def test_the_pin_backend_is_chosen_by_whether_pinning_really_happens() -> None:
+    assert pin_backend(pins_on_cuda=True, env={}) == "torch"
+    assert pin_backend(pins_on_cuda=False, env={}) == "none"  # DeepSpeed's CPU accelerator pins nothing
+    assert pin_backend(pins_on_cuda=False, env={"DS_PIN_MEMORY_BACKEND": "native"}) == "native"
+
+
+def test_deepspeed_sub_groups_close_once_they_reach_the_size() -> None:
+    # As _create_fp16_sub_groups packs them: a sub-group closes at the parameter that reaches the size.
+    assert deepspeed_sub_groups([[3, 3, 3, 3]], 5) == [6, 6]
+    assert deepspeed_sub_groups([[3, 3, 3]], 5) == [6, 3]
+    assert deepspeed_sub_groups([[3, 3], [10]], 100) == [6, 10]  # a group under the size stays whole
+
+
+def test_a_7b_model_on_cuda_counts_deepspeeds_rounding() -> None:
+    """Per rank of 8 on one node, bf16: DeepSpeed's 6 B/param nominal grows with torch's power-of-two blocks."""
+    layer = 7_000_000_000 // 8 // 64
+    groups = [[layer] * 64]
+    common = dict(
+        lp_dtype=torch.bfloat16,
+        grad_accum_dtype=torch.bfloat16,
+        deepspeed_sub_group_size=100_000_000,
+        engine_sub_group_size=20_000_000,
+        on_accelerator=True,
+        params_on_host=False,
+    )
+    exact = rank_host_figure(groups, backend="none", **common)
+    pinned = rank_host_figure(groups, backend="torch", **common)
+    per_rank = 64 * layer
+    items = dict(pinned.items)
+    sub_groups = deepspeed_sub_groups(groups, 100_000_000)
+    assert items["DeepSpeed fp32 gradients"] == sum(power_of_two_ceil(4 * n) for n in sub_groups)
+    assert items["DeepSpeed gradient partitions"] == power_of_two_ceil(2 * per_rank)
+    assert dict(exact.items)["DeepSpeed fp32 gradients"] == 4 * per_rank  # nominal: 4 + 2 B/param
+    assert pinned.total > exact.total == exact.nominal == pinned.nominal
+    # The engine's own slabs are registered exactly: no rounding on them.
+    assert items["engine slabs"] == dict(exact.items)["engine slabs"]
+
+
+def _pinned_fp32_gradients(groups: list[list[int]], size: int) -> tuple[int, int]:
+    sizes = deepspeed_sub_groups(groups, size)
+    return sum(power_of_two_ceil(4 * n) for n in sizes), sum(4 * n for n in sizes)
+
+
+def test_under_auto_deepspeeds_sub_groups_are_sized_to_waste_the_least_pinned_memory() -> None:
+    """Where torch pins DeepSpeed's fp32 gradient buffers, "auto" sizes DeepSpeed's sub-groups so that they land at
+    or under a power of two: 4096x4096 layers in 1e8-element sub-groups take 1.33x their bytes, 1x once sized."""
+    layers = [[4096 * 4096] * 128]
+    size = least_rounded_sub_group_size(layers, 100_000_000)
+    pinned, nominal = _pinned_fp32_gradients(layers, 100_000_000)
+    assert pinned / nominal > 1.3  # six layers (402 MB) in a 512 MiB block, 21 times
+    pinned, nominal = _pinned_fp32_gradients(layers, size)
+    assert pinned == nominal
+    # A 7B model's layers over 8 ranks (13.7M elements each): 1.23x at 1e8, 1.09x once sized.
+    ranked = [[7_000_000_000 // 8 // 64] * 64]
+    before, after = (
+        _pinned_fp32_gradients(ranked, s) for s in (100_000_000, least_rounded_sub_group_size(ranked, 10**8))
+    )
+    assert before[0] / before[1] > 1.2 and after[0] / after[1] < 1.1
+    # Never worse than the default, whatever the shapes (one huge parameter leaves no better choice).
+    odd = [[16_000_000] * 200 + [65_000_000]]
+    assert _pinned_fp32_gradients(odd, least_rounded_sub_group_size(odd, 10**8)) <= _pinned_fp32_gradients(odd, 10**8)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_the_pre_flight_figure_matches_what_a_real_run_holds(precision: str, tmp_path: Path) -> None:
+    """A real fit (Lightning Trainer, DeepSpeed ZeRO-3, the engine) of a 21M-parameter model, in a process of its
+    own: the host memory its optimizer state holds after the steps is the pre-flight figure within 10%
+    (see tests/jobs/host_peak.py for what is measured, and why like this)."""
+    out = tmp_path / "peak.json"
+    job = [sys.executable, str(ROOT / "tests" / "jobs" / "host_peak.py"), precision, "20", "1024", str(out)]
+    done = subprocess.run(job, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    # The figure's DeepSpeed sub-groups are DeepSpeed's own.
+    assert result["mirrored_sub_groups"] == result["deepspeed_sub_groups"]
+    params = result["params"]
+    assert params == 20 * (1024 * 1024 + 1024)
+    expected = {"32-true": 20, "bf16-mixed": 18}[precision]  # 4 + lp + 12 B/param, nothing pinned on CPU
+    assert result["preflight"] == expected * params
+    assert abs(result["state_held"] / result["preflight"] - 1) < 0.10, result
