@@ -8,9 +8,13 @@ slabs through the same code as on a GPU, and the registrar sees every registrati
 
 from __future__ import annotations
 
+import gc
 import mmap
 import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -85,7 +89,9 @@ def hostslab_rss() -> int:
 # -- point 4: slabs are page-aligned mappings that forked children neither map nor copy -------------------
 
 
-def test_host_slabs_are_page_aligned_mappings_marked_dontfork_and_a_forked_child_does_not_hold_them() -> None:
+def check_fork_excludes_the_slabs() -> None:
+    """The check itself, run in a fresh process: forking a long test session's large address space can fail
+    with ENOMEM on a small machine, which says nothing about the slabs."""
     numel = 16 << 20  # 64 MB per fp32 slab, 192 MB for the three
     with hostslab.use_registrar(RecordingRegistrar()):
         pool = BufferPool(numel, torch.bfloat16, torch.device("cpu"))
@@ -104,6 +110,14 @@ def test_host_slabs_are_page_aligned_mappings_marked_dontfork_and_a_forked_child
     assert child < parent - 0.9 * slab_bytes, (parent, child)
     assert child > 0.9 * ordinary.numel() * 4, "the control (an ordinary tensor) must still be in the child"
     pool.release_host()
+
+
+def test_host_slabs_are_page_aligned_mappings_marked_dontfork_and_a_forked_child_does_not_hold_them() -> None:
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    code = "from tests.test_host_slabs import check_fork_excludes_the_slabs as check; check(); print('checked')"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "checked" in done.stdout, done.stdout + done.stderr[-3000:]
 
 
 # -- point 3: teardown unpins; repeated fits in one process do not accumulate pinned memory ---------------
@@ -136,6 +150,7 @@ def test_repeated_fits_in_one_process_do_not_accumulate_pinned_or_ring_memory() 
     """Three fits, each with a new Trainer and strategy, every one of them kept alive (a notebook): what each
     fit pinned is unregistered by its teardown, its 16-bit ring unmapped, and its state still readable."""
     registrar, kept = RecordingRegistrar(), []
+    gc.collect()  # slabs of earlier tests' dead objects go now, not in the middle of this count
     before = hostslab.live_bytes()
     with hostslab.use_registrar(registrar):
         for run in range(3):
@@ -159,6 +174,7 @@ def test_repeated_fits_in_one_process_do_not_accumulate_pinned_or_ring_memory() 
             assert torch.isfinite(pool.param).all() and pool.exp_avg_sq.abs().sum() > 0
             kept.append(fitted)
             # What stays mapped is the fp32 state of the live trainers, never a ring.
+            gc.collect()
             assert hostslab.live_bytes() - before == (run + 1) * (pool.host_bytes - ring_bytes)
 
 
