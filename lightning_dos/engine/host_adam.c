@@ -67,10 +67,12 @@ static inline float fma_by_double(float a, float b, float c) {
     double error = (product - (sum - virtual_addend)) + (addend - virtual_addend);
     int64_t bits;
     memcpy(&bits, &sum, sizeof bits);
-    /* Comparisons combined with & and |, not && and ||: no branch, so the loop stays vectorizable. */
-    int64_t inexact = (error > 0.0) | (error < 0.0);
-    int64_t away = (error > 0.0) == (sum > 0.0); /* the exact sum is further from zero than `sum` */
-    bits += (inexact & ~bits & 1) * (2 * away - 1);
+    /* Masks (all ones or zero) combined with & and |, not && and || or a multiply: no branch, and only
+     * instructions SSE4.2 has for 64-bit lanes, so the loop stays vectorized. */
+    int64_t inexact = -(int64_t)((error > 0.0) | (error < 0.0));
+    int64_t even = (bits & 1) - 1;
+    int64_t toward = 2 * (int64_t)((error > 0.0) == (sum > 0.0)) - 1; /* +1: the exact sum is further from 0 */
+    bits += toward & inexact & even;
     memcpy(&sum, &bits, sizeof sum);
     return (float)sum;
 }
