@@ -91,7 +91,8 @@ static inline uint16_t to_bf16(float x) {
     return x != x ? (uint16_t)0x7FC0u : (uint16_t)rounded;
 }
 
-/* Round to nearest even, as c10::Half (and x86's F16C) does; a NaN becomes the quiet NaN 0x7E00 with its sign.
+/* Round to nearest even, as x86's F16C and Arm's FCVT do (torch's vector path; c10::Half too, but for NaNs): a
+ * NaN keeps its sign and the top 10 bits of its payload, and is made quiet.
  * Every case is computed and the right one selected, so the loop has no branch: compilers vectorize it where
  * they vectorize no conversion to _Float16 (GCC 12 on x86 without AVX512-FP16, and on Arm). */
 static inline uint16_t to_fp16(float x) {
@@ -112,7 +113,7 @@ static inline uint16_t to_fp16(float x) {
     uint32_t nan = -(uint32_t)(f > 0x7F800000u);
     uint32_t half = (subnormal & (low - 0x3F000000u)) | (~subnormal & normal);
     half = (overflow & 0x7C00u) | (~overflow & half); /* rounds past the largest half: infinity */
-    half = (nan & 0x7E00u) | (~nan & half);
+    half = (nan & (0x7E00u | ((f >> 13) & 0x3FFu))) | (~nan & half);
     return (uint16_t)(sign | half);
 }
 
