@@ -5,6 +5,9 @@ Rows (all on the same fp32 param, gradient and moments, with the gradient unscal
   compiled          the engine's host path: unscale, Adam and cast per element in one compiled loop
                     (engine/host_adam.c), split over the threads once per call
   compiled, fp32    the same for an fp32 model (the copy into the model's fp32 partition, no cast)
+  compiled, TARGET  the same loop built for another instruction set (--march x86-64-v3,x86-64-v4,native):
+                    an AVX-512 machine measures the AVX2 build too; a target this CPU cannot run is named
+                    and left out
   tiles, caller     the fallback without a C compiler: unscale, torch's fused Adam and cast tile by tile, each
                     reading the last from cache, from the calling thread (three barriers per tile)
   tiles, workers    the same tiles, every host thread on its own share (no barrier between kernels): the
@@ -18,8 +21,10 @@ Rows (all on the same fp32 param, gradient and moments, with the gradient unscal
   memcpy            fp32 copy: this machine's copy bandwidth
 Rounds run every row once each, interleaved, so load on the machine falls on all rows alike; the table
 gives medians (and the best sample), G elements/s, GB/s moved (a traffic model: bytes each path must
-read and write per element, counted below) and ratios.
+read and write per element, counted below), that against memcpy's GB/s in the same run, and ratios.
 
+    python bench/kernels.py --numel 16000000 --sub-group-size 4000000 --rounds 15 --threads 2 \
+        --march x86-64-v2,x86-64-v3,x86-64-v4,native
     python bench/kernels.py --numel 16000000 --rounds 15 --threads 2
     python bench/kernels.py --tiles 65536,131072,262144,524288,1048576,2097152 --threads 1,2   # torch tiles
     python bench/kernels.py --numel 25500000 --sub-group-size 1592640   # as bench/run.py --preset medium updates
@@ -28,9 +33,14 @@ read and write per element, counted below) and ratios.
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -50,7 +60,7 @@ from lightning_dos.engine.kernels import (
 #: the compiled loop unscales in a register and writes nothing back. memcpy reads and writes 4.
 BYTES = {
     "three-pass": 8 + 28 + 6,
-    "compiled": 16 + 12 + 2,
+    "compiled": 16 + 12 + 2,  # also every "compiled, TARGET" row (bf16)
     "compiled, fp32": 16 + 12 + 4,
     "tiles": 16 + 16 + 2,
     "tiles, grad_scale": 16 + 16 + 2,
@@ -78,8 +88,65 @@ def _deepspeed_op() -> tuple[object, object] | None:
         return None
 
 
-def _rows(buffers: list[torch.Tensor], tiles: list[int], deepspeed: tuple | None) -> dict[str, Callable[[], None]]:
-    """Every path as a closure over ``buffers`` (param, grad, moments, bf16 and fp32 targets, memcpy target)."""
+def cpu_description() -> str:
+    """The CPU's model name and the vector flags the builds depend on (Linux ``/proc/cpuinfo``)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
+                model = value.strip()
+            elif key.strip() in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ["sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "asimd", "sve"]
+    present = [flag for flag in wanted if flag in flags]
+    absent = [flag for flag in ("avx2", "avx512f") if flag not in flags and platform.machine() == "x86_64"]
+    return f"{model}; flags: {' '.join(present) or 'unknown'}" + (f" (no {', no '.join(absent)})" if absent else "")
+
+
+_PROBE = """
+import sys, torch
+from pathlib import Path
+from lightning_dos.engine import native
+kernel = native.HostAdamKernel(Path(sys.argv[1]))
+state = [torch.ones(4096) for _ in range(4)]
+kernel(*state, 1.0, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, 0.5, torch.empty(4096, dtype=torch.bfloat16), 1)
+"""
+
+
+def build_targets(targets: list[str], directory: Path) -> dict[str, native.HostAdamKernel]:
+    """``host_adam.c`` built with ``-march=TARGET`` for each target, as the engine builds it for ``native``; a
+    target the compiler refuses or this CPU cannot run (tried in a child process first) is printed and left out."""
+    compiler, kernels = native._compiler(), {}
+    if compiler is None:
+        print("no C compiler: the --march rows are left out")
+        return kernels
+    for target in targets:
+        library = directory / f"host_adam-{target}.so"
+        try:
+            native.compile_library(compiler, [f"-march={target}", "-fopenmp"], library)
+        except RuntimeError as error:
+            print(f"-march={target}: left out, the compiler refused it ({str(error).splitlines()[-1]})")
+            continue
+        probe = subprocess.run([sys.executable, "-c", _PROBE, str(library)], capture_output=True, text=True)
+        if probe.returncode != 0:
+            why = "an illegal instruction" if probe.returncode in (-4, 132) else f"exit {probe.returncode}"
+            print(f"-march={target}: left out, this CPU cannot run it ({why})")
+            continue
+        kernels[target] = native.HostAdamKernel(library)
+    return kernels
+
+
+def _rows(
+    buffers: list[torch.Tensor],
+    tiles: list[int],
+    deepspeed: tuple | None,
+    targets: dict[str, native.HostAdamKernel],
+) -> dict[str, Callable[[], None]]:
+    """Every path as a closure over ``buffers`` (param, grad, moments, bf16 and fp32 targets, memcpy target);
+    ``targets`` are the other builds of the compiled loop, by ``-march`` name."""
     p, g, m, v, lp, lp32, dst = buffers
     n = p.numel()
     cpu = torch.device("cpu")
@@ -93,9 +160,9 @@ def _rows(buffers: list[torch.Tensor], tiles: list[int], deepspeed: tuple | None
     def tiles_on_workers(tile: int, out: torch.Tensor) -> Callable[[], None]:
         return lambda: tiled_host_update(p, g, m, v, step, HYPER, 1.0 / SCALE, out, tile=tile)
 
-    def compiled(out: torch.Tensor) -> Callable[[], None]:
+    def compiled(out: torch.Tensor, kernel: Callable[..., None] = native.host_adam) -> Callable[[], None]:
         h = HYPER
-        return lambda: native.host_adam(
+        return lambda: kernel(
             p, g, m, v, 1.0, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled, 1.0 / SCALE, out
         )
 
@@ -128,6 +195,8 @@ def _rows(buffers: list[torch.Tensor], tiles: list[int], deepspeed: tuple | None
     if native.available():
         rows["compiled"] = compiled(lp)
         rows["compiled, fp32"] = compiled(lp32)
+    for target, kernel in targets.items():
+        rows[f"compiled, {target}"] = compiled(lp, kernel)
     rows["tiles, caller"] = caller_tiles
     for tile in tiles:
         rows["tiles, workers" if tile == HOST_TILE_ELEMENTS else f"tiles, workers, tile {tile}"] = tiles_on_workers(
@@ -152,13 +221,15 @@ def _rows(buffers: list[torch.Tensor], tiles: list[int], deepspeed: tuple | None
     return rows
 
 
-def _all_rows(n: int, tiles: list[int], deepspeed: tuple | None, sub_group: int | None) -> dict[str, Callable]:
+def _all_rows(
+    n: int, tiles: list[int], deepspeed: tuple | None, sub_group: int | None, targets: dict[str, native.HostAdamKernel]
+) -> dict[str, Callable]:
     """Rows over one set of buffers, whole or cut into sub-groups (each row then runs every sub-group in turn)."""
     p, g, m, v = (torch.randn(n) for _ in range(4))
     v.abs_()
     buffers = [p, g, m, v, torch.empty(n, dtype=torch.bfloat16), torch.empty(n), torch.empty(n)]
     spans = [slice(s, min(n, s + sub_group)) for s in range(0, n, sub_group)] if sub_group else [slice(0, n)]
-    per_span = [_rows([t[span] for t in buffers], tiles, deepspeed) for span in spans]
+    per_span = [_rows([t[span] for t in buffers], tiles, deepspeed, targets) for span in spans]
 
     def in_turn(name: str) -> Callable[[], None]:
         fns = [rows[name] for rows in per_span]
@@ -184,21 +255,29 @@ def _measure(rows: dict[str, Callable[[], None]], rounds: int) -> dict[str, list
     return samples
 
 
+def _bytes(name: str) -> int:
+    """Bytes per element row ``name`` moves (see :data:`BYTES`)."""
+    if name in BYTES:
+        return BYTES[name]
+    return BYTES["tiles"] if name.startswith("tiles") else BYTES["compiled"]  # a "compiled, TARGET" row
+
+
 def _table(n: int, samples: dict[str, list[float]], rounds: int) -> str:
     median = {name: statistics.median(s) for name, s in samples.items()}
     base, ds = median["three-pass"], median.get("DeepSpeed + cast")
+    copy_gbps = BYTES["memcpy"] * n / median["memcpy"] / 1e9
     lines = [
         f"| path | median s ({n / 1e6:.0f}M elements, {rounds} rounds) | best s | G elements/s | bytes/element "
-        "| GB/s moved | vs three-pass | vs DeepSpeed + cast |",
-        "|---|---|---|---|---|---|---|---|",
+        "| GB/s moved | of memcpy's GB/s | vs three-pass | vs DeepSpeed + cast |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, seconds in median.items():
-        nbytes = BYTES.get(name, BYTES["tiles"] if name.startswith("tiles") else None)
-        gbps = f"{nbytes * n / seconds / 1e9:.1f}" if nbytes else "n/a"
+        nbytes = _bytes(name)
+        gbps = nbytes * n / seconds / 1e9
         vs_ds = f"{ds / seconds:.2f}x" if ds else "n/a"
         lines.append(
-            f"| {name} | {seconds:.4f} | {min(samples[name]):.4f} | {n / seconds / 1e9:.2f} | {nbytes} | {gbps} "
-            f"| {base / seconds:.2f}x | {vs_ds} |"
+            f"| {name} | {seconds:.4f} | {min(samples[name]):.4f} | {n / seconds / 1e9:.2f} | {nbytes} | {gbps:.1f} "
+            f"| {gbps / copy_gbps:.2f} | {base / seconds:.2f}x | {vs_ds} |"
         )
     return "\n".join(lines)
 
@@ -212,15 +291,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sub-group-size", type=int, help="run every path sub-group by sub-group over the buffers, as an update does"
     )
+    parser.add_argument(
+        "--march",
+        default="",
+        help="comma-separated -march targets to build the compiled loop for and time beside the engine's own "
+        "build, e.g. x86-64-v2,x86-64-v3,x86-64-v4,native",
+    )
     args = parser.parse_args(argv)
     tiles = sorted({int(t) for t in args.tiles.split(",")} | {HOST_TILE_ELEMENTS})
     threads = [int(t) for t in args.threads.split(",")] if args.threads else [torch.get_num_threads()]
     deepspeed = _deepspeed_op()
     reason = native.unavailable_reason()
+    print(f"CPU: {cpu_description()}")
     print("compiled host kernel: " + (f"unavailable ({reason}), its rows are left out" if reason else "built"))
+    build_dir = tempfile.TemporaryDirectory(prefix="dos-kernels-")
+    targets = build_targets([t for t in args.march.split(",") if t], Path(build_dir.name))
     for count in threads:
         torch.set_num_threads(count)
-        rows = _all_rows(args.numel, tiles, deepspeed, args.sub_group_size)
+        rows = _all_rows(args.numel, tiles, deepspeed, args.sub_group_size, targets)
         samples = _measure(rows, args.rounds)
         groups = f", sub-groups of {args.sub_group_size}" if args.sub_group_size else ""
         print(f"\n{count} thread(s), torch {torch.__version__}, default tile {HOST_TILE_ELEMENTS} elements{groups}")

@@ -6,6 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The cross compiler and qemu for the aarch64 builds of the host kernel (best effort, never fails the run).
+if [ "${LIGHTNING_DOS_CROSS_TOOLS:-}" = install ] || [ "${CI:-}" = true ]; then
+  bash scripts/cross-tools.sh
+fi
 py=.venv/bin/python
 $py -m ruff check .
 $py -m pytest "$@"

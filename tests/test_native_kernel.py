@@ -23,8 +23,15 @@ HYPERS = {
     "adam-l2": AdamHyper(lr=3e-3, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.01, decoupled=False),
     "no-decay": AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True),
     "lerp-second-form": AdamHyper(lr=1e-3, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.05, decoupled=True),
+    "adam-l2-lerp-second-form": AdamHyper(lr=2e-3, beta1=0.2, beta2=0.9, eps=1e-7, weight_decay=0.02, decoupled=False),
 }
 LP_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+#: With the hyperparameters above, every combination of the kernel's three loop-invariant choices (unscale,
+#: decoupled decay, lerp's form): each is a loop of its own in host_adam.c.
+SCALES = {"unscaled": 1.0, "scaled": 3.7 * 2.0**12}
+#: Elements of the torch comparisons: torch's vector path runs all but the last NUMEL % 16 (one thread).
+NUMEL = 4096 + 16 * 7 + 5
+STEPS = (1, 2, 3)
 
 needs_compiler = pytest.mark.skipif(
     not native.available(),
@@ -56,39 +63,74 @@ def _native_step(state, hyper, step, scale, lp, kernel=native.host_adam, threads
     kernel(*state, step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled, 1 / scale, lp, threads)
 
 
-@needs_compiler
-@pytest.mark.skipif(
-    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
-    reason="torch runs its generic (non-SIMD) CPU kernels here, which round differently from its vector path; "
-    "test_the_result_does_not_depend_on_threads_splits_or_instruction_set still checks the kernel against itself",
-)
-@pytest.mark.parametrize("lp_dtype", LP_DTYPES)
-@pytest.mark.parametrize("hyper", HYPERS)
-def test_bit_identical_to_torchs_fused_adam_vector_path_then_cast(hyper: str, lp_dtype: torch.dtype) -> None:
-    """Three steps from the same state: every element torch computes on its vector path (all but the last
-    numel % 16) is the same bit for bit, the 16-bit copy is ``param.to(dtype)`` exactly, and the gradient is left
-    as it came."""
-    numel, scale = 4096 + 16 * 7 + 5, 3.7 * 2.0**12
-    ours, ref = _state(numel, seed=1), _state(numel, seed=1)
-    lp = torch.empty(numel, dtype=lp_dtype)
-    body = numel - numel % 16
+def initial_state() -> list[torch.Tensor]:
+    """param, gradient (overwritten by each step's), exp_avg, exp_avg_sq of the torch comparisons."""
+    return _state(NUMEL, seed=1)
+
+
+def gradients(scale: float) -> list[torch.Tensor]:
+    """Each step's gradient, multiplied by the loss scale ``scale``."""
+    return [_state(NUMEL, seed=10 + step)[1].mul_(scale) for step in STEPS]
+
+
+def torch_reference(hyper: AdamHyper, scale: float) -> list[torch.Tensor]:
+    """param, exp_avg and exp_avg_sq after :data:`STEPS` from :func:`initial_state`: the gradient unscaled by
+    torch, then torch's fused Adam on one thread (its vector path but for the last NUMEL % 16 elements)."""
+    ref = initial_state()
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one chunk: torch's scalar path is then only the tensor's last few elements
+    torch.set_num_threads(1)
     try:
-        for step in (1, 2, 3):
-            grad = _state(numel, seed=10 + step)[1].mul_(scale)
-            ours[1].copy_(grad)
-            ref[1].copy_(grad)
-            _native_step(ours, HYPERS[hyper], step, scale, lp)
-            assert torch.equal(ours[1], grad), "the gradient is read, not written"
-            torch_adam_update(*ref[:1], ref[1].mul_(1 / scale), *ref[2:], step_tensor(step, torch.device("cpu")),
-                              HYPERS[hyper])  # fmt: skip
-            for name, mine, theirs in zip(("param", "exp_avg", "exp_avg_sq"), (ours[0], *ours[2:]), (ref[0], *ref[2:])):
-                assert torch.equal(mine[:body], theirs[:body]), f"{name} at step {step}"
-                torch.testing.assert_close(mine[body:], theirs[body:], rtol=1e-6, atol=1e-12)
-            assert torch.equal(lp, ours[0].to(lp_dtype))
+        for step, grad in zip(STEPS, gradients(scale)):
+            unscaled = grad.mul_(1 / scale)
+            torch_adam_update(ref[0], unscaled, ref[2], ref[3], step_tensor(step, torch.device("cpu")), hyper)
     finally:
         torch.set_num_threads(threads)
+    return [ref[0], ref[2], ref[3]]
+
+
+def kernel_result(kernel, hyper: AdamHyper, scale: float, lp_dtype: torch.dtype) -> list[torch.Tensor]:  # noqa: ANN001
+    """param, exp_avg, exp_avg_sq and the cast copy after :data:`STEPS` of ``kernel`` (called as
+    :func:`native.host_adam`), checking that the gradient is read and never written."""
+    state, lp = initial_state(), torch.empty(NUMEL, dtype=lp_dtype)
+    for step, grad in zip(STEPS, gradients(scale)):
+        state[1].copy_(grad)
+        _native_step(state, hyper, step, scale, lp, kernel=kernel)
+        assert torch.equal(state[1], grad), "the gradient is read, not written"
+    return [state[0], state[2], state[3], lp]
+
+
+def assert_bit_identical_to_torch(result: list[torch.Tensor], reference: list[torch.Tensor], what: str) -> None:
+    """``result`` (param, moments, copy) is torch's bit for bit on torch's vector body, within float rounding on
+    its scalar tail, and the copy is ``param.to(dtype)`` exactly."""
+    body = NUMEL - NUMEL % 16
+    for name, mine, theirs in zip(("param", "exp_avg", "exp_avg_sq"), result, reference):
+        assert torch.equal(mine[:body], theirs[:body]), f"{what}: {name}"
+        torch.testing.assert_close(mine[body:], theirs[body:], rtol=1e-6, atol=1e-12, msg=f"{what}: {name}")
+    assert torch.equal(result[3], result[0].to(result[3].dtype)), f"{what}: the copy casts as torch casts"
+
+
+#: torch's vector path: elsewhere torch runs its generic kernels, which round differently.
+needs_torch_vector_path = pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+    reason="torch runs its generic (non-SIMD) CPU kernels here, which round differently from its vector path; "
+    "test_the_result_does_not_depend_on_threads_or_where_a_sub_group_is_cut and "
+    "test_every_instruction_set_and_build_gives_the_same_bits still check the kernel against itself",
+)
+
+
+@needs_compiler
+@needs_torch_vector_path
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("lp_dtype", LP_DTYPES)
+@pytest.mark.parametrize("hyper", HYPERS)
+def test_bit_identical_to_torchs_fused_adam_vector_path_then_cast(
+    hyper: str, lp_dtype: torch.dtype, scale: str
+) -> None:
+    """Three steps from the same state: every element torch computes on its vector path (all but the last
+    numel % 16) is the same bit for bit, the 16-bit copy is ``param.to(dtype)`` exactly, and the gradient is left
+    as it came; with and without an unscale, Adam and AdamW, both forms of torch's lerp."""
+    result = kernel_result(native.host_adam, HYPERS[hyper], SCALES[scale], lp_dtype)
+    assert_bit_identical_to_torch(result, torch_reference(HYPERS[hyper], SCALES[scale]), "the engine's build")
 
 
 @needs_compiler
@@ -113,16 +155,17 @@ def test_the_result_does_not_depend_on_threads_or_where_a_sub_group_is_cut(lp_dt
 @needs_compiler
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the builds compared are x86-64 levels")
 def test_every_instruction_set_and_build_gives_the_same_bits(tmp_path: Path) -> None:
-    """The library for this CPU, for plain x86-64 (SSE2: every cast on its scalar path), for x86-64-v3 (AVX2,
-    F16C: the AVX2 streaming casts), without OpenMP (its own threads), and with the portable fp16 conversion
-    (compilers without _Float16) all compute the same bits: the same as the cached build the engine runs."""
+    """The library for this CPU, for plain x86-64 (SSE2, fmaf by double arithmetic, most loops scalar), for
+    x86-64-v3 (AVX2, FMA: the streaming casts), without OpenMP (its own threads), and with fmaf by double
+    arithmetic where the CPU has FMA all compute the same bits: the same as the cached build the engine runs.
+    (test_native_builds.py compares each x86-64 level and aarch64 with torch.)"""
     compiler = native._compiler()
     builds = {"engine's": native._load()}
     for name, flags in {
         "x86-64": ["-march=x86-64"],
         "x86-64-v3": ["-march=x86-64-v3", "-fopenmp"],
         "no OpenMP": ["-march=native"],
-        "portable fp16": ["-march=x86-64", "-DDOS_NO_FLOAT16"],
+        "fmaf by double": ["-march=native", "-fopenmp", "-DDOS_FMA_BY_DOUBLE"],
     }.items():
         target = tmp_path / f"{name.replace(' ', '_')}.so"
         native.compile_library(compiler, flags, target)

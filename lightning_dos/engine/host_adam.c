@@ -13,6 +13,12 @@
  * rounds the same way: the result does not depend on where a sub-group starts, how it is split over threads,
  * or the machine's vector width. lightning_dos/engine/native.py builds this file with the system C compiler
  * on first use; without one the engine runs torch's kernels.
+ *
+ * Every loop over elements is plain C that compilers vectorize for any target: SSE4.2, AVX2, AVX-512, Arm
+ * NEON and SVE (tests/test_native_builds.py builds each and asserts so from GCC's vectorization report, by
+ * the `vectorized:` markers below). That is why the loop-invariant choices are compile-time constants of one
+ * loop per combination (a test inside the loop needs masked vector instructions, which AVX2 and NEON lack, and
+ * GCC then leaves the loop scalar), and why the casts are integer arithmetic rather than intrinsics.
  */
 #include <math.h>
 #if defined(__AVX__)
@@ -48,6 +54,35 @@ typedef struct {
     float neg_step_size; /* float(-lr / (1 - beta1^step)) */
 } Job;
 
+/* fmaf, correctly rounded, where it is not one instruction (x86 before FMA3: x86-64-v2 and older). glibc's
+ * fmaf is a call there, which no compiler vectorizes; this is plain double arithmetic, which they do. The
+ * product of two floats is exact in double; the sum is rounded to odd (rounded to nearest, then moved one
+ * double ulp towards the exact sum, known from Knuth's TwoSum, when it was inexact and came out even), and a
+ * double rounded to odd rounds to float exactly as the exact sum would (53 >= 2 x 24 + 2 bits). Infinities
+ * and NaNs come out of the plain sum (their TwoSum error is a NaN, which moves nothing). */
+static inline float fma_by_double(float a, float b, float c) {
+    double product = (double)a * (double)b, addend = (double)c;
+    double sum = product + addend;
+    double virtual_addend = sum - product;
+    double error = (product - (sum - virtual_addend)) + (addend - virtual_addend);
+    int64_t bits;
+    memcpy(&bits, &sum, sizeof bits);
+    /* Masks (all ones or zero) combined with & and |, not && and || or a multiply: no branch, and only
+     * instructions SSE4.2 has for 64-bit lanes, so the loop stays vectorized. */
+    int64_t inexact = -(int64_t)((error > 0.0) | (error < 0.0));
+    int64_t even = (bits & 1) - 1;
+    int64_t toward = 2 * (int64_t)((error > 0.0) == (sum > 0.0)) - 1; /* +1: the exact sum is further from 0 */
+    bits += toward & inexact & even;
+    memcpy(&sum, &bits, sizeof sum);
+    return (float)sum;
+}
+
+#if defined(__FP_FAST_FMAF) && !defined(DOS_FMA_BY_DOUBLE) /* the second: tests build the emulation too */
+#define FMA fmaf /* one instruction (x86 FMA3, Arm): the compilers vectorize it */
+#else
+#define FMA fma_by_double
+#endif
+
 /* Round to nearest even, as c10::BFloat16 does; a NaN becomes the canonical quiet NaN. */
 static inline uint16_t to_bf16(float x) {
     uint32_t bits;
@@ -56,122 +91,105 @@ static inline uint16_t to_bf16(float x) {
     return x != x ? (uint16_t)0x7FC0u : (uint16_t)rounded;
 }
 
-#if defined(__FLT16_MAX__) && !defined(DOS_NO_FLOAT16) /* the second: tests build the portable path */
-typedef _Float16 half_t; /* the hardware conversion, round to nearest even */
-static inline half_t to_fp16(float x) { return (half_t)x; }
-#else
-/* Round to nearest even by hand where the compiler has no _Float16 (c10::Half's conversion). */
-static inline uint16_t to_fp16_bits(float x) {
+/* Round to nearest even, as x86's F16C and Arm's FCVT do (torch's vector path; c10::Half too, but for NaNs): a
+ * NaN keeps its sign and the top 10 bits of its payload, and is made quiet.
+ * Every case is computed and the right one selected, so the loop has no branch: compilers vectorize it where
+ * they vectorize no conversion to _Float16 (GCC 12 on x86 without AVX512-FP16, and on Arm). */
+static inline uint16_t to_fp16(float x) {
     uint32_t f;
     memcpy(&f, &x, sizeof f);
     uint32_t sign = (f >> 16) & 0x8000u;
     f &= 0x7FFFFFFFu;
-    if (f >= 0x7F800000u) return (uint16_t)(sign | (f > 0x7F800000u ? 0x7E00u : 0x7C00u));
-    if (f >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* rounds past the largest half: infinity */
-    if (f < 0x38800000u) {                                    /* a subnormal half, or zero */
-        float magnitude;
-        memcpy(&magnitude, &f, sizeof f);
-        magnitude += 0.5f; /* adding 2^-1 leaves the rounded subnormal in the low bits */
-        uint32_t m;
-        memcpy(&m, &magnitude, sizeof m);
-        return (uint16_t)(sign | (m - 0x3F000000u));
-    }
-    uint32_t odd = (f >> 13) & 1u;
-    f += 0xC8000FFFu + odd; /* rebias the exponent from 127 to 15 and round */
-    return (uint16_t)(sign | (f >> 13));
+    /* A normal half: rebias the exponent from 127 to 15 and round the 13 dropped bits to nearest even. */
+    uint32_t normal = (f + 0xC8000FFFu + ((f >> 13) & 1u)) >> 13;
+    /* A subnormal half, or zero: adding 2^-1 leaves the rounded subnormal in the low bits of the sum. */
+    float magnitude;
+    memcpy(&magnitude, &f, sizeof f);
+    magnitude += 0.5f;
+    uint32_t low;
+    memcpy(&low, &magnitude, sizeof low);
+    /* Choose by masks (all ones or zero), not ?:, which GCC turns into branches here. */
+    uint32_t subnormal = -(uint32_t)(f < 0x38800000u), overflow = -(uint32_t)(f >= 0x477FF000u);
+    uint32_t nan = -(uint32_t)(f > 0x7F800000u);
+    uint32_t half = (subnormal & (low - 0x3F000000u)) | (~subnormal & normal);
+    half = (overflow & 0x7C00u) | (~overflow & half); /* rounds past the largest half: infinity */
+    half = (nan & (0x7E00u | ((f >> 13) & 0x3FFu))) | (~nan & half);
+    return (uint16_t)(sign | half);
 }
-typedef uint16_t half_t;
-static inline half_t to_fp16(float x) { return to_fp16_bits(x); }
-#endif
 
 /* Elements updated before their block is cast: 4 KiB of fresh weights, still in L1 when the cast reads them.
  * Casting inside the update loop instead measured 25-35% slower (the compiler splits the loop into narrower
  * vectors; bench/RESULTS.md). */
 #define BLOCK 1024
 
-/* The casts below write the 16-bit copy with streaming stores where the CPU has them (AVX): the copy is read
- * next by a transfer or by the next forward pass, not by this loop, and a streaming store does not read the
- * destination line first. Each loop runs scalar until the destination is aligned for the vector store. */
-
-static void cast_bf16(uint16_t *restrict lp, const float *restrict param, int64_t i, int64_t end) {
-#if defined(__AVX512F__)
-    for (; i < end && ((uintptr_t)(lp + i) & 31u) != 0; i++) lp[i] = to_bf16(param[i]);
-    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF), nan = _mm512_set1_epi32(0x7FC0);
-    for (; i + 16 <= end; i += 16) {
-        __m512 x = _mm512_loadu_ps(param + i);
-        __m512i bits = _mm512_castps_si512(x);
-        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
-        __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, bias), lsb), 16);
-        rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), nan, rounded);
-        _mm256_stream_si256((__m256i *)(lp + i), _mm512_cvtepi32_epi16(rounded));
-    }
-#elif defined(__AVX2__)
-    for (; i < end && ((uintptr_t)(lp + i) & 31u) != 0; i++) lp[i] = to_bf16(param[i]);
-    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF), nan = _mm256_set1_epi32(0x7FC0);
-    for (; i + 16 <= end; i += 16) {
-        __m256i halves[2];
-        for (int h = 0; h < 2; h++) {
-            __m256 x = _mm256_loadu_ps(param + i + 8 * h);
-            __m256i bits = _mm256_castps_si256(x);
-            __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
-            __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, bias), lsb), 16);
-            __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q));
-            halves[h] = _mm256_blendv_epi8(nan, rounded, ordered);
-        }
-        /* packus interleaves 128-bit lanes (a0-3 b0-3 a4-7 b4-7): put them back in order. */
-        __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(halves[0], halves[1]), 0xD8);
-        _mm256_stream_si256((__m256i *)(lp + i), packed);
-    }
-#endif
-    for (; i < end; i++) lp[i] = to_bf16(param[i]);
+/* The casts. On x86 with AVX the 16-bit copy is written with streaming stores: it is read next by a transfer
+ * or by the next forward pass, not by this loop, and a streaming store does not read the destination line
+ * first (measured 1.69 against 1.43 G elements/s; bench/RESULTS.md). Compilers emit no streaming stores of
+ * their own, so there a block is converted into a buffer in L1 by the vectorized loop and then streamed out. */
+static void convert_bf16(uint16_t *restrict out, const float *restrict in, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = to_bf16(in[i]); /* vectorized: bf16 cast */
 }
 
-static void cast_fp16(half_t *restrict lp, const float *restrict param, int64_t i, int64_t end) {
-#if defined(__AVX512F__)
-    for (; i < end && ((uintptr_t)(lp + i) & 31u) != 0; i++) lp[i] = to_fp16(param[i]);
-    for (; i + 16 <= end; i += 16) {
-        __m256i packed = _mm512_cvtps_ph(_mm512_loadu_ps(param + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        _mm256_stream_si256((__m256i *)(lp + i), packed);
-    }
-#elif defined(__F16C__) && defined(__AVX__)
-    for (; i < end && ((uintptr_t)(lp + i) & 15u) != 0; i++) lp[i] = to_fp16(param[i]);
-    for (; i + 8 <= end; i += 8) {
-        __m128i packed = _mm256_cvtps_ph(_mm256_loadu_ps(param + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        _mm_stream_si128((__m128i *)(lp + i), packed);
-    }
-#endif
-    for (; i < end; i++) lp[i] = to_fp16(param[i]);
+static void convert_fp16(uint16_t *restrict out, const float *restrict in, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = to_fp16(in[i]); /* vectorized: fp16 cast */
 }
 
-static void cast_fp32(float *restrict lp, const float *restrict param, int64_t i, int64_t end) {
+#if defined(__AVX__)
+#define STREAMING_STORES 1
 #if defined(__AVX512F__)
-    for (; i < end && ((uintptr_t)(lp + i) & 63u) != 0; i++) lp[i] = param[i];
-    for (; i + 16 <= end; i += 16) _mm512_stream_ps(lp + i, _mm512_loadu_ps(param + i));
-#elif defined(__AVX__)
-    for (; i < end && ((uintptr_t)(lp + i) & 31u) != 0; i++) lp[i] = param[i];
-    for (; i + 8 <= end; i += 8) _mm256_stream_ps(lp + i, _mm256_loadu_ps(param + i));
+#define STREAM_BYTES 64
+#else
+#define STREAM_BYTES 32
 #endif
-    for (; i < end; i++) lp[i] = param[i];
+
+/* dst[0, bytes) = src[0, bytes), the aligned middle with streaming stores; bytes is a multiple of `unit`. */
+static void stream_copy(void *dst, const void *src, int64_t bytes, int unit) {
+    char *d = dst;
+    const char *s = src;
+    int64_t i = 0;
+    for (; i < bytes && ((uintptr_t)(d + i) % STREAM_BYTES) != 0; i += unit) memcpy(d + i, s + i, unit);
+    for (; i + STREAM_BYTES <= bytes; i += STREAM_BYTES) {
+#if defined(__AVX512F__)
+        _mm512_stream_si512((void *)(d + i), _mm512_loadu_si512((const void *)(s + i)));
+#else
+        _mm256_stream_si256((__m256i *)(d + i), _mm256_loadu_si256((const __m256i *)(s + i)));
+#endif
+    }
+    if (i < bytes) memcpy(d + i, s + i, bytes - i);
+}
+#endif
+
+/* lp[begin, end) = param[begin, end) in the target dtype. */
+static void cast_block(void *lp, int lp_kind, const float *param, int64_t begin, int64_t end) {
+    int64_t n = end - begin;
+    if (lp_kind == LP_FP32) {
+#if defined(STREAMING_STORES)
+        stream_copy((float *)lp + begin, param + begin, n * (int64_t)sizeof(float), sizeof(float));
+#else
+        memcpy((float *)lp + begin, param + begin, n * sizeof(float));
+#endif
+        return;
+    }
+    if (lp_kind != LP_BF16 && lp_kind != LP_FP16) return;
+#if defined(STREAMING_STORES)
+    uint16_t staged[BLOCK] __attribute__((aligned(64)));
+    uint16_t *out = staged;
+#else
+    uint16_t *out = (uint16_t *)lp + begin;
+#endif
+    if (lp_kind == LP_BF16) convert_bf16(out, param + begin, n);
+    else convert_fp16(out, param + begin, n);
+#if defined(STREAMING_STORES)
+    stream_copy((uint16_t *)lp + begin, staged, n * (int64_t)sizeof(uint16_t), sizeof(uint16_t));
+#endif
 }
 
-/* One element's update, the formula of the header: the same statements for every element. */
-#define ADAM_LOOP(BEGIN, END)                                                                 \
-    for (int64_t i = (BEGIN); i < (END); i++) {                                               \
-        float g = grad[i];                                                                    \
-        if (unscale) g = g * inv_scale;                                                       \
-        float p = param[i];                                                                   \
-        if (decoupled) p = p * decay_factor;                                                  \
-        else g = fmaf(p, weight_decay, g);                                                    \
-        float m = exp_avg[i];                                                                 \
-        m = lerp_small ? fmaf(lerp_coeff, g - m, m) : fmaf(lerp_coeff, g - m, g);             \
-        float v = fmaf(sq_coeff * g, g, exp_avg_sq[i] * beta2);                               \
-        exp_avg[i] = m;                                                                       \
-        exp_avg_sq[i] = v;                                                                    \
-        float denom = sqrtf(v) / bc2_sqrt + eps;                                              \
-        param[i] = p + neg_step_size * m / denom;                                             \
-    }
-
-static void run_job(const Job *job) {
+/* One block's update, the formula of the header: the same statements for every element. `unscale`,
+ * `decoupled` and `lerp_small` are constants in each caller below (this is inlined into each), so every
+ * combination is its own loop without a test in it, which the compilers vectorize on every target. */
+static inline __attribute__((always_inline)) void adam_block(const Job *job, int64_t begin, int64_t end,
+                                                             const int unscale, const int decoupled,
+                                                             const int lerp_small) {
     float *restrict param = job->param;
     const float *restrict grad = job->grad;
     float *restrict exp_avg = job->exp_avg;
@@ -179,18 +197,40 @@ static void run_job(const Job *job) {
     const float inv_scale = job->inv_scale, decay_factor = job->decay_factor, weight_decay = job->weight_decay;
     const float lerp_coeff = job->lerp_coeff, beta2 = job->beta2, sq_coeff = job->sq_coeff;
     const float bc2_sqrt = job->bc2_sqrt, eps = job->eps, neg_step_size = job->neg_step_size;
-    const int unscale = job->unscale, decoupled = job->decoupled, lerp_small = job->lerp_small;
+    for (int64_t i = begin; i < end; i++) { /* vectorized: element loop */
+        float g = grad[i];
+        if (unscale) g = g * inv_scale;
+        float p = param[i];
+        if (decoupled) p = p * decay_factor;
+        else g = FMA(p, weight_decay, g);
+        float m = exp_avg[i];
+        m = lerp_small ? FMA(lerp_coeff, g - m, m) : FMA(lerp_coeff, g - m, g);
+        float v = FMA(sq_coeff * g, g, exp_avg_sq[i] * beta2);
+        exp_avg[i] = m;
+        exp_avg_sq[i] = v;
+        float denom = sqrtf(v) / bc2_sqrt + eps;
+        param[i] = p + neg_step_size * m / denom;
+    }
+}
+
+static inline __attribute__((always_inline)) void run_blocks(const Job *job, const int unscale,
+                                                             const int decoupled, const int lerp_small) {
     for (int64_t begin = job->begin; begin < job->end; begin += BLOCK) {
         int64_t end = begin + BLOCK < job->end ? begin + BLOCK : job->end;
-        ADAM_LOOP(begin, end)
-        switch (job->lp_kind) {
-        case LP_BF16: cast_bf16((uint16_t *)job->lp, param, begin, end); break;
-        case LP_FP16: cast_fp16((half_t *)job->lp, param, begin, end); break;
-        case LP_FP32: cast_fp32((float *)job->lp, param, begin, end); break;
-        default: break;
-        }
+        adam_block(job, begin, end, unscale, decoupled, lerp_small);
+        cast_block(job->lp, job->lp_kind, job->param, begin, end);
     }
-#if defined(__AVX__)
+}
+
+#define VARIANT(UNSCALE, DECOUPLED, LERP_SMALL) \
+    case (UNSCALE) << 2 | (DECOUPLED) << 1 | (LERP_SMALL): run_blocks(job, UNSCALE, DECOUPLED, LERP_SMALL); break;
+
+static void run_job(const Job *job) {
+    switch ((job->unscale != 0) << 2 | (job->decoupled != 0) << 1 | (job->lerp_small != 0)) {
+        VARIANT(0, 0, 0) VARIANT(0, 0, 1) VARIANT(0, 1, 0) VARIANT(0, 1, 1)
+        VARIANT(1, 0, 0) VARIANT(1, 0, 1) VARIANT(1, 1, 0) VARIANT(1, 1, 1)
+    }
+#if defined(STREAMING_STORES)
     _mm_sfence(); /* streaming stores are weakly ordered: complete them before the caller reads the copy */
 #endif
 }

@@ -158,24 +158,41 @@ class HostAdamKernel:
             or lp_out.numel() != numel
         ):
             raise ValueError("lp_out must be a contiguous bf16, fp16 or fp32 CPU tensor with as many elements as param")
-        # The constants exactly as torch's kernel derives them: in double, rounded to float where used.
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
-        lerp_weight = 1 - beta1
-        lerp_small = abs(ctypes.c_float(lerp_weight).value) < 0.5
-        lerp_coeff = ctypes.c_float(lerp_weight).value - (0.0 if lerp_small else 1.0)
-        decays = weight_decay != 0.0
+        constants = step_constants(step, lr, beta1, beta2, eps, weight_decay, decoupled, inv_grad_scale)
         threads = threads or torch.get_num_threads()
         threads = max(1, min(threads, math.ceil(numel / MIN_ELEMENTS_PER_THREAD)))
         self._fn(
             param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
             None if lp_out is None else lp_out.data_ptr(), _LP_KINDS[None if lp_out is None else lp_out.dtype],
-            numel, inv_grad_scale,
-            # Without decay, either mode multiplies the weights by exactly 1.0: a no-op, as torch skips the decay.
-            int(decoupled or not decays), 1 - lr * weight_decay if decays else 1.0, weight_decay,
-            int(lerp_small), lerp_coeff, beta2, 1 - beta2, math.sqrt(bias_correction2), eps,
-            -(lr / bias_correction1), threads,
+            numel, *constants, threads,
         )  # fmt: skip
+
+
+def step_constants(
+    step: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    inv_grad_scale: float = 1.0,
+) -> tuple[float | int, ...]:
+    """The scalar arguments of ``dos_host_adam`` between ``numel`` and ``threads`` (``inv_scale`` to
+    ``neg_step_size``), derived as torch's kernel derives them: in double, rounded to float where used. The
+    arguments are those of :func:`host_adam`."""
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    lerp_weight = 1 - beta1
+    lerp_small = abs(ctypes.c_float(lerp_weight).value) < 0.5
+    lerp_coeff = ctypes.c_float(lerp_weight).value - (0.0 if lerp_small else 1.0)
+    decays = weight_decay != 0.0
+    return (
+        inv_grad_scale,
+        # Without decay, either mode multiplies the weights by exactly 1.0: a no-op, as torch skips the decay.
+        int(decoupled or not decays), 1 - lr * weight_decay if decays else 1.0, weight_decay,
+        int(lerp_small), lerp_coeff, beta2, 1 - beta2, math.sqrt(bias_correction2), eps, -(lr / bias_correction1),
+    )  # fmt: skip
 
 
 def _load() -> HostAdamKernel | None:
