@@ -142,7 +142,7 @@ class HostSlab:
         self.nbytes = numel * itemsize
         self.registered = False
         self.closed = False
-        self._registrar: Registrar | None = None
+        self._unregister: weakref.finalize | None = None  # set while registered
         self._mapping: mmap.mmap | None = None
         self._mapped: weakref.ref[mmap.mmap] | None = None  # the mapping, without keeping it alive
         if self.nbytes == 0:
@@ -175,14 +175,17 @@ class HostSlab:
             return 0
         code = registrar.register(self.address, self.nbytes)
         if code == 0:
-            self.registered, self._registrar = True, registrar
+            self.registered = True
+            # Unregistered by unpin() (teardown); the finalizer is also the safety net for a slab collected
+            # without one (an engine used outside the strategy), so no registration outlives its slab.
+            self._unregister = weakref.finalize(self, registrar.unregister, self.address)
         return code
 
     def unpin(self) -> None:
         """Unregister the slab (its memory stays, pageable)."""
-        if self.registered and self._registrar is not None:
-            self._registrar.unregister(self.address)
-        self.registered, self._registrar = False, None
+        if self._unregister is not None:
+            self._unregister()  # a finalizer runs at most once
+        self.registered, self._unregister = False, None
 
     def close(self) -> bool:
         """Unpin now and drop the slab's own tensor; unmap when nothing else views the memory.
