@@ -1,0 +1,136 @@
+"""What an optimizer is, to the engine: its state tensors, its hyperparameters and its element update.
+
+Every optimizer the engine runs is one :class:`UpdateRule`, and this module is the only place that says
+what each one computes. The rest of the engine is written against the rule: the buffer pool allocates one
+slab per state tensor the rule names, the loop streams exactly those tensors, the performance model and the
+planner count their bytes, the compiled host kernel (``native``) runs the rule's loop by its name and the
+device side runs :meth:`UpdateRule.torch_update`. Adding an optimizer means adding a rule here and its loop
+in ``host_adam.c``; nothing in the loop branches on which optimizer it runs.
+
+The element updates, in fp32 (bf16 master weights or states are loaded into fp32, updated, and stored back
+rounded to nearest even, as DeepSpeed's CPU optimizers store bf16 state):
+
+- ``adam``: torch's fused Adam/AdamW (``torch._fused_adam_``/``torch._fused_adamw_``), bias-corrected.
+- ``adagrad``: torch's ``Adagrad`` (its single-tensor path, torch's default on CPU):
+  ``g += wd * p; sum += g * g; p -= lr / (1 + (step - 1) * lr_decay) * g / (sqrt(sum) + eps)``.
+  DeepSpeed's ``DeepSpeedCPUAdagrad`` is the same update with ``lr_decay = 0`` (it rounds ``g / (sqrt + eps)``
+  then fuses the step; the two differ by float rounding).
+- ``lion``: DeepSpeed's ``DeepSpeedCPULion`` (Chen et al. 2023):
+  ``c = b1 * m + (1 - b1) * g; p = p * (1 - lr * wd) - lr * sign(c); m = b2 * m + (1 - b2) * g``, where the
+  sign of ``c = 0`` is taken as DeepSpeed's ``copysign`` takes it (+1 for +0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """Hyperparameters of one optimizer param group for one step; each rule reads the ones it uses.
+
+    Attributes:
+        lr: learning rate (read from the param group every step, so LR schedules apply).
+        beta1: first-moment decay (Adam), interpolation weight of the update direction (Lion).
+        beta2: second-moment decay (Adam), momentum decay (Lion).
+        eps: term added to the denominator (Adam, Adagrad).
+        weight_decay: weight-decay coefficient.
+        decoupled: True for decoupled decay (AdamW; Lion always decays decoupled), False for an L2 penalty
+            added to the gradient (Adam, Adagrad).
+        lr_decay: Adagrad's learning-rate decay (torch's ``lr_decay``; 0 for DeepSpeed's Adagrad).
+    """
+
+    lr: float
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decoupled: bool = False
+    lr_decay: float = 0.0
+
+
+#: The old name, from when Adam was the only rule.
+AdamHyper = Hyper
+
+
+@dataclass(frozen=True)
+class UpdateRule:
+    """One optimizer's update, as the engine runs it.
+
+    Attributes:
+        name: the rule's name, also the name of its loop in the compiled host kernel.
+        states: names of the per-element state tensors, in the order the kernels take them. These are the
+            engine's names; the framework layer maps them to the keys the user's optimizer keeps them under.
+    """
+
+    name: str
+    states: tuple[str, ...]
+
+    @property
+    def slabs(self) -> int:
+        """Per-element tensors the engine keeps for this rule: the master weights and each state tensor."""
+        return 1 + len(self.states)
+
+    def torch_update(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        states: Sequence[torch.Tensor],
+        step: torch.Tensor,
+        hyper: Hyper,
+    ) -> None:
+        """One step of this rule with torch's kernels (any device), in place on fp32 ``param`` and ``states``.
+
+        Args:
+            param: fp32 master weights (1-D), updated in place.
+            grad: fp32 gradient of the same shape, already unscaled and clipped; may be overwritten (Adagrad adds
+                the L2 term into it, as torch's Adagrad does into a copy).
+            states: the rule's fp32 state tensors, in :attr:`states` order, updated in place.
+            step: 0-d float32 tensor on ``param``'s device, the step number being applied (1 for the first).
+            hyper: the param group's hyperparameters.
+        """
+        _TORCH_UPDATES[self.name](param, grad, tuple(states), step, hyper)
+
+
+def _adam(param, grad, states, step, hyper: Hyper) -> None:  # noqa: ANN001
+    exp_avg, exp_avg_sq = states
+    kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
+    kernel(
+        [param], [grad], [exp_avg], [exp_avg_sq], [], [step],
+        lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay, eps=hyper.eps,
+        amsgrad=False, maximize=False,
+    )  # fmt: skip
+
+
+def _adagrad(param, grad, states, step, hyper: Hyper) -> None:  # noqa: ANN001
+    (state_sum,) = states
+    # torch.optim.Adagrad's single-tensor step, operation for operation (it reads the step as a Python float).
+    if hyper.weight_decay != 0:
+        grad = grad.add(param, alpha=hyper.weight_decay)
+    clr = hyper.lr / (1 + (float(step.item()) - 1) * hyper.lr_decay)
+    state_sum.addcmul_(grad, grad, value=1)
+    std = state_sum.sqrt().add_(hyper.eps)
+    param.addcdiv_(grad, std, value=-clr)
+
+
+def _lion(param, grad, states, step, hyper: Hyper) -> None:  # noqa: ANN001, ARG001 - Lion has no bias correction
+    (exp_avg,) = states
+    # DeepSpeed's scalar path: every product rounded on its own (no fused multiply-add), the sign by copysign.
+    direction = exp_avg.mul(hyper.beta1).add_(grad.mul(1 - hyper.beta1))
+    step_size = torch.full_like(direction, hyper.lr).copysign_(direction)
+    if hyper.weight_decay > 0:
+        param.mul_(1 - hyper.lr * hyper.weight_decay)
+    param.sub_(step_size)
+    exp_avg.mul_(hyper.beta2).add_(grad.mul(1 - hyper.beta2))
+
+
+_TORCH_UPDATES = {"adam": _adam, "adagrad": _adagrad, "lion": _lion}
+
+ADAM = UpdateRule("adam", ("exp_avg", "exp_avg_sq"))
+ADAGRAD = UpdateRule("adagrad", ("sum",))
+LION = UpdateRule("lion", ("exp_avg",))
+#: Every rule, by name.
+RULES = {rule.name: rule for rule in (ADAM, ADAGRAD, LION)}
