@@ -134,3 +134,61 @@ ADAGRAD = UpdateRule("adagrad", ("sum",))
 LION = UpdateRule("lion", ("exp_avg",))
 #: Every rule, by name.
 RULES = {rule.name: rule for rule in (ADAM, ADAGRAD, LION)}
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes per element the engine holds and moves for one rule in one pair of dtypes.
+
+    The master weights and the gradient share DeepSpeed's ``master_weights_and_grads_dtype`` (fp32, or bf16
+    under ``bf16_master_weights_and_grads``); the optimizer's state tensors are fp32 or, under
+    ``bf16_optimizer_states``, bf16.
+
+    Attributes:
+        rule: the optimizer's update rule.
+        master: bytes per element of the master weights and of the gradient.
+        state: bytes per element of each state tensor.
+    """
+
+    rule: UpdateRule
+    master: int = 4
+    state: int = 4
+
+    @classmethod
+    def of(cls, rule: UpdateRule, master_dtype: torch.dtype, state_dtype: torch.dtype) -> Footprint:
+        """``rule`` with master weights and gradients in ``master_dtype`` and states in ``state_dtype``."""
+        return cls(rule, dtype_bytes(master_dtype), dtype_bytes(state_dtype))
+
+    @property
+    def optimizer_state(self) -> int:
+        """Master weights and state tensors: what the host slabs hold, and what a streamed sub-group brings home."""
+        return self.master + self.state * len(self.rule.states)
+
+    @property
+    def streamed_up(self) -> int:
+        """A streamed sub-group's upload: master weights, states and the gradient."""
+        return self.optimizer_state + self.master
+
+    @property
+    def streamed_down(self) -> int:
+        """A streamed sub-group's download: master weights and states (the 16-bit cast is counted apart)."""
+        return self.optimizer_state
+
+    @property
+    def resident_up(self) -> int:
+        """A resident sub-group's upload: its gradient only."""
+        return self.master
+
+    @property
+    def device(self) -> int:
+        """Device bytes of a staging buffer or resident sub-group: master weights, states and the gradient."""
+        return self.streamed_up
+
+
+#: Adam with fp32 master weights and states: 16 bytes up, 12 down, 16 on the device per element.
+ADAM_FP32 = Footprint(ADAM)
