@@ -21,11 +21,19 @@ import torch
 
 from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, TornStateError, UpdateInterrupted
 from lightning_dos.engine.hostmem import return_freed_memory
-from lightning_dos.engine.loop import InterleavedAdam, StepInputs
+from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
 from lightning_dos.engine.plan import Plan, auto_sub_group_size
 from lightning_dos.engine.report import StepReport
 from lightning_dos.engine.streams import Streams
-from lightning_dos.optimizers import check_optimizer, hyper_of, uses_tensor_step
+from lightning_dos.optimizers import (
+    check_optimizer,
+    hyper_of,
+    initial_state,
+    rule_of,
+    state_dtype,
+    state_keys,
+    uses_tensor_step,
+)
 from lightning_dos.signals import SignalHold
 
 #: The private attributes and methods of DeepSpeed's ZeRO-3 optimizer the adapter relies on.
@@ -135,7 +143,7 @@ def _accelerator_device() -> str:
 
 
 class ZeRO3Adapter:
-    """Hands DeepSpeed's ZeRO-3 update phase to an :class:`InterleavedAdam` engine.
+    """Hands DeepSpeed's ZeRO-3 update phase to an :class:`InterleavedUpdate` engine.
 
     Args:
         zero_optimizer: ``deepspeed_engine.optimizer`` after ``deepspeed.initialize``.
@@ -144,6 +152,9 @@ class ZeRO3Adapter:
         gpu_memory_budget: device bytes the update may use (None: derived from free memory).
         pin: pin the engine's host slabs.
         streams_factory: builds the engine's streams for the model's device; None uses the real ones.
+        optimizer: the optimizer ``configure_optimizers`` returned, whose param groups hold the hyperparameters
+            (LR schedules change them there). None: DeepSpeed's inner optimizer, which is that same object except
+            for ``torch.optim.Adagrad``, which DeepSpeed rebuilds over its flat partitions from the defaults alone.
     """
 
     def __init__(
@@ -153,17 +164,20 @@ class ZeRO3Adapter:
         gpu_memory_budget: int | None = None,
         pin: bool = True,
         streams_factory: Callable[[torch.device], Streams] | None = None,
+        optimizer: object | None = None,
     ) -> None:
         check_zero3_optimizer(zero_optimizer)
         self.zero = z = zero_optimizer
         self.inner = z.optimizer
+        #: Where each step's hyperparameters are read.
+        self.hyper_source = optimizer if optimizer is not None else z.optimizer
         self.flats: list[torch.Tensor] = list(z.fp32_partitioned_groups_flat)
         lp = z.fp16_partitioned_groups_flat
         numels = [f.numel() for f in self.flats]
         #: The engine's sub-group size in elements ("auto" resolved against this rank's partition).
         self.sub_group_size = auto_sub_group_size(sum(numels)) if sub_group_size == "auto" else int(sub_group_size)
         device = engine_device(_accelerator_device(), lp[0].device)
-        self.engine = InterleavedAdam(
+        self.engine = InterleavedUpdate(
             flat_numels=numels,
             flat_param_groups=[z.sub_group_to_group_id[i] for i in range(len(self.flats))],
             sub_group_size=self.sub_group_size,
@@ -175,6 +189,10 @@ class ZeRO3Adapter:
             # Only offloaded 16-bit parameters are "on the host": on a simulated accelerator the model's own
             # 16-bit partitions sit in CPU memory too, standing for device memory.
             lp_device=lp[0].device if getattr(z, "offload_param", False) else None,
+            rule=rule_of(self.inner),
+            # DeepSpeed's master_weights_and_grads_dtype: bf16 under bf16_master_weights_and_grads.
+            master_dtype=self.flats[0].dtype,
+            state_dtype=state_dtype(self.inner, self.flats[0].dtype),
         )
         freed = 0
         for i in range(len(self.flats)):
@@ -298,7 +316,7 @@ class ZeRO3Adapter:
     # -- keeping DeepSpeed's tensors as views of the engine's slabs -------------------------------
 
     def _adopt_master(self, i: int) -> int:
-        """Point DeepSpeed's fp32 partition ``i`` at the engine's slab (copying its values in); return the
+        """Point DeepSpeed's master partition ``i`` at the engine's slab (copying its values in); return the
         bytes of DeepSpeed's own tensor that this frees."""
         view, flat = self.engine.param_view(i), self.flats[i]
         if flat.data.data_ptr() == view.data_ptr():
@@ -314,10 +332,11 @@ class ZeRO3Adapter:
         """
         self._adopt_master(i)
         state = self.inner.state[self.flats[i]]
-        for key, view in (("exp_avg", self.engine.exp_avg_view(i)), ("exp_avg_sq", self.engine.exp_avg_sq_view(i))):
-            current = state.get(key)
+        engine = self.engine
+        for name, key in zip(engine.rule.states, state_keys(self.inner), strict=True):
+            view, current = engine.state_view(name, i), state.get(key)
             if current is None:
-                view.zero_()
+                view.fill_(initial_state(self.inner))
                 state[key] = view
             elif current.data_ptr() != view.data_ptr():
                 view.copy_(current.reshape(-1))
@@ -399,7 +418,7 @@ class ZeRO3Adapter:
         inputs = StepInputs(
             grads=[flat.grad for flat in self.flats],
             lp_targets=list(z.fp16_partitioned_groups_flat),
-            hypers=[hyper_of(self.inner, group) for group in self.inner.param_groups],
+            hypers=[hyper_of(self.hyper_source, group) for group in self.hyper_source.param_groups],
             steps=steps,
             inv_grad_scale=self._inverse_grad_scale(scaled_norm),
             predicted_s=predicted,

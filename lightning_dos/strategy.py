@@ -42,7 +42,7 @@ from lightning_dos.engine.plan import (
 from lightning_dos.engine.scheduler import PlacementScheduler
 from lightning_dos.engine.streams import Streams
 from lightning_dos.host_threads import apply_host_threads
-from lightning_dos.optimizers import check_optimizer
+from lightning_dos.optimizers import SUPPORTED, check_optimizer
 from lightning_dos.preflight import (
     HostFigure,
     figure_for,
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.core.optimizer import LRSchedulerConfig
     from torch.optim import Optimizer
 
-    from lightning_dos.engine.loop import InterleavedAdam
+    from lightning_dos.engine.loop import InterleavedUpdate
 
 #: DeepSpeed's own ``sub_group_size`` (how it packs parameters into flat partitions) under ``"auto"``; the
 #: engine then cuts those flats into sub-groups sized from the rank's partition.
@@ -119,6 +119,48 @@ def merge_required_config(config: dict[str, Any], sub_group_size: int) -> dict[s
     config["zero_force_ds_cpu_optimizer"] = False
     config.setdefault("zero_allow_untested_optimizer", True)
     return config
+
+
+def check_master_dtypes(config: dict[str, Any], optimizer: Any) -> None:
+    """Refuse, before DeepSpeed starts, a master-weight or optimizer-state dtype the engine cannot run.
+
+    The engine runs what DeepSpeed itself accepts under ZeRO-3 offload: fp32 master weights, or bf16 master weights
+    and gradients (``bf16.bf16_master_weights_and_grads``) with ``DeepSpeedCPUAdam``, its state in fp32 or, under
+    ``bf16.bf16_optimizer_states``, in bf16 (``DeepSpeedCPUAdam(..., fp32_optimizer_states=False)``). DeepSpeed
+    would refuse the other combinations with an assertion deep in its start-up; fp16 master weights it accepts,
+    the engine does not run them.
+    """
+    bf16, fp16 = config.get("bf16") or {}, config.get("fp16") or {}
+    if fp16.get("fp16_master_weights_and_grads", False):
+        raise _refuse(
+            "fp16.fp16_master_weights_and_grads",
+            True,
+            "the engine keeps master weights in fp32 or (bf16.bf16_master_weights_and_grads) bf16: leave it false",
+        )
+    master, states = bf16.get("bf16_master_weights_and_grads", False), bf16.get("bf16_optimizer_states", False)
+    if states and not master:
+        raise _refuse(
+            "bf16.bf16_optimizer_states",
+            True,
+            "it needs bf16.bf16_master_weights_and_grads: true (DeepSpeed requires it)",
+        )
+    if not master:
+        return
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    if type(optimizer) is not DeepSpeedCPUAdam:
+        raise _refuse(
+            "bf16.bf16_master_weights_and_grads",
+            True,
+            f"DeepSpeed keeps bf16 master weights only for DeepSpeedCPUAdam, and configure_optimizers returned "
+            f"{type(optimizer).__name__}: return DeepSpeedCPUAdam, or leave bf16 master weights off",
+        )
+    if states and getattr(optimizer, "fp32_optimizer_states", True):
+        raise _refuse(
+            "bf16.bf16_optimizer_states",
+            True,
+            "it needs the moments kept in bf16: build DeepSpeedCPUAdam(..., fp32_optimizer_states=False)",
+        )
 
 
 def _require_pinned(section: dict[str, Any], name: str) -> None:
@@ -398,7 +440,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
     # -- public handles ---------------------------------------------------------------------------
 
     @property
-    def dos_engine(self) -> InterleavedAdam | None:
+    def dos_engine(self) -> InterleavedUpdate | None:
         """The engine, once ``fit`` has set the strategy up (None before, and outside fitting)."""
         return self.dos_adapter.engine if self.dos_adapter is not None else None
 
@@ -406,7 +448,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 
         assert self.lightning_module is not None
-        one = "DeepOptimizerStatesStrategy runs exactly one (torch.optim.Adam, torch.optim.AdamW or DeepSpeedCPUAdam)"
+        one = f"DeepOptimizerStatesStrategy runs exactly one ({SUPPORTED})"
         try:
             optimizers, schedulers = _init_optimizers_and_lr_schedulers(self.lightning_module)
         except RuntimeError as error:
@@ -418,9 +460,12 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         if len(schedulers) > 1:
             raise DOSConfigError(f"configure_optimizers returned {len(schedulers)} LR schedulers; use at most one")
         check_optimizer(optimizers[0])
+        check_master_dtypes(self.config, optimizers[0])
         return optimizers[0], schedulers[0] if schedulers else None
 
     def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:
+        #: The optimizer configure_optimizers returned: its param groups hold each step's hyperparameters.
+        self._dos_user_optimizer = optimizer
         if optimizer is not None:
             self._check_host_memory(model, optimizer)
             # Calibrate now, before DeepSpeed and the engine allocate the optimizer state: the measuring
@@ -487,6 +532,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             sub_group_size=self.engine_sub_group_size,
             gpu_memory_budget=self.gpu_memory_budget,
             streams_factory=self.streams_factory,
+            optimizer=getattr(self, "_dos_user_optimizer", None),
         )
         sizes = adapter.engine.sizes
         if self.engine_sub_group_size == "auto":
@@ -633,4 +679,10 @@ def _check_deepspeed_accelerator_is_cpu() -> None:
 if "dos" not in StrategyRegistry:  # importing lightning_dos (lazily) brings this module in: Trainer(strategy="dos")
     DeepOptimizerStatesStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["DOSConfigError", "DeepOptimizerStatesStrategy", "DeepSpeedCPUStrategy", "merge_required_config"]
+__all__ = [
+    "DOSConfigError",
+    "DeepOptimizerStatesStrategy",
+    "DeepSpeedCPUStrategy",
+    "check_master_dtypes",
+    "merge_required_config",
+]

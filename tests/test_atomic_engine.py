@@ -47,7 +47,7 @@ def _inputs(step: int, lp: list[torch.Tensor]) -> StepInputs:
 
 def _state(engine: InterleavedAdam, lp: list[torch.Tensor]) -> list[torch.Tensor]:
     engine.flush_resident()
-    return [engine.pool.param.clone(), engine.pool.exp_avg.clone(), engine.pool.exp_avg_sq.clone()] + [
+    return [engine.pool.param.clone(), engine.pool.state("exp_avg").clone(), engine.pool.state("exp_avg_sq").clone()] + [
         t.cpu() for t in lp
     ]
 
@@ -142,7 +142,7 @@ def test_when_the_host_cannot_finish_either_the_engine_refuses_to_step_or_be_rea
     def broken(*args: object) -> None:
         raise MemoryError("host")
 
-    monkeypatch.setattr(recovery, "adam_update", broken)
+    monkeypatch.setattr(recovery, "apply_update", broken)
     with pytest.raises(TornStateError, match="mixes two steps"):
         _run(("updated", 3, 1, Injected))
 

@@ -65,8 +65,8 @@ def _assert_overflow_step_skipped_and_training_continued(strategy, probe: Probe,
         changed = any(not torch.equal(v, probe.after[i][k]) for k, v in probe.before[i].items())
         assert changed, f"training must continue after the overflow (step {i} moved nothing)"
     assert torch.isfinite(strategy.dos_engine.pool.param).all()
-    assert torch.isfinite(strategy.dos_engine.pool.exp_avg).all()
-    assert torch.isfinite(strategy.dos_engine.pool.exp_avg_sq).all()
+    assert torch.isfinite(strategy.dos_engine.pool.state("exp_avg")).all()
+    assert torch.isfinite(strategy.dos_engine.pool.state("exp_avg_sq")).all()
     assert probe.reports[-1].plan.device_indices and probe.reports[-1].plan.host_indices
 
 

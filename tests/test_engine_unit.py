@@ -101,7 +101,7 @@ def test_loop_matches_plain_adam_for_any_plan(seed: int, size: int, buffers: int
             expected[i], moments[i] = p, (m, v)
     for i in range(3):
         torch.testing.assert_close(engine.param_view(i), expected[i], rtol=1e-5, atol=1e-7)
-        torch.testing.assert_close(engine.exp_avg_sq_view(i), moments[i][1], rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(engine.state_view("exp_avg_sq", i), moments[i][1], rtol=1e-5, atol=1e-9)
         assert torch.equal(lp[i], expected[i].to(torch.bfloat16)), "16-bit copy is the rounded master"
 
 

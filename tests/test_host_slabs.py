@@ -95,7 +95,7 @@ def check_fork_excludes_the_slabs() -> None:
     numel = 16 << 20  # 64 MB per fp32 slab, 192 MB for the three
     with hostslab.use_registrar(RecordingRegistrar()):
         pool = BufferPool(numel, torch.bfloat16, torch.device("cpu"))
-    slabs = (pool.param, pool.exp_avg, pool.exp_avg_sq)
+    slabs = (pool.param, pool.state("exp_avg"), pool.state("exp_avg_sq"))
     for slab in slabs:
         assert slab.data_ptr() % mmap.PAGESIZE == 0
         assert "dc" in _vm_flags(slab.data_ptr()), "MADV_DONTFORK (VmFlags 'dc') must be set before registration"
@@ -171,7 +171,7 @@ def test_repeated_fits_in_one_process_do_not_accumulate_pinned_or_ring_memory() 
             assert registrar.live == {} and hostslab.registered_bytes() == 0
             assert pool.pinned_bytes == 0 and not pool.pinned
             # The state of record stays readable after fit (a checkpoint saved then reads it).
-            assert torch.isfinite(pool.param).all() and pool.exp_avg_sq.abs().sum() > 0
+            assert torch.isfinite(pool.param).all() and pool.state("exp_avg_sq").abs().sum() > 0
             kept.append(fitted)
             # What stays mapped is the fp32 state of the live trainers, never a ring.
             gc.collect()

@@ -187,10 +187,10 @@ def test_fp16_overflow_skips_the_step_and_leaves_state_for_the_next_one() -> Non
     ours, inputs = _engine_and_inputs(finite[0], scale, steps=1)
     ours.step(plan, inputs)
     lp_before = [t.clone() for t in inputs.lp_targets]
-    slabs_before = [t.clone() for t in (ours.pool.param, ours.pool.exp_avg, ours.pool.exp_avg_sq)]
+    slabs_before = [t.clone() for t in (ours.pool.param, ours.pool.state("exp_avg"), ours.pool.state("exp_avg_sq"))]
     assert not all(torch.isfinite(g).all() for g in overflow)
     ours.skip(plan)  # the adapter's decision on an fp16 overflow: no sub-group is updated
-    for before, after in zip(slabs_before, (ours.pool.param, ours.pool.exp_avg, ours.pool.exp_avg_sq)):
+    for before, after in zip(slabs_before, (ours.pool.param, ours.pool.state("exp_avg"), ours.pool.state("exp_avg_sq"))):
         assert torch.equal(before, after)
     _, next_inputs = _engine_and_inputs(finite[1], scale, steps=2)
     next_inputs.lp_targets = lp_before
@@ -201,7 +201,7 @@ def test_fp16_overflow_skips_the_step_and_leaves_state_for_the_next_one() -> Non
     _, ref_next = _engine_and_inputs(finite[1], scale, steps=2)
     reference.step(plan, ref_next)
     assert torch.equal(ours.pool.param, reference.pool.param)
-    assert torch.equal(ours.pool.exp_avg_sq, reference.pool.exp_avg_sq)
+    assert torch.equal(ours.pool.state("exp_avg_sq"), reference.pool.state("exp_avg_sq"))
     for mine, theirs in zip(next_inputs.lp_targets, ref_next.lp_targets):
         assert torch.equal(mine, theirs)
 
@@ -216,7 +216,7 @@ def test_host_and_device_sides_compute_bit_identical_results() -> None:
         engine, inputs = _engine_and_inputs(grads, scale, steps=1)
         engine.step(Plan((place,) * len(engine.sub_groups)), inputs)
         engine.flush_resident()  # resident state lives on the device until brought home
-        results.append((engine.pool.param.clone(), engine.pool.exp_avg_sq.clone(), inputs.lp_targets))
+        results.append((engine.pool.param.clone(), engine.pool.state("exp_avg_sq").clone(), inputs.lp_targets))
     for param, exp_avg_sq, lp in results[1:]:
         assert torch.equal(param, results[0][0])
         assert torch.equal(exp_avg_sq, results[0][1])

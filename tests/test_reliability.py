@@ -167,5 +167,5 @@ def test_checkpoint_state_is_the_engine_state(tmp_path: Path, fraction: float) -
     optimizer_state = state["optimizer_state_dict"]["optimizer_state_dict"]["state"]
     engine = strategy.dos_engine
     saved_avg = torch.cat([optimizer_state[i]["exp_avg"] for i in sorted(optimizer_state)])
-    assert torch.equal(saved_avg, engine.pool.exp_avg)
+    assert torch.equal(saved_avg, engine.pool.state("exp_avg"))
     assert all(int(s["step"]) == 3 for s in optimizer_state.values())

@@ -131,7 +131,7 @@ def run(
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         for action in scenario.steps:
-            slabs = (engine.pool.param, engine.pool.exp_avg, engine.pool.exp_avg_sq)
+            slabs = (engine.pool.param, engine.pool.state("exp_avg"), engine.pool.state("exp_avg_sq"))
             if action == "flush":  # a checkpoint save: the engine flushes, the checkpoint copies the slabs
                 engine.flush_resident()
                 saved = ([t.clone() for t in slabs], [p.detach().clone() for p in reference], taken)

@@ -25,11 +25,23 @@ the multiplication, bound 1e-5).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
 from lightning_dos.engine import host_workers, native
+from lightning_dos.engine.update_rules import ADAM, AdamHyper, Hyper, UpdateRule
+
+__all__ = [
+    "AdamHyper",
+    "Hyper",
+    "apply_update",
+    "host_update",
+    "adam_update",
+    "fused_host_update",
+    "step_tensor",
+    "tiled_update",
+]
 
 #: Elements per tile of the host update, per host thread: 4 MiB of fp32 state, in the shared L3. Measured with
 #: ``bench/kernels.py --tiles`` on this project's CPU (2 threads, 1 MiB L2 per core, 32 MiB L3, shared and
@@ -40,25 +52,96 @@ HOST_TILE_ELEMENTS = 1 << 18
 _SHARE_ALIGN = 64
 
 
-@dataclass(frozen=True)
-class AdamHyper:
-    """Hyperparameters of one optimizer param group for one step.
+def apply_update(
+    rule: UpdateRule,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    states: Sequence[torch.Tensor],
+    step: torch.Tensor,
+    hyper: Hyper,
+    inv_grad_scale: float = 1.0,
+    lp_out: torch.Tensor | None = None,
+) -> None:
+    """Unscale, one step of ``rule`` and the cast into ``lp_out``, in place on ``param`` and ``states`` (any device).
 
-    Attributes:
-        lr: learning rate (read from the param group every step, so LR schedules apply).
-        beta1: first-moment decay.
-        beta2: second-moment decay.
-        eps: term added to the denominator.
-        weight_decay: weight-decay coefficient.
-        decoupled: True for AdamW-style decoupled decay, False for Adam's L2 penalty.
+    On CPU tensors this is the compiled one-pass kernel when it runs the rule in these dtypes (the host's formula,
+    so a CPU device computes what the host computes, bit for bit), otherwise :func:`torch_update`. The gradient
+    may be left unscaled by the torch path (it is the engine's own copy or is rewritten by the next backward).
+
+    Args:
+        rule: the optimizer's update rule.
+        param: master weights (1-D; fp32, or bf16 under bf16 master weights), updated in place.
+        grad: gradient of the same shape and dtype, scaled by the loss scale and not yet clipped.
+        states: the rule's state tensors in ``rule.states`` order (fp32 or bf16), updated in place.
+        step: 0-d float32 tensor on ``param``'s device holding the step number being applied (1 for the
+            first step); the kernel reads it and does not change it.
+        hyper: the param group's hyperparameters.
+        inv_grad_scale: what the gradient is multiplied by to unscale and clip it (1 / DeepSpeed's combined
+            scale); 1.0 leaves it as it is.
+        lp_out: where the fresh weights go in the model's dtype, as many elements as ``param``; None for no copy.
     """
+    if param.device.type == "cpu" and _native_fits(rule, param, grad, states, lp_out):
+        _native(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out)
+        return
+    torch_update(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out)
 
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    decoupled: bool
+
+def torch_update(
+    rule: UpdateRule,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    states: Sequence[torch.Tensor],
+    step: torch.Tensor,
+    hyper: Hyper,
+    inv_grad_scale: float = 1.0,
+    lp_out: torch.Tensor | None = None,
+) -> None:
+    """:func:`apply_update` with torch's kernels: the rule's formula in fp32 whatever the storage dtypes.
+
+    bf16 master weights, gradients or states are loaded into fp32 copies, updated, and stored back rounded to
+    nearest even (what DeepSpeed's CPU optimizers do with bf16 state); the gradient is unscaled in fp32. With
+    fp32 storage the update runs in place and the gradient is unscaled in place. Arguments as for
+    :func:`apply_update`.
+    """
+    stored = (param, *states)
+    if all(t.dtype == torch.float32 for t in (*stored, grad)):
+        if inv_grad_scale != 1.0:
+            grad.mul_(inv_grad_scale)
+        rule.torch_update(param, grad, states, step, hyper)
+    else:
+        work = [t.float() if t.dtype != torch.float32 else t for t in stored]
+        grad32 = grad.float() if grad.dtype != torch.float32 else grad
+        if inv_grad_scale != 1.0:
+            grad32 = grad32 * inv_grad_scale
+        rule.torch_update(work[0], grad32, work[1:], step, hyper)
+        for target, value in zip(stored, work, strict=True):
+            if target is not value:
+                target.copy_(value)
+        param = work[0]
+    if lp_out is not None:
+        lp_out.copy_(param)
+
+
+def _native_fits(
+    rule: UpdateRule,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    states: Sequence[torch.Tensor],
+    lp_out: torch.Tensor | None,
+) -> bool:
+    """The compiled kernel takes contiguous CPU tensors in the dtypes it was built for (the engine's slabs and
+    buffers always are contiguous)."""
+    if not native.available() or (lp_out is not None and not lp_out.is_contiguous()):
+        return False
+    tensors = (param, grad, *states)
+    if not all(t.is_contiguous() for t in tensors) or grad.dtype != param.dtype:
+        return False
+    state_dtype = states[0].dtype if states else param.dtype
+    return native.supports(rule.name, param.dtype, state_dtype)
+
+
+def _native(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out) -> None:  # noqa: ANN001
+    native.host_update(rule.name, param, grad, states, float(step.item()), hyper, inv_grad_scale, lp_out)
 
 
 def adam_update(
@@ -67,38 +150,10 @@ def adam_update(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     step: torch.Tensor,
-    hyper: AdamHyper,
+    hyper: Hyper,
 ) -> None:
-    """Apply one Adam step in place to ``param``, ``exp_avg`` and ``exp_avg_sq``.
-
-    On CPU tensors this is the compiled one-pass kernel when it is available (the host's formula, so a CPU
-    device computes what the host computes, bit for bit), otherwise :func:`torch_adam_update`.
-
-    Args:
-        param: fp32 master weights (1-D), updated in place.
-        grad: fp32 gradient of the same shape, already unscaled and clipped.
-        exp_avg: first moment, updated in place.
-        exp_avg_sq: second moment, updated in place.
-        step: 0-d float32 tensor on ``param``'s device holding the step number being applied
-            (1 for the first step); the kernel reads it for bias correction and does not change it.
-        hyper: the param group's hyperparameters.
-    """
-    if param.device.type == "cpu" and _native_fits(param, grad, exp_avg, exp_avg_sq):
-        _native(param, grad, exp_avg, exp_avg_sq, step, hyper, 1.0, None)
-        return
-    torch_adam_update(param, grad, exp_avg, exp_avg_sq, step, hyper)
-
-
-def _native_fits(*tensors: torch.Tensor) -> bool:
-    """The compiled kernel takes contiguous fp32 CPU tensors (the engine's slabs and buffers always are)."""
-    return native.available() and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
-
-
-def _native(param, grad, exp_avg, exp_avg_sq, step, hyper, inv_grad_scale, lp_out) -> None:  # noqa: ANN001
-    native.host_adam(
-        param, grad, exp_avg, exp_avg_sq, float(step.item()), hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
-        hyper.weight_decay, hyper.decoupled, inv_grad_scale, lp_out,
-    )  # fmt: skip
+    """:func:`apply_update` of Adam with the gradient already unscaled and no cast (fp32 state)."""
+    apply_update(ADAM, param, grad, (exp_avg, exp_avg_sq), step, hyper)
 
 
 def torch_adam_update(
@@ -107,68 +162,40 @@ def torch_adam_update(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     step: torch.Tensor,
-    hyper: AdamHyper,
+    hyper: Hyper,
 ) -> None:
-    """One Adam step with torch's fused kernel (any device), in place on ``param``, ``exp_avg``, ``exp_avg_sq``.
-
-    Args:
-        param: fp32 master weights (1-D), updated in place.
-        grad: fp32 gradient of the same shape, already unscaled and clipped.
-        exp_avg: first moment, updated in place.
-        exp_avg_sq: second moment, updated in place.
-        step: 0-d float32 tensor on ``param``'s device holding the step number being applied
-            (1 for the first step); the kernel reads it for bias correction and does not change it.
-        hyper: the param group's hyperparameters.
-    """
-    kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
-    kernel(
-        [param],
-        [grad],
-        [exp_avg],
-        [exp_avg_sq],
-        [],
-        [step],
-        lr=hyper.lr,
-        beta1=hyper.beta1,
-        beta2=hyper.beta2,
-        weight_decay=hyper.weight_decay,
-        eps=hyper.eps,
-        amsgrad=False,
-        maximize=False,
-    )
+    """One Adam step with torch's fused kernel (any device), in place (:meth:`UpdateRule.torch_update`)."""
+    ADAM.torch_update(param, grad, (exp_avg, exp_avg_sq), step, hyper)
 
 
-def fused_host_update(
+def host_update(
+    rule: UpdateRule,
     param: torch.Tensor,
     grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
+    states: Sequence[torch.Tensor],
     step: torch.Tensor,
-    hyper: AdamHyper,
+    hyper: Hyper,
     inv_grad_scale: float = 1.0,
     lp_out: torch.Tensor | None = None,
     tile: int = HOST_TILE_ELEMENTS,
 ) -> None:
-    """Unscale, Adam and the copy into the model's partition in one pass over host memory.
+    """Unscale, the update and the copy into the model's partition in one pass over host memory.
 
-    Runs the compiled kernel (``native``) when it is available, :func:`tiled_host_update` otherwise. Either way
-    the result is the same as multiplying the gradient by ``inv_grad_scale``, running :func:`adam_update` over
-    the whole sub-group and then ``lp_out.copy_(param)`` (bit for bit with the compiled kernel; with torch's tiles,
-    bit for bit but for the last few elements of a thread's chunk, which may differ by rounding). The
-    compiled kernel leaves the gradient as it came; the tiles leave it unscaled. The update of a sub-group is
-    not divisible: the engine records its unscale, update and cast as reached together once this returns.
-    Nothing here can fail part-way in practice (arguments are checked before any state changes, and the engine
-    holds signals during the update).
+    Runs the compiled kernel (``native``) when it runs ``rule`` in these dtypes, :func:`tiled_host_update`
+    otherwise. Either way the result is the same as :func:`torch_update` over the whole sub-group (bit for bit
+    with the compiled kernel; with torch's tiles, bit for bit but for the last few elements of a thread's chunk,
+    which may differ by rounding). The update of a sub-group is not divisible: the engine records its unscale,
+    update and cast as reached together once this returns. Nothing here can fail part-way in practice
+    (arguments are checked before any state changes, and the engine holds signals during the update).
 
     Args:
-        param: fp32 master weights (1-D, host), updated in place.
-        grad: fp32 gradient of the same shape, scaled by the loss scale and not yet clipped.
-        exp_avg: first moment, updated in place.
-        exp_avg_sq: second moment, updated in place.
-        step: 0-d float32 CPU tensor, the step number being applied (see :func:`adam_update`).
+        rule: the optimizer's update rule.
+        param: master weights (1-D, host), updated in place.
+        grad: gradient of the same shape and dtype, scaled by the loss scale and not yet clipped.
+        states: the rule's state tensors (``rule.states`` order), updated in place.
+        step: 0-d float32 CPU tensor, the step number being applied (see :func:`apply_update`).
         hyper: the param group's hyperparameters.
-        inv_grad_scale: what the gradient is multiplied by to unscale and clip it (1 / DeepSpeed's
-            combined scale); 1.0 leaves the gradient as it is.
+        inv_grad_scale: what the gradient is multiplied by to unscale and clip it; 1.0 leaves it as it is.
         lp_out: where the updated weights go in the model's dtype (bf16, fp16, or fp32 for an fp32 model),
             as many elements as ``param``; None to skip the copy.
         tile: elements per tile of torch's path (positive); the default was measured on this project's CPU.
@@ -178,10 +205,61 @@ def fused_host_update(
     numel = param.numel()
     if lp_out is not None and lp_out.numel() != numel:
         raise ValueError(f"lp_out has {lp_out.numel()} elements where param has {numel}")
-    if _native_fits(param, grad, exp_avg, exp_avg_sq) and (lp_out is None or lp_out.is_contiguous()):
-        _native(param, grad, exp_avg, exp_avg_sq, step, hyper, inv_grad_scale, lp_out)
+    if _native_fits(rule, param, grad, states, lp_out):
+        _native(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out)
         return
-    tiled_host_update(param, grad, exp_avg, exp_avg_sq, step, hyper, inv_grad_scale, lp_out, tile)
+    tiled_update(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, tile)
+
+
+def fused_host_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    hyper: Hyper,
+    inv_grad_scale: float = 1.0,
+    lp_out: torch.Tensor | None = None,
+    tile: int = HOST_TILE_ELEMENTS,
+) -> None:
+    """:func:`host_update` of Adam (``exp_avg``, ``exp_avg_sq`` its two moments)."""
+    host_update(ADAM, param, grad, (exp_avg, exp_avg_sq), step, hyper, inv_grad_scale, lp_out, tile)
+
+
+def tiled_update(
+    rule: UpdateRule,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    states: Sequence[torch.Tensor],
+    step: torch.Tensor,
+    hyper: Hyper,
+    inv_grad_scale: float = 1.0,
+    lp_out: torch.Tensor | None = None,
+    tile: int = HOST_TILE_ELEMENTS,
+) -> None:
+    """:func:`host_update` with torch's kernels, for machines without a C compiler.
+
+    The sub-group is processed in tiles of ``tile`` elements: each tile is unscaled, updated and cast by
+    :func:`torch_update`, each step reading what the previous one left in cache. With more than one torch thread
+    and the opt-in host workers enabled, each worker thread takes a contiguous share and runs its tiles on its
+    own (no barrier between kernels; see ``host_workers``); otherwise the caller runs the tiles with torch's own
+    threads. Arguments as for :func:`host_update`.
+    """
+    numel = param.numel()
+
+    def run_tiles(begin: int, end: int) -> None:
+        for start in range(begin, end, tile):
+            span = slice(start, min(end, start + tile))
+            torch_update(
+                rule, param[span], grad[span], [s[span] for s in states], step, hyper, inv_grad_scale,
+                None if lp_out is None else lp_out[span],
+            )  # fmt: skip
+
+    pool = host_workers.workers()
+    if pool is None or numel <= tile * torch.get_num_threads():
+        run_tiles(0, numel)
+        return
+    host_workers.run_shares(pool, run_tiles, host_workers.shares(numel, torch.get_num_threads(), _SHARE_ALIGN))
 
 
 def tiled_host_update(
@@ -190,37 +268,13 @@ def tiled_host_update(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     step: torch.Tensor,
-    hyper: AdamHyper,
+    hyper: Hyper,
     inv_grad_scale: float = 1.0,
     lp_out: torch.Tensor | None = None,
     tile: int = HOST_TILE_ELEMENTS,
 ) -> None:
-    """:func:`fused_host_update` with torch's kernels, for machines without a C compiler.
-
-    The sub-group is processed in tiles of ``tile`` elements: the tile's gradient is unscaled (in place), torch's
-    fused Adam updates the tile and its fresh weights are cast into ``lp_out``, each step reading what the
-    previous one left in cache. With more than one torch thread and the opt-in host workers enabled, each worker
-    thread takes a contiguous share and runs its tiles on its own (no barrier between kernels; see
-    ``host_workers``); otherwise the caller runs the tiles with torch's own threads. Arguments as for
-    :func:`fused_host_update`.
-    """
-    numel = param.numel()
-
-    def run_tiles(begin: int, end: int) -> None:
-        for start in range(begin, end, tile):
-            span = slice(start, min(end, start + tile))
-            weights, grads = param[span], grad[span]
-            if inv_grad_scale != 1.0:
-                grads.mul_(inv_grad_scale)
-            torch_adam_update(weights, grads, exp_avg[span], exp_avg_sq[span], step, hyper)
-            if lp_out is not None:
-                lp_out[span].copy_(weights)
-
-    pool = host_workers.workers()
-    if pool is None or numel <= tile * torch.get_num_threads():
-        run_tiles(0, numel)
-        return
-    host_workers.run_shares(pool, run_tiles, host_workers.shares(numel, torch.get_num_threads(), _SHARE_ALIGN))
+    """:func:`tiled_update` of Adam (``exp_avg``, ``exp_avg_sq`` its two moments)."""
+    tiled_update(ADAM, param, grad, (exp_avg, exp_avg_sq), step, hyper, inv_grad_scale, lp_out, tile)
 
 
 def step_tensor(step: int, device: torch.device) -> torch.Tensor:

@@ -3,16 +3,19 @@
 One optimizer step, given a :class:`~lightning_dos.engine.plan.Plan`:
 
 1. Device sub-groups are launched first, all of them, because on an accelerator every launch is
-   asynchronous: for each one the ``h2d`` stream uploads fp32 param, moments and gradient into a
-   staging buffer, the compute stream runs Adam and casts the result into DeepSpeed's 16-bit
-   partition, and the ``d2h`` stream brings param and moments home. Events chain these so no copy
+   asynchronous: for each one the ``h2d`` stream uploads master weights, optimizer state and gradient
+   into a staging buffer, the compute stream runs the update and casts the result into DeepSpeed's
+   16-bit partition, and the ``d2h`` stream brings master weights and state home. Events chain these so no copy
    races a kernel, and a staging buffer is reused only once its previous download has finished.
-2. While that pipeline runs, the CPU works through the host sub-groups: Adam on the pinned slabs,
+2. While that pipeline runs, the CPU works through the host sub-groups: the update on the pinned slabs,
    a cast into pinned 16-bit staging, and an asynchronous upload on the ``lp_h2d`` stream.
 3. The step ends when every download and upload has landed, so the host slabs are consistent
    (checkpoints read them) and all 16-bit parameters are in place before the next forward.
 
-This module knows nothing of Lightning or DeepSpeed: the adapter hands it flat tensors.
+The optimizer is an :class:`~lightning_dos.engine.update_rules.UpdateRule` (Adam, Adagrad, Lion): the loop
+moves the master weights and whichever state tensors the rule names, in their dtypes, and never branches
+on which optimizer it runs. This module knows nothing of Lightning or DeepSpeed: the adapter hands it flat
+tensors.
 """
 
 from __future__ import annotations
@@ -26,17 +29,14 @@ import torch
 from lightning_dos.engine import native
 from lightning_dos.engine.atomic import TornStateError, UpdateGuard, UpdateProgress
 from lightning_dos.engine.inputs import StepInputs
-from lightning_dos.engine.kernels import adam_update, fused_host_update, step_tensor
+from lightning_dos.engine.kernels import apply_update, host_update, step_tensor
 from lightning_dos.engine.perfmodel import FREE_MEMORY_MARGIN, predict
 from lightning_dos.engine.plan import Place, Plan, SubGroup, split_into_sub_groups
-from lightning_dos.engine.pool import STAGING_BYTES_PER_ELEMENT, BufferPool, DeviceBuffer
+from lightning_dos.engine.pool import BufferPool, DeviceBuffer
 from lightning_dos.engine.recovery import settle_interrupted_update
 from lightning_dos.engine.report import StepReport
 from lightning_dos.engine.streams import Streams, make_streams
-
-FP32_BYTES = 4
-#: fp32 bytes a streamed sub-group moves each way besides its gradient: param, exp_avg, exp_avg_sq.
-STATE_BYTES_PER_ELEMENT = 3 * FP32_BYTES
+from lightning_dos.engine.update_rules import ADAM, Footprint, UpdateRule
 
 
 def _useful_buffers(plan: Plan) -> Plan:
@@ -44,8 +44,8 @@ def _useful_buffers(plan: Plan) -> Plan:
     return Plan(plan.places, max(1, min(plan.device_buffers, len(plan.streamed_indices))))
 
 
-class InterleavedAdam:
-    """Runs Adam over the rank's fp32 partition, sub-group by sub-group, on host and device at once.
+class InterleavedUpdate:
+    """Runs the optimizer over the rank's master partition, sub-group by sub-group, on host and device at once.
 
     Args:
         flat_numels: element count of each DeepSpeed flat partition, in order.
@@ -66,6 +66,10 @@ class InterleavedAdam:
             sub-groups are then cast on the device and their 16-bit result is downloaded, and host sub-groups
             are cast straight into them. None: they live on ``device`` (host memory when ``streams`` are
             synchronous; a simulated accelerator's CPU memory stands for device memory).
+        rule: the optimizer's update rule (Adam by default).
+        master_dtype: dtype of the master weights and gradients: fp32, or bf16 under DeepSpeed's
+            ``bf16_master_weights_and_grads``.
+        state_dtype: dtype of the rule's state tensors: fp32, or bf16 under ``bf16_optimizer_states``.
     """
 
     def __init__(
@@ -79,7 +83,13 @@ class InterleavedAdam:
         gpu_memory_budget: int | None = None,
         streams: Streams | None = None,
         lp_device: torch.device | None = None,
+        rule: UpdateRule = ADAM,
+        master_dtype: torch.dtype = torch.float32,
+        state_dtype: torch.dtype = torch.float32,
     ) -> None:
+        self.rule = rule
+        #: Bytes per element held and moved, for the rule and dtypes (the performance model's and the reports').
+        self.footprint = Footprint.of(rule, master_dtype, state_dtype)
         #: Side streams, made once: the same streams every step, so their order is easy to follow in a profiler.
         self.streams = streams if streams is not None else make_streams(device)
         self.sub_groups: list[SubGroup] = split_into_sub_groups(flat_numels, flat_param_groups, sub_group_size)
@@ -102,6 +112,9 @@ class InterleavedAdam:
             largest_sub_group=max(self.sizes, default=0),
             accelerated=self.streams.is_async,
             allocate=self.streams.empty,
+            rule=rule,
+            master_dtype=master_dtype,
+            state_dtype=state_dtype,
         )
         self.gpu_memory_budget = gpu_memory_budget
         # Build the compiled host update now, not in the first step; say so once if torch's kernels stand in.
@@ -126,19 +139,18 @@ class InterleavedAdam:
         self.on_point: Callable[[str, int], None] | None = None
         self._progress: UpdateProgress | None = None
 
-    # Views into the slabs, one per DeepSpeed flat partition: the adapter points DeepSpeed's fp32
+    # Views into the slabs, one per DeepSpeed flat partition: the adapter points DeepSpeed's master
     # partitions and the inner optimizer's state at these, so DeepSpeed's checkpoints see our state.
     def _flat(self, slab: torch.Tensor, flat: int) -> torch.Tensor:
         return slab[self.flat_offsets[flat] : self.flat_offsets[flat + 1]]
 
     def param_view(self, flat: int) -> torch.Tensor:
+        """The master weights of DeepSpeed flat partition ``flat``."""
         return self._flat(self.pool.param, flat)
 
-    def exp_avg_view(self, flat: int) -> torch.Tensor:
-        return self._flat(self.pool.exp_avg, flat)
-
-    def exp_avg_sq_view(self, flat: int) -> torch.Tensor:
-        return self._flat(self.pool.exp_avg_sq, flat)
+    def state_view(self, name: str, flat: int) -> torch.Tensor:
+        """The rule's state tensor ``name`` for DeepSpeed flat partition ``flat``."""
+        return self._flat(self.pool.state(name), flat)
 
     def peak_bandwidth(self) -> tuple[float, float] | None:
         """Calibrated peak (host-to-device, device-to-host) bytes/s, once the scheduler has measured them."""
@@ -162,7 +174,7 @@ class InterleavedAdam:
         resident = sum(self.sizes[i] for i in plan.resident_indices)
         streamed = [self.sizes[i] for i in plan.streamed_indices]
         largest = max(streamed, default=0)
-        per_element = STAGING_BYTES_PER_ELEMENT + (self.lp_bytes if self.lp_downloads else 0)
+        per_element = self.footprint.device + (self.lp_bytes if self.lp_downloads else 0)
         return (resident + min(buffers, len(streamed)) * largest) * per_element
 
     def fit_to_budget(self, plan: Plan, budget: int | None) -> Plan:
@@ -345,9 +357,8 @@ class InterleavedAdam:
                 continue
             span = slice(sg.slab_offset, sg.slab_offset + sg.numel)
             with streams.on(streams.h2d):
-                for dst, slab in ((buf.param, self.pool.param), (buf.exp_avg, self.pool.exp_avg)):
+                for dst, slab in zip((buf.param, *buf.states), (self.pool.param, *self.pool.states)):
                     dst.copy_(slab[span], non_blocking=True)
-                buf.exp_avg_sq.copy_(self.pool.exp_avg_sq[span], non_blocking=True)
             self.resident[index] = buf
         return plan.with_host(failed) if failed else plan
 
@@ -358,19 +369,19 @@ class InterleavedAdam:
         last_download = None
         for index in plan.resident_indices:
             sg, buf = self.sub_groups[index], self.resident[index]
-            _, _, _, grad, lp = self._slices(sg, inputs)
-            with streams.lane("upload", index, FP32_BYTES * sg.numel, streams.h2d):
+            _, _, grad, lp = self._slices(sg, inputs)
+            with streams.lane("upload", index, self.footprint.resident_up * sg.numel, streams.h2d):
                 buf.grad.copy_(grad, non_blocking=True)
             uploaded = streams.record(streams.h2d)
-            # Adam reads the gradient (and, the first time, the state) the h2d stream brought up.
+            # The update reads the gradient (and, the first time, the state) the h2d stream brought up.
             streams.wait(streams.compute, uploaded)
-            with streams.lane("device_adam", index, FP32_BYTES * sg.numel, streams.compute):
-                if inputs.inv_grad_scale != 1.0:
-                    buf.grad.mul_(inputs.inv_grad_scale)
+            with streams.lane("device_adam", index, self.footprint.master * sg.numel, streams.compute):
                 if sg.ds_group not in step_tensors:
                     step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], self.device)
                 hyper = inputs.hypers[sg.param_group]
-                adam_update(buf.param, buf.grad, buf.exp_avg, buf.exp_avg_sq, step_tensors[sg.ds_group], hyper)
+                apply_update(
+                    self.rule, buf.param, buf.grad, buf.states, step_tensors[sg.ds_group], hyper, inputs.inv_grad_scale
+                )
                 self._reached("updated", index)
             with streams.lane("cast", index, self.lp_bytes * sg.numel, streams.compute):
                 # Into the buffer's 16-bit slot when the 16-bit partition lives on the host (parameter offload).
@@ -378,7 +389,7 @@ class InterleavedAdam:
             self._reached("done", index)
             if buf.lp is not None:
                 last_download = self._download_lp(index, buf.lp, lp, report)
-            report.h2d_bytes += FP32_BYTES * sg.numel
+            report.h2d_bytes += self.footprint.resident_up * sg.numel
             report.device_elements += sg.numel
         return [last_download] if last_download is not None else []
 
@@ -404,9 +415,8 @@ class InterleavedAdam:
             for index in indices:
                 sg, buf = self.sub_groups[index], self.resident[index]
                 span = slice(sg.slab_offset, sg.slab_offset + sg.numel)
-                self.pool.param[span].copy_(buf.param, non_blocking=True)
-                self.pool.exp_avg[span].copy_(buf.exp_avg, non_blocking=True)
-                self.pool.exp_avg_sq[span].copy_(buf.exp_avg_sq, non_blocking=True)
+                for slab, src in zip((self.pool.param, *self.pool.states), (buf.param, *buf.states)):
+                    slab[span].copy_(src, non_blocking=True)
                 self._reached("flush", index)
         streams.host_wait(streams.record(streams.d2h))
 
@@ -437,13 +447,15 @@ class InterleavedAdam:
             if sg.ds_group == flat and sg.ds_offset < offset + numel and offset < sg.ds_offset + sg.numel
         ]
 
-    def _slices(self, sg: SubGroup, inputs: StepInputs) -> tuple[torch.Tensor, ...]:
+    def _slices(
+        self, sg: SubGroup, inputs: StepInputs
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
+        """A sub-group's host master weights, host states, gradient and 16-bit target."""
         span = slice(sg.slab_offset, sg.slab_offset + sg.numel)
         local = slice(sg.ds_offset, sg.ds_offset + sg.numel)
         return (
             self.pool.param[span],
-            self.pool.exp_avg[span],
-            self.pool.exp_avg_sq[span],
+            tuple(state[span] for state in self.pool.states),
             inputs.grads[sg.ds_group][local],
             inputs.lp_targets[sg.ds_group][local],
         )
@@ -451,72 +463,73 @@ class InterleavedAdam:
     def _launch_device_side(
         self, plan: Plan, buffers: list[DeviceBuffer], inputs: StepInputs, streams: Streams, report: StepReport
     ) -> list:
-        """Queue upload -> Adam + cast -> download for every device sub-group; return the tail events."""
+        """Queue upload -> update + cast -> download for every device sub-group; return the tail events."""
         step_tensors: dict[int, torch.Tensor] = {}
         slot_free: list = [None] * len(buffers)
         for j, index in enumerate(plan.streamed_indices):
             sg = self.sub_groups[index]
             n, slot = sg.numel, j % len(buffers)
             buf = buffers[slot]
-            param, exp_avg, exp_avg_sq, grad, lp = self._slices(sg, inputs)
-            d_param, d_avg, d_avg_sq, d_grad = (t[:n] for t in (buf.param, buf.exp_avg, buf.exp_avg_sq, buf.grad))
+            param, states, grad, lp = self._slices(sg, inputs)
+            d_param, d_grad = buf.param[:n], buf.grad[:n]
+            d_states = tuple(t[:n] for t in buf.states)
             # Reuse the slot only after the download of its previous sub-group has finished.
             streams.wait(streams.h2d, slot_free[slot])
-            with streams.lane("upload", index, 4 * FP32_BYTES * n, streams.h2d):
-                for dst, src in ((d_param, param), (d_avg, exp_avg), (d_avg_sq, exp_avg_sq), (d_grad, grad)):
+            with streams.lane("upload", index, self.footprint.streamed_up * n, streams.h2d):
+                for dst, src in zip((d_param, *d_states, d_grad), (param, *states, grad)):
                     dst.copy_(src, non_blocking=True)
             uploaded = streams.record(streams.h2d)
-            # Adam reads what the upload wrote.
+            # The update reads what the upload wrote.
             streams.wait(streams.compute, uploaded)
-            with streams.lane("device_adam", index, FP32_BYTES * n, streams.compute):
-                if inputs.inv_grad_scale != 1.0:
-                    d_grad.mul_(inputs.inv_grad_scale)
+            with streams.lane("device_adam", index, self.footprint.master * n, streams.compute):
                 if sg.ds_group not in step_tensors:
                     step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], self.device)
-                adam_update(d_param, d_grad, d_avg, d_avg_sq, step_tensors[sg.ds_group], inputs.hypers[sg.param_group])
+                hyper = inputs.hypers[sg.param_group]
+                step = step_tensors[sg.ds_group]
+                apply_update(self.rule, d_param, d_grad, d_states, step, hyper, inputs.inv_grad_scale)
                 self._reached("computed", index)
             # Cast on the device, straight into DeepSpeed's 16-bit partition: no 16-bit upload needed
             # (into the buffer's 16-bit slot instead when that partition lives on the host; it comes down below).
             with streams.lane("cast", index, self.lp_bytes * n, streams.compute):
                 (buf.lp[:n] if buf.lp is not None else lp).copy_(d_param)
             computed = streams.record(streams.compute)
-            # The download must not start before Adam and the cast have finished with the buffer.
+            # The download must not start before the update and the cast have finished with the buffer.
             streams.wait(streams.d2h, computed)
-            down = STATE_BYTES_PER_ELEMENT * n + (self.lp_bytes * n if buf.lp is not None else 0)
+            down = self.footprint.streamed_down * n + (self.lp_bytes * n if buf.lp is not None else 0)
             with streams.lane("download", index, down, streams.d2h):
-                self._reached("downloading", index, (d_param, d_avg, d_avg_sq))
-                pairs = [(param, d_param), (exp_avg, d_avg), (exp_avg_sq, d_avg_sq)]
+                self._reached("downloading", index, (d_param, *d_states))
+                pairs = list(zip((param, *states), (d_param, *d_states)))
                 if buf.lp is not None:
                     pairs.append((lp, buf.lp[:n]))
                 for dst, src in pairs:
                     dst.copy_(src, non_blocking=True)
                 self._reached("done", index)
             slot_free[slot] = streams.record(streams.d2h)
-            report.h2d_bytes += 4 * FP32_BYTES * n
+            report.h2d_bytes += self.footprint.streamed_up * n
             report.d2h_bytes += down
             report.device_elements += n
         return [e for e in slot_free if e is not None]
 
     def _run_host_side(self, plan: Plan, inputs: StepInputs, streams: Streams, report: StepReport) -> list:
-        """Adam on the CPU for every host sub-group, each followed by an asynchronous 16-bit upload."""
+        """The update on the CPU for every host sub-group, each followed by an asynchronous 16-bit upload."""
         step_tensors: dict[int, torch.Tensor] = {}
         last_upload = None
         for index in plan.host_indices:
             sg = self.sub_groups[index]
-            param, exp_avg, exp_avg_sq, grad, lp = self._slices(sg, inputs)
+            param, states, grad, lp = self._slices(sg, inputs)
             if sg.ds_group not in step_tensors:
                 step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], torch.device("cpu"))
             # The 16-bit partition is in host memory already (CPU device, parameter offload): cast straight into
             # it; otherwise into a slot of the pinned staging ring the upload reads, free once the upload that
-            # last read it has landed. Unscale, Adam and cast in one pass over memory.
+            # last read it has landed. Unscale, update and cast in one pass over memory.
             staging, slot = lp, 0
             if self.pool.lp_staging is not None:
                 slot, staging, last_read = self.pool.lp_staging.acquire(sg.numel)
                 # The host is about to overwrite what the slot's previous upload reads.
                 streams.host_wait(last_read)
             hyper, step = inputs.hypers[sg.param_group], step_tensors[sg.ds_group]
-            with streams.lane("host_adam", index, FP32_BYTES * sg.numel):
-                fused_host_update(param, grad, exp_avg, exp_avg_sq, step, hyper, inputs.inv_grad_scale, staging)
+            with streams.lane("host_adam", index, self.footprint.master * sg.numel):
+                host_update(self.rule, param, grad, states, step, hyper, inputs.inv_grad_scale, staging)
             report.host_elements += sg.numel
             # One pass unscaled, updated and (on a CPU device) cast it: every point is recorded before any
             # hook runs, so an interruption at any of them finds the sub-group's true progress.
@@ -530,3 +543,7 @@ class InterleavedAdam:
             self._reached("done", index)
             report.h2d_bytes += self.lp_bytes * sg.numel
         return [last_upload] if last_upload is not None else []
+
+
+#: The engine's former name, from when Adam was its only optimizer.
+InterleavedAdam = InterleavedUpdate

@@ -24,9 +24,12 @@ import shutil
 import subprocess
 import threading
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+
+from lightning_dos.engine.update_rules import Hyper
 
 SOURCE = Path(__file__).with_name("host_adam.c")
 #: Set to 0 to use torch's kernels on the host (the pure-torch path; no compiler needed).
@@ -285,6 +288,32 @@ def host_adam(
         param, grad, exp_avg, exp_avg_sq, float(step), lr, beta1, beta2, eps, weight_decay, decoupled,
         inv_grad_scale, lp_out, threads or 0,
     )  # fmt: skip
+
+
+def supports(rule: str, master_dtype: torch.dtype, state_dtype: torch.dtype) -> bool:
+    """Whether the compiled kernel runs ``rule`` with master weights (and gradients) in ``master_dtype`` and
+    states in ``state_dtype``."""
+    return rule == "adam" and master_dtype == torch.float32 and state_dtype == torch.float32
+
+
+def host_update(
+    rule: str,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    states: Sequence[torch.Tensor],
+    step: float,
+    hyper: Hyper,
+    inv_grad_scale: float = 1.0,
+    lp_out: torch.Tensor | None = None,
+    threads: int | None = None,
+) -> None:
+    """One step of ``rule`` (an ``UpdateRule`` name) over contiguous CPU tensors, unscale and cast in the same
+    pass; states in the rule's order. Arguments otherwise as for :func:`host_adam`."""
+    if not supports(rule, param.dtype, states[0].dtype if states else param.dtype):
+        raise ValueError(f"the compiled host kernel does not run {rule} in {param.dtype}")
+    h = hyper
+    host_adam(param, grad, *states, step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled,
+              inv_grad_scale, lp_out, threads)  # fmt: skip
 
 
 def _host_adam_op(*args: object) -> None:

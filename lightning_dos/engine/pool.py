@@ -1,7 +1,8 @@
 """The buffer pool: host slabs the engine owns, a small 16-bit staging ring, and per-update device staging.
 
-Host side, allocated once: three fp32 slabs (master weights, first and second moments) holding every
-sub-group back to back, so DeepSpeed's flat partitions and optimizer state can be views into them.
+Host side, allocated once: a slab of master weights and one per state tensor of the optimizer's update rule
+(Adam's two moments, Lion's one, Adagrad's sum), in DeepSpeed's master dtype and the optimizer's state dtype,
+holding every sub-group back to back, so DeepSpeed's flat partitions and optimizer state can be views into them.
 When the 16-bit parameters live on an accelerator, host-updated sub-groups are cast into a *ring* of a
 few staging slots of the largest sub-group's size, each reused once its previous upload has finished,
 instead of a full-size copy of the model (2 bytes per parameter saved).
@@ -13,7 +14,7 @@ exactly its own bytes. :attr:`BufferPool.pinned_bytes` reports what is really pi
 pinned and the results are identical; a refused registration leaves the slabs pageable, with one warning.
 :meth:`BufferPool.release_host` (teardown) unpins every slab at once and frees the 16-bit ring.
 
-Device side: N staging buffers, each able to hold one streamed sub-group's fp32 param, moments and
+Device side: N staging buffers, each able to hold one streamed sub-group's master weights, states and
 gradient (and its 16-bit cast when the 16-bit parameters live on the host). They are allocated at the start
 of every update, sized from what the update may use, and given back to torch's caching allocator at its end:
 nothing of them is held through the next forward and backward, whose activations need that memory back
@@ -31,10 +32,11 @@ from dataclasses import dataclass
 import torch
 
 from lightning_dos.engine.hostslab import PAGEABLE_COST, HostSlab, Registrar, default_registrar
+from lightning_dos.engine.update_rules import ADAM, ADAM_FP32, UpdateRule
 
 FP32_BYTES = 4
-#: Device staging bytes per element of a streamed sub-group: param, exp_avg, exp_avg_sq, grad.
-STAGING_BYTES_PER_ELEMENT = 4 * FP32_BYTES
+#: Device staging bytes per element of a streamed Adam sub-group in fp32: param, exp_avg, exp_avg_sq, grad.
+STAGING_BYTES_PER_ELEMENT = ADAM_FP32.device
 #: Most slots in the host 16-bit staging ring (None: one per sub-group). A bounded ring makes host Adam wait
 #: for a slot whose upload queues behind the device sub-groups' uploads on the same copy engine: replayed on
 #: paper-h100x4 (tests/test_simulate.py), 2 slots took the update to 1.4-1.75x the prediction, 4 slots to
@@ -44,13 +46,12 @@ LP_STAGING_SLOTS: int | None = None
 
 @dataclass
 class DeviceBuffer:
-    """One device staging slot: fp32 param, exp_avg, exp_avg_sq and grad of up to ``capacity`` elements,
-    and ``lp``, the 16-bit cast waiting for its download when the 16-bit parameters live on the host."""
+    """One device staging slot: master weights, gradient and the rule's state tensors of up to ``capacity``
+    elements, and ``lp``, the 16-bit cast waiting for its download when the 16-bit parameters live on the host."""
 
     param: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
     grad: torch.Tensor
+    states: tuple[torch.Tensor, ...]
     lp: torch.Tensor | None = None
 
     @property
@@ -59,8 +60,8 @@ class DeviceBuffer:
 
     @property
     def nbytes(self) -> int:
-        lp = self.lp.numel() * self.lp.element_size() if self.lp is not None else 0
-        return self.capacity * STAGING_BYTES_PER_ELEMENT + lp
+        tensors = (self.param, self.grad, *self.states) + ((self.lp,) if self.lp is not None else ())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class StagingRing:
@@ -96,10 +97,10 @@ class StagingRing:
 
 
 class BufferPool:
-    """Host slabs for every sub-group's fp32 state, a 16-bit staging ring, and device staging.
+    """Host slabs for every sub-group's optimizer state, a 16-bit staging ring, and device staging.
 
     Args:
-        total_numel: elements in the rank's fp32 partition (all sub-groups).
+        total_numel: elements in the rank's master partition (all sub-groups).
         lp_dtype: dtype of the model's parameters (bf16, fp16 or fp32).
         device: the accelerator the engine runs device sub-groups on (``cpu`` when there is none).
         pin: pin the host slabs (ignored, with pageable memory used instead, when CUDA is absent).
@@ -110,6 +111,9 @@ class BufferPool:
             it on CPU); device buffers then also hold the 16-bit cast when the 16-bit parameters are on the
             host. None decides by the device (not on a CPU device).
         allocate: allocates ``(numel, dtype)`` of device memory; None uses ``torch.empty`` on ``device``.
+        rule: the optimizer's update rule: one state slab per tensor it names.
+        master_dtype: dtype of the master weights and gradients (DeepSpeed's ``master_weights_and_grads_dtype``).
+        state_dtype: dtype of the optimizer's state tensors.
     """
 
     def __init__(
@@ -122,16 +126,22 @@ class BufferPool:
         largest_sub_group: int | None = None,
         accelerated: bool | None = None,
         allocate: Callable[[int, torch.dtype], torch.Tensor] | None = None,
+        rule: UpdateRule = ADAM,
+        master_dtype: torch.dtype = torch.float32,
+        state_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.device = device
+        self.rule, self.master_dtype, self.state_dtype = rule, master_dtype, state_dtype
         self.lp_dtype = lp_dtype
         self._allocate = allocate or (lambda numel, dtype: torch.empty(numel, dtype=dtype, device=device))
         self.accelerated = device.type != "cpu" if accelerated is None else accelerated
         self.lp_on_host = not self.accelerated if lp_on_host is None else lp_on_host
         slots, slot = self.ring_shape(total_numel, largest_sub_group, self.lp_on_host)
         # Zero-filled mappings: the moments start at zero, as torch.zeros would, and cost nothing until written.
-        self._slabs = [HostSlab(total_numel, torch.float32) for _ in range(3)]
-        self.param, self.exp_avg, self.exp_avg_sq = (slab.tensor for slab in self._slabs)
+        self._slabs = [HostSlab(total_numel, master_dtype)] + [HostSlab(total_numel, state_dtype) for _ in rule.states]
+        #: The master weights, and the rule's state tensors in ``rule.states`` order, every sub-group back to back.
+        self.param = self._slabs[0].tensor
+        self.states: tuple[torch.Tensor, ...] = tuple(slab.tensor for slab in self._slabs[1:])
         self.lp_staging: StagingRing | None = None
         self._ring_slab: HostSlab | None = None
         if slots:
@@ -159,14 +169,24 @@ class BufferPool:
         slots = -(-total_numel // slot)
         return (slots if LP_STAGING_SLOTS is None else min(LP_STAGING_SLOTS, slots)), slot
 
+    def state(self, name: str) -> torch.Tensor:
+        """The slab of the rule's state tensor ``name`` (``exp_avg``, ``exp_avg_sq``, ``sum``)."""
+        return self.states[self.rule.states.index(name)]
+
     @classmethod
     def planned_host_bytes(
-        cls, total_numel: int, lp_dtype: torch.dtype, lp_on_host: bool, largest_sub_group: int | None
+        cls,
+        total_numel: int,
+        lp_dtype: torch.dtype,
+        lp_on_host: bool,
+        largest_sub_group: int | None,
+        optimizer_state_bytes: int = ADAM_FP32.optimizer_state,
     ) -> int:
-        """Host bytes a pool of these dimensions will allocate (for the pre-flight check)."""
+        """Host bytes a pool of these dimensions will allocate (for the pre-flight check);
+        ``optimizer_state_bytes`` per element for the master weights and states (``Footprint.optimizer_state``)."""
         slots, slot = cls.ring_shape(total_numel, largest_sub_group, lp_on_host)
         lp_size = torch.empty((), dtype=lp_dtype).element_size()
-        return 3 * FP32_BYTES * total_numel + lp_size * slots * slot
+        return optimizer_state_bytes * total_numel + lp_size * slots * slot
 
     def _pin(self, registrar: Registrar) -> bool:
         """Register every slab; on a refusal unregister those done and stay pageable, with one warning."""
@@ -216,9 +236,15 @@ class BufferPool:
         return sum(b.nbytes for b in self.staging)
 
     def _new_buffer(self, capacity: int, with_lp: bool) -> DeviceBuffer:
-        block = self._allocate(4 * capacity, torch.float32)
+        # One block per dtype: master weights and gradient, then the states (fp32 or bf16 apart from the master).
+        count = len(self.rule.states)
+        if self.state_dtype == self.master_dtype:
+            param, grad, *states = self._allocate((2 + count) * capacity, self.master_dtype).split(capacity)
+        else:
+            param, grad = self._allocate(2 * capacity, self.master_dtype).split(capacity)
+            states = self._allocate(count * capacity, self.state_dtype).split(capacity) if count else ()
         lp = self._allocate(capacity, self.lp_dtype) if with_lp else None
-        return DeviceBuffer(*block.split(capacity), lp=lp)
+        return DeviceBuffer(param, grad, tuple(states), lp=lp)
 
     def staging_for(self, count: int, capacity: int) -> list[DeviceBuffer]:
         """``count`` device staging buffers of ``capacity`` elements for one update (may raise OutOfMemoryError).

@@ -24,15 +24,16 @@ import torch
 
 from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, TornStateError, UpdateInterrupted, UpdateProgress
 from lightning_dos.engine.inputs import StepInputs
-from lightning_dos.engine.kernels import adam_update, step_tensor
+from lightning_dos.engine.kernels import apply_update, step_tensor
 from lightning_dos.engine.plan import Place, Plan, SubGroup
 from lightning_dos.engine.pool import BufferPool
 from lightning_dos.engine.report import StepReport
 from lightning_dos.engine.streams import Streams
+from lightning_dos.engine.update_rules import UpdateRule
 
 
 class InterruptedEngine(Protocol):
-    """What recovery uses of :class:`~lightning_dos.engine.loop.InterleavedAdam` (typed here, so this module
+    """What recovery uses of :class:`~lightning_dos.engine.loop.InterleavedUpdate` (typed here, so this module
     does not import the loop that calls it)."""
 
     sub_groups: list[SubGroup]
@@ -43,6 +44,7 @@ class InterruptedEngine(Protocol):
     pool: BufferPool
     streams: Streams
     lp_downloads: bool
+    rule: UpdateRule
     resident: dict[int, Any]
 
     def _slices(self, sg: SubGroup, inputs: StepInputs) -> Sequence[torch.Tensor]: ...
@@ -125,10 +127,10 @@ def finish_on_host(engine: InterruptedEngine, inputs: StepInputs, progress: Upda
     for index, sg in enumerate(engine.sub_groups):
         if index in progress.done:
             continue
-        param, exp_avg, exp_avg_sq, grad, lp = engine._slices(sg, inputs)
+        param, states, grad, lp = engine._slices(sg, inputs)
         device_views = progress.downloading.get(index)
         if device_views is not None:
-            for dst, src in zip((param, exp_avg, exp_avg_sq), device_views):
+            for dst, src in zip((param, *states), device_views, strict=True):
                 dst.copy_(src)
             if engine.lp_downloads:  # the 16-bit result's download may not have been queued yet
                 lp.copy_(param)
@@ -137,13 +139,12 @@ def finish_on_host(engine: InterruptedEngine, inputs: StepInputs, progress: Upda
         else:
             if index in engine.resident:
                 engine._evict([index])  # its pre-step state comes home (unchanged) before host Adam
-            if index not in progress.unscaled:
-                if inputs.inv_grad_scale != 1.0:
-                    grad.mul_(inputs.inv_grad_scale)
-                progress.reached("unscaled", index)
             if index not in progress.updated:
                 step = step_tensor(inputs.steps[sg.ds_group], torch.device("cpu"))
-                adam_update(param, grad, exp_avg, exp_avg_sq, step, inputs.hypers[sg.param_group])
+                # A gradient already unscaled in place is not unscaled twice.
+                inv = 1.0 if index in progress.unscaled else inputs.inv_grad_scale
+                apply_update(engine.rule, param, grad, states, step, inputs.hypers[sg.param_group], inv)
+                progress.reached("unscaled", index)
                 progress.reached("updated", index)
             lp.copy_(param)
         progress.reached("done", index)

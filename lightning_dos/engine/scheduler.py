@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from lightning_dos.engine.agree import ReduceMin, agreed_plan_inputs
-from lightning_dos.engine.loop import InterleavedAdam
+from lightning_dos.engine.loop import InterleavedUpdate
 from lightning_dos.engine.perfmodel import HardwareRates, RateEstimator, choose_plan, predict
 from lightning_dos.engine.plan import FractionSpec, Plan, all_host
 from lightning_dos.engine.report import StepReport
@@ -47,7 +47,7 @@ class PlacementScheduler:
     def __init__(
         self,
         spec: FractionSpec,
-        engine: InterleavedAdam,
+        engine: InterleavedUpdate,
         calibrate: Callable[[torch.device], HardwareRates],
         reduce_min: ReduceMin | None = None,
     ) -> None:

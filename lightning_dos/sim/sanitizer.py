@@ -431,17 +431,14 @@ class StreamSanitizer:
         """Run ``engine``'s step, flush and drop under the checker, with DeepSpeed's accesses modelled.
 
         Args:
-            engine: an :class:`~lightning_dos.engine.loop.InterleavedAdam` built on :meth:`streams`.
+            engine: an :class:`~lightning_dos.engine.loop.InterleavedUpdate` built on :meth:`streams`.
             backward_sync: DeepSpeed's ``reduce_and_partition_stream.synchronize()`` at the end of backward,
                 which it skips on accelerators that resolve data dependencies themselves.
         """
         pool = engine.pool
-        for slab, label in (
-            (pool.param, "param slab"),
-            (pool.exp_avg, "exp_avg slab"),
-            (pool.exp_avg_sq, "exp_avg_sq slab"),
-        ):
-            self.name(slab, label)
+        slabs = [pool.param, *pool.states]
+        for slab, label in zip(slabs, ("param", *engine.rule.states), strict=True):
+            self.name(slab, f"{label} slab")
         if pool.lp_staging is not None:
             self.name(pool.lp_staging.storage, "16-bit staging ring")
         step, flush, drop = engine.step, engine.flush_resident, engine.drop_resident
@@ -471,11 +468,11 @@ class StreamSanitizer:
             with self.active():
                 flush()
             # The checkpoint then reads the host slabs.
-            self.model_access(HOST, "checkpoint.save", reads=[pool.param, pool.exp_avg, pool.exp_avg_sq])
+            self.model_access(HOST, "checkpoint.save", reads=slabs)
 
         def watched_drop() -> None:
             # A checkpoint load has just written the host slabs.
-            self.model_access(HOST, "checkpoint.load", writes=[pool.param, pool.exp_avg, pool.exp_avg_sq])
+            self.model_access(HOST, "checkpoint.load", writes=slabs)
             with self.active():
                 drop()
 
