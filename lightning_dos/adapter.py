@@ -121,6 +121,31 @@ def check_zero3_optimizer(zero_optimizer: object) -> None:
     check_optimizer(z.optimizer)
 
 
+def _regroup_rebuilt_adagrad(z: object, optimizer: object) -> None:
+    """Give DeepSpeed's rebuilt ``torch.optim.Adagrad`` the user's param groups back.
+
+    ZeRO-3 rebuilds a ``torch.optim.Adagrad`` over its flat partitions from the optimizer's defaults alone
+    (``initialize_optimizer_states``), so it has one param group, while the sub-groups keep the user's group
+    indices: saving a checkpoint then fails with an IndexError (``_set_fp32_optimizer_param_groups``) and every
+    group runs the defaults' settings. Rebuilt here with one group per user group, each with its own settings
+    and the flat partitions of that group.
+    """
+    inner = z.optimizer
+    groups = optimizer.param_groups
+    if not isinstance(inner, torch.optim.Adagrad) or inner is optimizer or len(inner.param_groups) == len(groups):
+        return
+    flats = z.fp32_partitioned_groups_flat
+    members = [[f for i, f in enumerate(flats) if z.sub_group_to_group_id[i] == g] for g in range(len(groups))]
+    if not all(members):  # a group with nothing on this rank: torch refuses an empty group; leave DeepSpeed's
+        return
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+    rebuilt = torch.optim.Adagrad([{**s, "params": m} for s, m in zip(settings, members, strict=True)])
+    # Its state is keyed by the flat partitions; DeepSpeed's checkpoint code appends them to empty groups.
+    for group in rebuilt.param_groups:
+        group["params"] = []
+    z.optimizer = rebuilt
+
+
 def engine_device(accelerator_device: str | torch.device, lp_device: torch.device) -> torch.device:
     """The device the engine updates device sub-groups on: the accelerator DeepSpeed runs on.
 
@@ -168,6 +193,8 @@ class ZeRO3Adapter:
     ) -> None:
         check_zero3_optimizer(zero_optimizer)
         self.zero = z = zero_optimizer
+        if optimizer is not None:
+            _regroup_rebuilt_adagrad(z, optimizer)
         self.inner = z.optimizer
         #: Where each step's hyperparameters are read.
         self.hyper_source = optimizer if optimizer is not None else z.optimizer
@@ -224,6 +251,7 @@ class ZeRO3Adapter:
         def state_dict() -> dict:
             with self.reading_state("the optimizer's state_dict"):
                 engine.flush_resident()  # the checkpoint reads the host slabs
+                self._copy_group_settings(self.hyper_source, self.inner)  # the checkpoint holds the live settings
                 return save()
 
         def load_state_dict(*args: object, **kwargs: object) -> None:
@@ -231,6 +259,7 @@ class ZeRO3Adapter:
                 load(*args, **kwargs)
                 engine.drop_resident()  # the host slabs now hold the loaded state
                 engine.torn = None
+                self._copy_group_settings(self.inner, self.hyper_source)  # the next step runs the loaded ones
 
         def refresh_fp32_params() -> None:
             with engine.guard.reading("refreshing the fp32 parameters"):
@@ -239,6 +268,16 @@ class ZeRO3Adapter:
 
         z.state_dict, z.load_state_dict, z.refresh_fp32_params = state_dict, load_state_dict, refresh_fp32_params
         self._wrap_param_accessors(z)
+
+    @staticmethod
+    def _copy_group_settings(source: object, target: object) -> None:
+        """Copy every param-group setting (not the params) from ``source`` to ``target`` when they are two
+        optimizers (DeepSpeed's rebuilt Adagrad and the user's): checkpoints save and load the inner one, while
+        the user's LR scheduler and the engine use the user's."""
+        if source is target or len(source.param_groups) != len(target.param_groups):
+            return
+        for theirs, ours in zip(source.param_groups, target.param_groups, strict=True):
+            ours.update({key: value for key, value in theirs.items() if key != "params"})
 
     def _wrap_param_accessors(self, z: object) -> None:
         """Keep DeepSpeed's per-parameter accessors consistent with resident device state.

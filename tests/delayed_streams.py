@@ -152,7 +152,11 @@ def run(
         engine.step(plan, StepInputs([host_grad], [lp], [HYPER], [step]))
         # Right after the step, with no synchronisation: the host reads its slabs (a checkpoint), and the next
         # forward's all-gather reads the 16-bit parameters on its own stream, waiting for nothing of ours.
-        slabs = [engine.pool.param.clone(), engine.pool.state("exp_avg").clone(), engine.pool.state("exp_avg_sq").clone()]
+        slabs = [
+            engine.pool.param.clone(),
+            engine.pool.state("exp_avg").clone(),
+            engine.pool.state("exp_avg_sq").clone(),
+        ]
         if on_gpu and not lp_on_host:
             with torch.cuda.stream(allgather):
                 gathered = lp.clone()

@@ -23,7 +23,13 @@ class TinyLM(L.LightningModule):
     """
 
     def __init__(
-        self, width: int = 32, seq: int = 8, warmup: int = 5, optimizer: str = "adamw", fused: bool = False
+        self,
+        width: int = 32,
+        seq: int = 8,
+        warmup: int = 5,
+        optimizer: str = "adamw",
+        fused: bool = False,
+        one_group: bool = False,
     ) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(VOCAB, width)
@@ -34,6 +40,7 @@ class TinyLM(L.LightningModule):
         self.head = torch.nn.Linear(width, VOCAB)
         self.warmup = warmup
         self.optimizer_name = optimizer
+        self.one_group = one_group  # every parameter in one param group (decay 0.1, lr 3e-3)
         self.fused = fused  # torch's fused implementation of the optimizer (the engine's formula)
         self.losses: list[float] = []
 
@@ -70,12 +77,40 @@ class TinyLM(L.LightningModule):
             {"params": decay, "weight_decay": 0.1, "lr": 3e-3},
             {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3},
         ]
-        if self.optimizer_name == "adam":
-            opt = torch.optim.Adam(groups, betas=(0.9, 0.95), eps=1e-8, fused=self.fused or None)
-        else:
-            opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), eps=1e-8, fused=self.fused or None)
+        if self.one_group:
+            groups = [{"params": list(self.parameters()), "weight_decay": 0.1, "lr": 3e-3}]
+        opt = make_optimizer(self.optimizer_name, groups, self.fused)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / self.warmup))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+#: The optimizers TinyLM can be trained with (``TinyLM(optimizer=...)``).
+OPTIMIZERS = ("adam", "adamw", "adagrad", "ds_adam", "ds_adam_bf16_states", "ds_adagrad", "ds_lion")
+
+
+def make_optimizer(name: str, groups: list[dict], fused: bool = False) -> torch.optim.Optimizer:
+    """One of :data:`OPTIMIZERS` over ``groups`` (``fused``: torch's fused implementation, where it has one)."""
+    if name == "adam":
+        return torch.optim.Adam(groups, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
+    if name == "adamw":
+        return torch.optim.AdamW(groups, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
+    if name == "adagrad":
+        return torch.optim.Adagrad(groups, lr_decay=0.01, initial_accumulator_value=0.1, eps=1e-10)
+    if name in ("ds_adam", "ds_adam_bf16_states"):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(
+            groups, betas=(0.9, 0.95), eps=1e-8, adamw_mode=True, fp32_optimizer_states=name == "ds_adam"
+        )
+    if name == "ds_adagrad":
+        from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+
+        return DeepSpeedCPUAdagrad(groups, eps=1e-10)
+    if name == "ds_lion":
+        from deepspeed.ops.lion import DeepSpeedCPULion
+
+        return DeepSpeedCPULion(groups, betas=(0.9, 0.99))
+    raise ValueError(f"optimizer={name!r}; one of {OPTIMIZERS}")
 
 
 def lm_data(n: int = 320, seq: int = 8, seed: int = 0) -> TensorDataset:
@@ -102,6 +137,7 @@ class RandomPlacement(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         adapter = trainer.strategy.dos_adapter
+        self.engine = adapter.engine
         n = len(adapter.engine.sub_groups)
         adapter.planner = lambda step: (random_plan(n, self.rng, places=self.places), None)
 

@@ -47,9 +47,11 @@ def _inputs(step: int, lp: list[torch.Tensor]) -> StepInputs:
 
 def _state(engine: InterleavedAdam, lp: list[torch.Tensor]) -> list[torch.Tensor]:
     engine.flush_resident()
-    return [engine.pool.param.clone(), engine.pool.state("exp_avg").clone(), engine.pool.state("exp_avg_sq").clone()] + [
-        t.cpu() for t in lp
-    ]
+    return [
+        engine.pool.param.clone(),
+        engine.pool.state("exp_avg").clone(),
+        engine.pool.state("exp_avg_sq").clone(),
+    ] + [t.cpu() for t in lp]
 
 
 def _run(failure: tuple[str, int, int, type[BaseException]] | None = None, device: str = "cpu") -> tuple:

@@ -85,7 +85,9 @@ def test_host_slabs_are_pinned_exactly_and_the_16_bit_staging_is_a_ring() -> Non
     class WhileFitting(L.Callback):
         def on_train_batch_end(self, trainer, *args) -> None:  # noqa: ANN001
             pool = trainer.strategy.dos_engine.pool
-            seen["pinned"] = pool.param.is_pinned() and pool.state("exp_avg").is_pinned() and pool.lp_staging.storage.is_pinned()
+            seen["pinned"] = (
+                pool.param.is_pinned() and pool.state("exp_avg").is_pinned() and pool.lp_staging.storage.is_pinned()
+            )
             seen["pinned_bytes"], seen["ring"] = pool.pinned_bytes, pool.lp_staging.storage.numel()
             seen["slots"], seen["slot_numel"] = pool.lp_staging.slots, pool.lp_staging.slot_numel
 

@@ -190,7 +190,9 @@ def test_fp16_overflow_skips_the_step_and_leaves_state_for_the_next_one() -> Non
     slabs_before = [t.clone() for t in (ours.pool.param, ours.pool.state("exp_avg"), ours.pool.state("exp_avg_sq"))]
     assert not all(torch.isfinite(g).all() for g in overflow)
     ours.skip(plan)  # the adapter's decision on an fp16 overflow: no sub-group is updated
-    for before, after in zip(slabs_before, (ours.pool.param, ours.pool.state("exp_avg"), ours.pool.state("exp_avg_sq"))):
+    for before, after in zip(
+        slabs_before, (ours.pool.param, ours.pool.state("exp_avg"), ours.pool.state("exp_avg_sq"))
+    ):
         assert torch.equal(before, after)
     _, next_inputs = _engine_and_inputs(finite[1], scale, steps=2)
     next_inputs.lp_targets = lp_before
