@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from lightning_dos.engine.update_rules import ADAGRAD, ADAM, LION, Hyper, UpdateRule
+from lightning_dos.errors import DOSConfigError
 
 SUPPORTED = (
     "torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, or DeepSpeed's DeepSpeedCPUAdam, "
@@ -31,7 +32,7 @@ SUPPORTED = (
 )
 
 
-class UnsupportedOptimizerError(ValueError):
+class UnsupportedOptimizerError(DOSConfigError):
     """The optimizer returned by ``configure_optimizers`` cannot be run by the engine."""
 
 

@@ -41,6 +41,7 @@ from lightning_dos.engine.plan import (
 )
 from lightning_dos.engine.scheduler import PlacementScheduler
 from lightning_dos.engine.streams import Streams
+from lightning_dos.errors import DOSConfigError
 from lightning_dos.host_threads import apply_host_threads
 from lightning_dos.optimizers import SUPPORTED, check_optimizer
 from lightning_dos.preflight import (
@@ -62,10 +63,6 @@ if TYPE_CHECKING:
 #: DeepSpeed's own ``sub_group_size`` (how it packs parameters into flat partitions) under ``"auto"``; the
 #: engine then cuts those flats into sub-groups sized from the rank's partition.
 DEEPSPEED_SUB_GROUP_SIZE = MAX_AUTO_SUB_GROUP
-
-
-class DOSConfigError(ValueError):
-    """A setting of :class:`DeepOptimizerStatesStrategy` (or its DeepSpeed config) cannot be honoured."""
 
 
 def _refuse(setting: str, value: Any, valid: str) -> DOSConfigError:

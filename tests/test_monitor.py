@@ -21,7 +21,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos import report as report_cli
 from lightning_dos.callbacks.monitor import DOSMonitor
-from lightning_dos.engine.loop import STATE_BYTES_PER_ELEMENT
+from lightning_dos.engine.update_rules import ADAM_FP32
 from lightning_dos.engine.plan import Plan, even_plan
 from lightning_dos.engine.report import LANES, Span, StepReport
 from lightning_dos.trace import PHASES_LANE, TracedStep, build_trace, lane_overlaps
@@ -134,7 +134,7 @@ def test_bytes_down_are_what_the_plan_implies(half: Run, none_on_device: Run) ->
     assert device_elements > 0
     for row in half.rows.values():
         # 12 bytes per device-updated element: fp32 param, exp_avg and exp_avg_sq come home.
-        assert row["dos/d2h_gb"] * 1e9 == pytest.approx(STATE_BYTES_PER_ELEMENT * device_elements, rel=1e-9)
+        assert row["dos/d2h_gb"] * 1e9 == pytest.approx(ADAM_FP32.streamed_down * device_elements, rel=1e-9)
         assert row["dos/gpu_fraction"] == pytest.approx(device_elements / sum(engine.sizes))
     for row in none_on_device.rows.values():
         assert row["dos/d2h_gb"] == 0.0 and row["dos/gpu_fraction"] == 0.0

@@ -27,6 +27,7 @@ from lightning_dos.engine.atomic import UpdateInterrupted
 from lightning_dos.engine.kernels import AdamHyper
 from lightning_dos.engine.loop import StepInputs
 from lightning_dos.engine.plan import Place, Plan
+from lightning_dos.engine.update_rules import ADAGRAD, ADAM, LION, Footprint
 from lightning_dos.sim.sanitizer import SanitizerUnavailableError, StreamSanitizer
 from tests.helpers import RandomPlacement, TinyLM, full_parameters, loader, max_relative_error, trainer
 
@@ -92,12 +93,23 @@ SCENARIOS = (
 )
 
 
+#: (update rule, master dtype, state dtype) of the engine a scenario runs; the first is plain AdamW's.
+CASES = {
+    "adam-fp32": (ADAM, torch.float32, torch.float32),
+    "adagrad-fp32": (ADAGRAD, torch.float32, torch.float32),
+    "lion-fp32": (LION, torch.float32, torch.float32),
+    "adam-bf16-master": (ADAM, torch.bfloat16, torch.float32),
+    "adam-bf16-states": (ADAM, torch.bfloat16, torch.bfloat16),
+}
+
+
 def run(
-    scenario: Scenario, engine_class: type | None = None, backward_sync: bool = True
+    scenario: Scenario, engine_class: type | None = None, backward_sync: bool = True, case: str = "adam-fp32"
 ) -> tuple[StreamSanitizer, list[torch.Tensor], object]:
-    """Run ``scenario`` on an engine under the checker, next to plain AdamW; return the checker, the
-    reference flats and the engine."""
-    engine_class = engine_class or loop_module.InterleavedAdam
+    """Run ``scenario`` on an engine of ``case`` under the checker, next to plain AdamW; return the checker, the
+    reference flats (plain AdamW's: only meaningful for the Adam fp32 case) and the engine."""
+    engine_class = engine_class or loop_module.InterleavedUpdate
+    rule, master_dtype, state_dtype = CASES[case]
     checker = StreamSanitizer(memory_limit=scenario.memory_limit)
     default_slots = pool_module.LP_STAGING_SLOTS
     pool_module.LP_STAGING_SLOTS = scenario.lp_staging_slots or default_slots
@@ -108,9 +120,13 @@ def run(
             SUB_GROUP,
             torch.device("cpu"),
             torch.float32,
-            gpu_memory_budget=scenario.budget,
+            # The same sub-groups fit as for Adam in fp32, whatever the rule's bytes per element.
+            gpu_memory_budget=scenario.budget and scenario.budget * Footprint.of(*CASES[case]).device // 16,
             streams=checker.streams(),
             lp_device=torch.device("cpu") if scenario.lp_on_host else None,
+            rule=rule,
+            master_dtype=master_dtype,
+            state_dtype=state_dtype,
         )
     finally:
         pool_module.LP_STAGING_SLOTS = default_slots
@@ -125,13 +141,13 @@ def run(
     for group, h in zip(groups, HYPERS):
         group.update(lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay)
     plain = torch.optim.AdamW(groups, foreach=False)
-    grads = [torch.zeros(n) for n in NUMELS]
+    grads = [torch.zeros(n, dtype=master_dtype) for n in NUMELS]
     lp = [torch.zeros(n) for n in NUMELS]
     taken = 0
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         for action in scenario.steps:
-            slabs = (engine.pool.param, engine.pool.state("exp_avg"), engine.pool.state("exp_avg_sq"))
+            slabs = (engine.pool.param, *engine.pool.states)
             if action == "flush":  # a checkpoint save: the engine flushes, the checkpoint copies the slabs
                 engine.flush_resident()
                 saved = ([t.clone() for t in slabs], [p.detach().clone() for p in reference], taken)
@@ -150,7 +166,7 @@ def run(
                 for g in grads:
                     g.copy_(torch.randn(g.shape, generator=gen))
                 for p, g in zip(reference, grads):
-                    p.grad = g * scenario.inv_grad_scale
+                    p.grad = g.float() * scenario.inv_grad_scale
                 plain.step()
                 taken += 1
                 inputs = StepInputs(grads, lp, HYPERS, [taken] * len(NUMELS), inv_grad_scale=scenario.inv_grad_scale)
@@ -169,7 +185,8 @@ def run(
         engine.flush_resident()  # the host slabs are current for the comparison (a checkpoint would read them)
     if scenario.lp_on_host:  # every sub-group's 16-bit result landed in the host-resident partition
         for i, target in enumerate(lp):
-            assert torch.equal(target, engine.param_view(i)), f"{scenario.name}: flat {i}'s 16-bit parameters"
+            expected = engine.param_view(i).float()
+            assert torch.equal(target, expected), f"{scenario.name}: flat {i}'s 16-bit parameters"
     return checker, [p.detach() for p in reference], engine
 
 
@@ -196,6 +213,33 @@ def test_targeted_plans_are_race_free_and_equal_plain_adamw(scenario: Scenario) 
         assert uploads != scenario.lp_on_host, "host sub-groups upload their 16-bit copy on lp_h2d (unless offloaded)"
 
 
+#: Scenarios of plans only (no checkpoint, no skip): each has an all-host twin to compare with bit for bit.
+PLAN_SCENARIOS = [
+    s for s in SCENARIOS if all(isinstance(step, Plan) for step in s.steps) and s.memory_limit is s.budget is None
+]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "adam-fp32"])
+@pytest.mark.parametrize("scenario", PLAN_SCENARIOS, ids=[s.name for s in PLAN_SCENARIOS])
+def test_every_rule_and_dtype_is_race_free_and_any_placement_is_bit_identical_to_the_host(
+    scenario: Scenario, case: str
+) -> None:
+    checker, _, engine = run(scenario, case=case)
+    checker.check()
+    all_host = Scenario(
+        "all-host twin",
+        tuple(Plan(mixed(H)) for _ in scenario.steps),
+        inv_grad_scale=scenario.inv_grad_scale,
+        lp_on_host=scenario.lp_on_host,
+    )
+    _, _, twin = run(all_host, case=case)
+    rule, master_dtype, state_dtype = CASES[case]
+    assert engine.pool.param.dtype == master_dtype and len(engine.pool.states) == len(rule.states)
+    assert all(state.dtype == state_dtype for state in engine.pool.states)
+    for ours, theirs in zip((engine.pool.param, *engine.pool.states), (twin.pool.param, *twin.pool.states)):
+        assert torch.equal(ours, theirs), f"{scenario.name}, {case}"
+
+
 def test_the_lp_h2d_branch_runs_and_its_upload_is_what_the_next_forward_reads() -> None:
     checker, _, _ = run(SCENARIOS[0])
     uploads = [op for op in checker.log if op.lane == "lp_upload"]
@@ -207,7 +251,7 @@ def test_the_lp_h2d_branch_runs_and_its_upload_is_what_the_next_forward_reads() 
 def test_timing_on_the_simulated_accelerator_gives_a_span_per_lane() -> None:
     """The monitor's timeline (events on streams) works on simulated streams too, and stays race-free."""
     checker = StreamSanitizer()
-    engine = loop_module.InterleavedAdam(
+    engine = loop_module.InterleavedUpdate(
         NUMELS, GROUPS, SUB_GROUP, torch.device("cpu"), torch.bfloat16, streams=checker.streams()
     )
     checker.watch(engine)
@@ -227,7 +271,7 @@ def test_the_host_update_of_a_large_sub_group_is_seen_although_it_would_run_on_w
 
     numel = 2 * HOST_TILE_ELEMENTS * max(2, torch.get_num_threads()) + 5  # more than one tile per thread
     checker = StreamSanitizer()
-    engine = loop_module.InterleavedAdam(
+    engine = loop_module.InterleavedUpdate(
         [numel], [0], numel, torch.device("cpu"), torch.bfloat16, streams=checker.streams()
     )
     checker.watch(engine)
@@ -362,23 +406,24 @@ def mutant_engine(line: int) -> type:
         exec(compile(tree, "mutant/loop.py", "exec"), module.__dict__)  # noqa: S102 - the engine's own source
     finally:
         del sys.modules[module.__name__]
-    return module.InterleavedAdam
+    return module.InterleavedUpdate
 
 
-def races_of(engine_class: type, backward_sync: bool) -> list[str]:
+def races_of(engine_class: type, backward_sync: bool, case: str = "adam-fp32") -> list[str]:
     for scenario in SCENARIOS:
-        checker, _, _ = run(scenario, engine_class, backward_sync)
+        checker, _, _ = run(scenario, engine_class, backward_sync, case)
         if checker.races:
             return [f"{scenario.name}: {r}" for r in checker.races]
     return []
 
 
 def test_the_unmutated_engine_is_clean_under_both_deepspeed_models() -> None:
-    assert races_of(loop_module.InterleavedAdam, backward_sync=True) == []
-    assert races_of(loop_module.InterleavedAdam, backward_sync=False) == []
+    assert races_of(loop_module.InterleavedUpdate, backward_sync=True) == []
+    assert races_of(loop_module.InterleavedUpdate, backward_sync=False) == []
 
 
-def test_removing_any_wait_host_wait_or_tail_event_is_reported_as_a_race() -> None:
+@pytest.mark.parametrize("case", ["adam-fp32", "lion-fp32", "adam-bf16-states"])
+def test_removing_any_wait_host_wait_or_tail_event_is_reported_as_a_race(case: str) -> None:
     """Every synchronisation in the engine's source is needed: removing any one of them is a race.
 
     Each mutant runs under DeepSpeed's stock behaviour first. The engine's device-wide synchronise at the
@@ -393,9 +438,9 @@ def test_removing_any_wait_host_wait_or_tail_event_is_reported_as_a_race() -> No
     missed, needs_unsynced_deepspeed = [], []
     for line, what in mutations:
         engine_class = mutant_engine(line)
-        if races_of(engine_class, backward_sync=True):
+        if races_of(engine_class, backward_sync=True, case=case):
             continue
-        unsynced = races_of(engine_class, backward_sync=False)
+        unsynced = races_of(engine_class, backward_sync=False, case=case)
         if not unsynced:
             missed.append(what)
         else:

@@ -117,8 +117,8 @@ def torch_update(
         for target, value in zip(stored, work, strict=True):
             if target is not value:
                 target.copy_(value)
-        param = work[0]
     if lp_out is not None:
+        # From the stored master weights, rounded as they are kept (DeepSpeed copies its 16-bit partition from them).
         lp_out.copy_(param)
 
 

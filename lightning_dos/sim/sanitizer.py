@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -284,6 +285,21 @@ class StreamSanitizer:
         self.regions = [r for r in self.regions if r.end <= extent[0] or r.start >= extent[1]]
         self.regions.append(_Region(*extent, f"device block of {tensor.numel()} x {tensor.dtype}", True))
 
+    def _track_temporary(self, tensor: torch.Tensor) -> None:
+        """A tensor a device kernel allocated (an optimizer formula's intermediate): device memory of the kernel's
+        stream until it is freed. On the simulated accelerator it is host memory that the host's own temporaries
+        may reuse next; on a GPU it never is, so its history goes with it."""
+        extent = _byte_range(tensor)
+        if extent is None or self._region(extent[0]) is not None:
+            return
+        region = _Region(*extent, f"device temporary of {tensor.numel()} x {tensor.dtype}", True)
+        self.regions.append(region)
+        weakref.finalize(tensor, self._forget_temporary, region)
+
+    def _forget_temporary(self, region: _Region) -> None:
+        self._accesses.pop(region.start, None)
+        self.regions = [r for r in self.regions if r is not region]
+
     def on_free(self, start: int, end: int, stream: SimStream) -> None:
         memory = self._label(start)
         for previous in self._accesses.pop(start, []):
@@ -389,6 +405,9 @@ class StreamSanitizer:
             return out  # metadata only (a view)
         device = self._is_device(touched)
         stream = self._sim.current.id if device and self._sim is not None else HOST
+        if device:
+            for t in fresh:
+                self._track_temporary(t)
         op = schema.name.split("::")[-1]
         self._launch(stream, op, reads, writes + fresh, where=_caller())
         logged = [self._classify(op, stream, reads, writes + fresh)]
