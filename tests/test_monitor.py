@@ -21,9 +21,9 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos import report as report_cli
 from lightning_dos.callbacks.monitor import DOSMonitor
-from lightning_dos.engine.update_rules import ADAM_FP32
 from lightning_dos.engine.plan import Plan, even_plan
 from lightning_dos.engine.report import LANES, Span, StepReport
+from lightning_dos.engine.update_rules import ADAM_FP32
 from lightning_dos.trace import PHASES_LANE, TracedStep, build_trace, lane_overlaps
 from tests.helpers import TinyLM, loader, trainer
 
