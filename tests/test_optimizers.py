@@ -135,3 +135,35 @@ def test_a_dtype_combination_deepspeed_refuses_is_refused_before_any_step(optimi
     with pytest.raises(DOSConfigError, match=setting.replace(".", r"\.")):
         trainer(_dos(0.5, bf16), steps=2, precision="bf16-mixed").fit(model, loader())
     assert model.losses == []
+
+
+class _ReadState(L.Callback):
+    """After the last step, read every parameter's optimizer state through DeepSpeed's accessors."""
+
+    def __init__(self, key: str) -> None:
+        self.key, self.read, self.slab = key, {}, None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        for name, p in pl_module.named_parameters():
+            self.read[name] = safe_get_full_optimizer_state(p, self.key).clone()
+        engine = trainer.strategy.dos_engine
+        engine.flush_resident()
+        self.slab = engine.pool.states[0].clone()
+
+
+@pytest.mark.parametrize(
+    ("case", "key"), [("torch-adagrad", "sum"), ("ds-adagrad", "exp_avg_sq"), ("ds-lion", "exp_avg")]
+)
+def test_deepspeed_accessors_read_each_optimizers_state_under_its_own_key(case: str, key: str) -> None:
+    """DeepSpeed's ``safe_get_full_optimizer_state`` finds the engine's state where the optimizer keeps it."""
+    reader = _ReadState(key)
+    placement = RandomPlacement(seed=7, places=(Place.HOST, Place.DEVICE, Place.RESIDENT))
+    _fit(_dos(0.5, None), case, callbacks=[placement, reader], steps=3)
+    # Every element of the slab belongs to exactly one parameter (a single rank: no padding on CPU).
+    total = sum(value.numel() for value in reader.read.values())
+    assert total == reader.slab.numel()
+    read = torch.cat([value.reshape(-1) for value in reader.read.values()])
+    assert torch.equal(read.sort().values, reader.slab.sort().values)
+    assert read.abs().sum() > 0
