@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_dos.engine.kernels import AdamHyper
+from lightning_dos.engine.update_rules import Hyper
 
 
 @dataclass
@@ -15,7 +15,8 @@ class StepInputs:
     """What one step needs from the framework, per DeepSpeed flat partition.
 
     Attributes:
-        grads: fp32 gradient of each flat partition, in host memory (DeepSpeed's offload buffers).
+        grads: gradient of each flat partition (fp32, or bf16 under bf16 master weights), in host memory
+            (DeepSpeed's offload buffers).
         lp_targets: the model's 16-bit (or fp32) partition of each flat, where the updated parameters go.
         hypers: hyperparameters of each optimizer param group.
         steps: the step number to apply to each flat partition (1 for its first update).
@@ -25,7 +26,7 @@ class StepInputs:
 
     grads: Sequence[torch.Tensor]
     lp_targets: Sequence[torch.Tensor]
-    hypers: Sequence[AdamHyper]
+    hypers: Sequence[Hyper]
     steps: Sequence[int]
     inv_grad_scale: float = 1.0
     predicted_s: float | None = None

@@ -1,17 +1,18 @@
-"""Functional Adam kernels, the same formula on both sides.
+"""Functional optimizer kernels: each update rule (``update_rules``), the same formula on both sides.
 
-On the host, and on a CPU device, every update goes through one compiled loop (``host_adam.c``, built with
-the system C compiler on first use; ``native``) that unscales the gradient, runs Adam and casts the fresh
-weights into the model's dtype in one pass over memory: ~30 bytes per element for a bf16 model, against ~42
-for three kernels. Its arithmetic is torch's fused CPU Adam kernel's, operation for operation (bit for bit
+On the host, and on a CPU device, every update goes through one compiled loop per rule (``host_adam.c``, built
+with the system C compiler on first use; ``native``) that unscales the gradient, runs the rule and casts the
+fresh weights into the model's dtype in one pass over memory: ~30 bytes per element for Adam and a bf16 model,
+against ~42 for three kernels. Its arithmetic is the rule's torch formula, operation for operation (bit for bit
 with torch 2.13 on this project's CPU; tests/test_native_kernel.py), and it is the same for every element, so
-the result does not depend on how sub-groups are cut or split over threads. On a CUDA device the update is
-torch's fused kernel (``torch._fused_adamw_`` for decoupled decay, ``torch._fused_adam_`` for L2): the same
-formula up to float rounding. All of them are functional: the step count is passed in, so a sub-group's count
-is right whichever side updated it last.
+the result does not depend on how sub-groups are cut or split over threads. On a CUDA device the update is the
+rule's torch formula (for Adam torch's fused kernel, ``torch._fused_adamw_`` or ``torch._fused_adam_``): the
+same formula up to float rounding. bf16 master weights or states are computed in fp32 and stored rounded to
+nearest even on both sides. All of them are functional: the step count is passed in, so a sub-group's count is
+right whichever side updated it last.
 
 Without a C compiler (or with LIGHTNING_DOS_NATIVE=0) the host runs torch's kernels instead:
-:func:`tiled_host_update` unscales, updates and casts one cache-sized tile at a time (each kernel on torch's
+:func:`tiled_update` unscales, updates and casts one cache-sized tile at a time (each kernel on torch's
 threads, or, opted in with LIGHTNING_DOS_HOST_WORKERS=1, each host thread through its own share of tiles:
 ``host_workers``). ``bench/kernels.py`` measures every path against the three-pass path and DeepSpeed's CPU
 Adam followed by its cast.
