@@ -137,6 +137,17 @@ def test_a_dtype_combination_deepspeed_refuses_is_refused_before_any_step(optimi
     assert model.losses == []
 
 
+def test_fp16_master_weights_are_refused_before_any_step() -> None:
+    L.seed_everything(0, verbose=False)
+    model = TinyLM(optimizer="ds_adam")
+    config = _config(None)
+    config["fp16"] = {"enabled": False, "fp16_master_weights_and_grads": True}
+    strategy = DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=SUB_GROUP, config=config)
+    with pytest.raises(DOSConfigError, match=r"fp16\.fp16_master_weights_and_grads"):
+        trainer(strategy, steps=2).fit(model, loader())
+    assert model.losses == []
+
+
 class _ReadState(L.Callback):
     """After the last step, read every parameter's optimizer state through DeepSpeed's accessors."""
 
