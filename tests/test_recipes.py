@@ -12,7 +12,8 @@ from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.recipes.gpt import GPT
 
 TINY = Path(__file__).resolve().parents[1] / "recipes" / "gpt-tiny.yaml"
-RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 SIZES = {"gpt-1.3b": 1.3e9, "gpt-7b": 7e9, "gpt-13b": 13e9, "gpt-20b": 20e9}
 
 
@@ -156,3 +157,31 @@ def test_param_groups_schedule_test_and_predict_on_a_plain_trainer(tmp_path: Pat
     assert tested["test/ppl"] == pytest.approx(torch.tensor(tested["test/loss"]).exp().item(), rel=1e-3)
     (predicted,) = trainer.predict(model, data)
     assert predicted.shape == (4, 16) and predicted.dtype == torch.long
+
+
+def test_the_bf16_states_recipe_trains_with_bf16_master_weights_and_moments(tmp_path: Path) -> None:
+    """``recipes/gpt-tiny-bf16-states.yaml`` through the CLI: the engine keeps bf16 master weights and moments, and
+    the loss falls."""
+    from lightning_dos.cli import DOSCLI
+    from lightning_dos.data import ByteCorpusDataModule
+
+    args = [
+        "--config", str(ROOT / "recipes" / "gpt-tiny-bf16-states.yaml"), "--trainer.accelerator", "cpu",
+        "--trainer.max_steps", "6", "--trainer.limit_val_batches", "0", "--trainer.logger", "false",
+        "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
+        "--trainer.default_root_dir", str(tmp_path), "--model.n_layer", "1", "--model.n_embd", "32",
+        "--model.warmup_steps", "2", "--data.max_bytes", "100000", "--data.seq_len", "32", "--model.block_size", "32",
+    ]  # fmt: skip
+    cli = DOSCLI(GPT, ByteCorpusDataModule, args=args, run=False)
+    cli.trainer.callbacks = [c for c in cli.trainer.callbacks if type(c).__name__ != "ModelCheckpoint"]
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    pool = cli.trainer.strategy.dos_engine.pool
+    assert pool.param.dtype == torch.bfloat16 and {s.dtype for s in pool.states} == {torch.bfloat16}
+    assert cli.trainer.callback_metrics["train/loss"] < 5.5  # ln(256): uniform prediction
+
+
+def test_gpt_refuses_an_unknown_optimizer_or_bf16_states_for_torch_optimizers() -> None:
+    with pytest.raises(ValueError, match="optimizer='sgd'"):
+        GPT(optimizer="sgd")
+    with pytest.raises(ValueError, match="fp32_optimizer_states=False"):
+        GPT(optimizer="adamw", fp32_optimizer_states=False)

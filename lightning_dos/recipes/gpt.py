@@ -59,8 +59,29 @@ class Block(nn.Module):
         return x + F.dropout(self.fc_proj(F.gelu(self.fc(self.ln_2(x)))), drop, self.training)
 
 
+#: What ``GPT(optimizer=...)`` accepts.
+OPTIMIZERS = ("adamw", "deepspeed_adamw", "adagrad", "lion")
+
+
+def _make_optimizer(name: str, groups: list[dict], h: Any) -> torch.optim.Optimizer:  # noqa: ANN401
+    fp32_states = h.get("fp32_optimizer_states", True)
+    if name == "adagrad":
+        return torch.optim.Adagrad(groups, lr=h.lr, eps=h.eps)
+    if name == "deepspeed_adamw":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(
+            groups, lr=h.lr, betas=tuple(h.betas), eps=h.eps, adamw_mode=True, fp32_optimizer_states=fp32_states
+        )
+    if name == "lion":
+        from deepspeed.ops.lion import DeepSpeedCPULion
+
+        return DeepSpeedCPULion(groups, lr=h.lr, betas=tuple(h.betas), fp32_optimizer_states=fp32_states)
+    return torch.optim.AdamW(groups, lr=h.lr, betas=tuple(h.betas), eps=h.eps)
+
+
 class GPT(L.LightningModule):
-    """A GPT for causal language modelling, trained with AdamW and a warm-up + cosine LR schedule.
+    """A GPT for causal language modelling, trained with AdamW (or Adagrad, Lion) and a warm-up + cosine LR schedule.
 
     Args:
         vocab_size: number of token ids (256 for the byte-level corpus; the paper's models use 50304).
@@ -77,6 +98,13 @@ class GPT(L.LightningModule):
         eps: AdamW's epsilon.
         warmup_steps: linear warm-up length, in optimizer steps.
         min_lr_ratio: the cosine decay ends at ``lr * min_lr_ratio`` on the last step.
+        optimizer: ``"adamw"`` (``torch.optim.AdamW``), ``"deepspeed_adamw"`` (DeepSpeed's ``DeepSpeedCPUAdam`` in
+            AdamW mode), ``"adagrad"`` (``torch.optim.Adagrad``: ``lr``, ``eps`` and weight decay) or ``"lion"``
+            (DeepSpeed's ``DeepSpeedCPULion``: ``lr``, ``betas`` and weight decay; Lion wants a learning rate
+            3-10x smaller than AdamW's).
+        fp32_optimizer_states: keep DeepSpeed's CPU optimizers' state in fp32 (True) or in the parameters' dtype
+            (False: bf16 moments under the DeepSpeed config's ``bf16.bf16_optimizer_states``; recipe
+            ``gpt-tiny-bf16-states.yaml``). Only for the DeepSpeed optimizers.
     """
 
     def __init__(
@@ -95,8 +123,17 @@ class GPT(L.LightningModule):
         eps: float = 1e-8,
         warmup_steps: int = 20,
         min_lr_ratio: float = 0.1,
+        optimizer: str = "adamw",
+        fp32_optimizer_states: bool = True,
     ) -> None:
         super().__init__()
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"GPT optimizer={optimizer!r} is not valid; use one of {', '.join(OPTIMIZERS)}")
+        if not fp32_optimizer_states and optimizer not in ("deepspeed_adamw", "lion"):
+            raise ValueError(
+                f"GPT fp32_optimizer_states=False applies to DeepSpeed's CPU optimizers only; optimizer={optimizer!r} "
+                "keeps fp32 state: use optimizer='deepspeed_adamw' or 'lion', or leave it True"
+            )
         for name, value in (
             ("vocab_size", vocab_size),
             ("n_layer", n_layer),
@@ -216,7 +253,7 @@ class GPT(L.LightningModule):
                 # Only the weight matrices of linear layers decay; norms, biases and embeddings do not.
                 (decay if isinstance(module, nn.Linear) and name == "weight" else no_decay).append(param)
         groups = [{"params": decay, "weight_decay": h.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(groups, lr=h.lr, betas=tuple(h.betas), eps=h.eps)
+        optimizer = _make_optimizer(h.get("optimizer", "adamw"), groups, h)
         total = self.trainer.estimated_stepping_batches
         total = int(total) if math.isfinite(total) else max(10 * h.warmup_steps, 1000)
 
