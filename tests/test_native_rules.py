@@ -248,3 +248,16 @@ def test_dispatch_modes_see_which_tensors_the_kernel_writes() -> None:
         with _Recorder() as recorder:
             native.host_update(rule, param, grad, states, 1, Hyper(lr=1e-3), 1.0, lp)
         assert recorder.calls == [("lightning_dos::host_update", [id(param), *map(id, states), id(lp)])], rule
+
+
+def test_the_kernel_bench_times_every_optimizer_against_deepspeeds_op(capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench/kernels.py --optimizers`` prints one row per optimizer and storage, ours beside DeepSpeed's CPU op
+    plus the cast, with the ratio (DeepSpeed's CPU ops build on first use, as they do for training)."""
+    from bench import kernels as bench_kernels
+
+    assert bench_kernels.main(["--optimizers", "--numel", "40000", "--rounds", "1", "--threads", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "CPU: " in printed and "DeepSpeed's time / ours" in printed
+    for name in bench_kernels.OPTIMIZER_CASES:
+        row = next(line for line in printed.splitlines() if line.startswith(f"| {name} |"))
+        assert "n/a" not in row and row.rstrip(" |").endswith("x"), row

@@ -5,10 +5,12 @@ passes of their own; tiling them through cache (``kernels.tiled_host_update``) s
 kernel launches, and their barriers, per tile. ``host_adam.c`` does all three per element, in one loop, with
 torch's own formula (see the file's header), and splits the sub-group over threads once per call.
 
-The build takes about a second: ``cc -O3 -march=native -fopenmp`` on one C file, no torch headers. It is
+The build takes a few seconds (48 loops: each rule, storage and loop-invariant choice): ``cc -O3 -march=native
+-fopenmp`` on one C file, no torch headers. It is
 loaded with ctypes after torch, so its OpenMP runtime is torch's and the sub-group is split over torch's
-threads, and it is called as the torch op ``lightning_dos::host_adam``, so dispatch modes see its reads and
-writes. The library is cached under ``~/.cache/lightning_dos/native`` (``$XDG_CACHE_HOME`` is honoured),
+threads, and it is called as the torch op ``lightning_dos::host_update`` (every rule and storage:
+:func:`host_update`; ``lightning_dos::host_adam`` is fp32 Adam, :func:`host_adam`), so dispatch modes see its
+reads and writes. The library is cached under ``~/.cache/lightning_dos/native`` (``$XDG_CACHE_HOME`` is honoured),
 keyed by the source, the compiler and this CPU's flags, so a machine never loads a library built for another
 CPU. Where there is no compiler, or the build fails, the engine uses torch's kernels (same formula; slower)
 and warns once. ``LIGHTNING_DOS_NATIVE=0`` turns the compiled kernel off without a warning.
