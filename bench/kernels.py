@@ -19,6 +19,11 @@ Rows (all on the same fp32 param, gradient and moments, with the gradient unscal
                     which also unscales in a pass of its own)
   stock offload     what stock ZeRO-3 offload runs: the unscale pass, DeepSpeed's CPU Adam, the cast
   memcpy            fp32 copy: this machine's copy bandwidth
+With --optimizers, a second table instead: each optimizer the engine runs (Adam, Adagrad, Lion), with fp32 and
+with bf16 master weights, gradient and states (DeepSpeed's bf16_master_weights_and_grads + bf16_optimizer_states),
+the engine's compiled update (unscale, step and bf16 cast in one pass) against DeepSpeed's CPU op for the same
+optimizer (DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion, called on the same dtypes) followed by the
+cast into the bf16 model copy (no unscale, as above); ratios are DeepSpeed's time over ours.
 Rounds run every row once each, interleaved, so load on the machine falls on all rows alike; the table
 gives medians (and the best sample), G elements/s, GB/s moved (a traffic model: bytes each path must
 read and write per element, counted below), that against memcpy's GB/s in the same run, and ratios.
@@ -28,6 +33,7 @@ read and write per element, counted below), that against memcpy's GB/s in the sa
     python bench/kernels.py --numel 16000000 --rounds 15 --threads 2
     python bench/kernels.py --tiles 65536,131072,262144,524288,1048576,2097152 --threads 1,2   # torch tiles
     python bench/kernels.py --numel 25500000 --sub-group-size 1592640   # as bench/run.py --preset medium updates
+    python bench/kernels.py --optimizers --numel 4000000 --rounds 9 --threads 2   # every optimizer vs DeepSpeed
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from lightning_dos.engine.kernels import (
     tiled_host_update,
     torch_adam_update,
 )
+from lightning_dos.engine.update_rules import RULES, Hyper
 
 #: Bytes each path moves per element. Adam reads param, grad, exp_avg, exp_avg_sq (16) and writes param and
 #: the moments (12); with ``grad_scale`` torch's kernel also writes the unscaled gradient back (4). The cast
@@ -86,6 +93,99 @@ def _deepspeed_op() -> tuple[object, object] | None:
     except Exception as error:  # noqa: BLE001 - report why the op could not run, keep the other rows
         print(f"DeepSpeed CPU Adam unavailable: {error}")
         return None
+
+
+#: The --optimizers table: (rule, master weights and gradient dtype, states dtype) by row name, and each rule's
+#: hyperparameters (DeepSpeed's defaults but for a weight decay, so that every loop decays).
+OPTIMIZER_CASES = {
+    "adam": ("adam", torch.float32, torch.float32),
+    "adagrad": ("adagrad", torch.float32, torch.float32),
+    "lion": ("lion", torch.float32, torch.float32),
+    "adam, bf16 master + states": ("adam", torch.bfloat16, torch.bfloat16),
+    "adagrad, bf16 master + states": ("adagrad", torch.bfloat16, torch.bfloat16),
+    "lion, bf16 master + states": ("lion", torch.bfloat16, torch.bfloat16),
+}
+OPTIMIZER_HYPERS = {
+    "adam": Hyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True),
+    "adagrad": Hyper(lr=1e-2, eps=1e-10, weight_decay=0.1),
+    "lion": Hyper(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.1),
+}
+
+
+def _deepspeed_updates() -> dict[str, Callable[..., None]] | None:
+    """DeepSpeed's CPU op of each rule as ``update(param, grad, states)`` (its step 1, the rule's hyperparameters),
+    built once; None (with the reason printed) where they cannot load."""
+    try:
+        from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.lion import DeepSpeedCPULion
+
+        dummy = [torch.nn.Parameter(torch.empty(1))]
+        adam, adagrad, lion = DeepSpeedCPUAdam(dummy), DeepSpeedCPUAdagrad(dummy), DeepSpeedCPULion(dummy)
+    except Exception as error:  # noqa: BLE001 - report why the ops could not run, keep our rows
+        print(f"DeepSpeed's CPU optimizers unavailable: {error}")
+        return None
+    a, g, n = OPTIMIZER_HYPERS["adam"], OPTIMIZER_HYPERS["adagrad"], OPTIMIZER_HYPERS["lion"]
+    return {
+        "adam": lambda p, grad, s: adam.ds_opt_adam.adam_update(
+            adam.opt_id, 1, a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, True, p, grad, *s
+        ),
+        "adagrad": lambda p, grad, s: adagrad.ds_opt_adagrad.adagrad_update(
+            adagrad.opt_id, 1, g.lr, g.eps, g.weight_decay, p, grad, *s
+        ),
+        "lion": lambda p, grad, s: lion.ds_opt_lion.lion_update(
+            lion.opt_id, 1, n.lr, n.beta1, n.beta2, n.weight_decay, p, grad, *s
+        ),
+    }
+
+
+def _optimizer_rows(n: int, deepspeed: dict[str, Callable[..., None]] | None) -> dict[str, Callable[[], None]]:
+    """For each of :data:`OPTIMIZER_CASES`: ours (``NAME, compiled``) and DeepSpeed's op plus the cast (``NAME,
+    DeepSpeed + cast``), each on its own buffers of the case's dtypes."""
+    rows: dict[str, Callable[[], None]] = {}
+    for name, (rule, master, states_dtype) in OPTIMIZER_CASES.items():
+        gen = torch.Generator().manual_seed(0)
+        buffers = []
+        for _ in range(2):  # one set of buffers for each side, from the same values
+            gen.manual_seed(0)
+            p, g = torch.randn(n, generator=gen).to(master), torch.randn(n, generator=gen).to(master)
+            states = [torch.rand(n, generator=gen).to(states_dtype) for _ in RULES[rule].states]
+            buffers.append((p, g, states, torch.empty(n, dtype=torch.bfloat16)))
+        hyper = OPTIMIZER_HYPERS[rule]
+        if native.available():
+            p, g, states, lp = buffers[0]
+            rows[f"{name}, compiled"] = lambda r=rule, p=p, g=g, s=states, lp=lp, h=hyper: native.host_update(
+                r, p, g, s, 1, h, 1.0 / SCALE, lp
+            )
+        if deepspeed is not None:
+            p, g, states, lp = buffers[1]
+
+            def deepspeed_and_cast(r=rule, p=p, g=g, s=states, lp=lp) -> None:  # noqa: ANN001
+                deepspeed[r](p, g, s)
+                lp.copy_(p)
+
+            rows[f"{name}, DeepSpeed + cast"] = deepspeed_and_cast
+    return rows
+
+
+def _optimizer_table(n: int, samples: dict[str, list[float]], rounds: int) -> str:
+    median = {name: statistics.median(s) for name, s in samples.items()}
+    lines = [
+        f"| optimizer, storage | compiled: median s ({n / 1e6:.0f}M elements, {rounds} rounds) | best s "
+        "| G elements/s | DeepSpeed + cast: median s | best s | G elements/s | DeepSpeed's time / ours |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name in OPTIMIZER_CASES:
+        ours, theirs = median.get(f"{name}, compiled"), median.get(f"{name}, DeepSpeed + cast")
+        cells = []
+        for row, seconds in ((f"{name}, compiled", ours), (f"{name}, DeepSpeed + cast", theirs)):
+            if seconds is None:
+                cells += ["n/a"] * 3
+            else:
+                cells += [f"{seconds:.4f}", f"{min(samples[row]):.4f}", f"{n / seconds / 1e9:.2f}"]
+        ratio = f"{theirs / ours:.2f}x" if ours and theirs else "n/a"
+        lines.append(f"| {name} | {' | '.join(cells)} | {ratio} |")
+    return "\n".join(lines)
 
 
 def cpu_description() -> str:
@@ -297,9 +397,16 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated -march targets to build the compiled loop for and time beside the engine's own "
         "build, e.g. x86-64-v2,x86-64-v3,x86-64-v4,native",
     )
+    parser.add_argument(
+        "--optimizers",
+        action="store_true",
+        help="instead of the Adam paths: every optimizer, fp32 and all-bf16, ours against DeepSpeed's CPU op + cast",
+    )
     args = parser.parse_args(argv)
     tiles = sorted({int(t) for t in args.tiles.split(",")} | {HOST_TILE_ELEMENTS})
     threads = [int(t) for t in args.threads.split(",")] if args.threads else [torch.get_num_threads()]
+    if args.optimizers:
+        return _optimizers_main(args.numel, args.rounds, threads)
     deepspeed = _deepspeed_op()
     reason = native.unavailable_reason()
     print(f"CPU: {cpu_description()}")
@@ -313,6 +420,19 @@ def main(argv: list[str] | None = None) -> int:
         groups = f", sub-groups of {args.sub_group_size}" if args.sub_group_size else ""
         print(f"\n{count} thread(s), torch {torch.__version__}, default tile {HOST_TILE_ELEMENTS} elements{groups}")
         print(_table(args.numel, samples, args.rounds))
+    return 0
+
+
+def _optimizers_main(n: int, rounds: int, threads: list[int]) -> int:
+    print(f"CPU: {cpu_description()}")
+    reason = native.unavailable_reason()
+    print("compiled host kernel: " + (f"unavailable ({reason}), its rows are left out" if reason else "built"))
+    deepspeed = _deepspeed_updates()
+    for count in threads:
+        torch.set_num_threads(count)
+        samples = _measure(_optimizer_rows(n, deepspeed), rounds)
+        print(f"\n{count} thread(s), torch {torch.__version__}, every optimizer into a bf16 copy")
+        print(_optimizer_table(n, samples, rounds))
     return 0
 
 

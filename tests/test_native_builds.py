@@ -23,15 +23,13 @@ import torch
 
 from bench import kernels as bench_kernels
 from lightning_dos.engine import native
+from lightning_dos.engine.update_rules import RULES
+from tests import test_native_rules as rules_test
 from tests.test_native_kernel import (
     HYPERS,
     LP_DTYPES,
-    NUMEL,
     SCALES,
-    STEPS,
     assert_bit_identical_to_torch,
-    gradients,
-    initial_state,
     kernel_result,
     needs_torch_vector_path,
     torch_reference,
@@ -41,9 +39,11 @@ HARNESS = Path(__file__).with_name("host_adam_main.c")
 #: The markers in host_adam.c naming the loops that must be vectorized.
 MARKER = re.compile(r"/\* vectorized: (.+?) \*/")
 REPORT_LINE = re.compile(r"host_adam\.c:(\d+):\d+: (optimized|missed): (.*)")
-ELEMENT_LOOP, CASTS = "element loop", ("bf16 cast", "fp16 cast")
-#: One element loop per combination of unscale, decoupled decay and lerp's form.
-VARIANTS = 8
+CASTS = ("bf16 cast", "fp16 cast")
+#: Each rule's element loop, with its count of variants: one per storage (fp32, bf16 master weights, all bf16)
+#: and combination of loop-invariant choices (Adam: unscale, decoupled decay, lerp's form; Adagrad and Lion:
+#: unscale, decay).
+LOOPS = {"adam loop": 3 * 8, "adagrad loop": 3 * 4, "lion loop": 3 * 4}
 X86, ARM = "x86_64", "aarch64"
 #: name: (architecture, flags, the vectors GCC 12 vectorizes with there)
 TARGETS = {
@@ -99,13 +99,14 @@ def vectorization_report(compiler: str, flags: list[str], tmp_path: Path) -> lis
 
 
 def test_the_markers_name_the_loops() -> None:
-    assert set(marked_loops()) == {ELEMENT_LOOP, *CASTS}, "host_adam.c marks its element loop and its casts"
+    assert set(marked_loops()) == {*LOOPS, *CASTS}, "host_adam.c marks each rule's element loop and its casts"
 
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_the_element_loop_and_the_casts_are_vectorized(target: str, tmp_path: Path) -> None:
-    """From GCC's report: each of the element loop's variants, and each cast, vectorized with the target's
-    widest vectors, and no remark that a marked loop was left scalar. (Before issue 20 the element loop was
+    """From GCC's report: each variant of each rule's element loop (every storage: the bf16 loads and rounded
+    stores are integer arithmetic that vectorizes), and each cast, vectorized with the target's widest vectors,
+    and no remark that a marked loop was left scalar. (Before issue 20 the Adam loop was
     one loop with the three tests inside, and GCC vectorized it only with AVX-512's or SVE's masks: "control flow in
     loop" for x86-64-v2, x86-64-v3 and armv8-a.)"""
     compiler = _compiler_or_skip(target)
@@ -116,7 +117,7 @@ def test_the_element_loop_and_the_casts_are_vectorized(target: str, tmp_path: Pa
         remarks = [(kind, message) for number, kind, message in report if number == line]
         vectorized = [message for kind, message in remarks if kind == "optimized" and message.startswith(vectors)]
         missed = [message for kind, message in remarks if kind == "missed"]
-        expected = VARIANTS if name == ELEMENT_LOOP else 1
+        expected = LOOPS.get(name, 1)
         if missed or len(vectorized) < expected:
             problems.append(f"the {name} (line {line}): {len(vectorized)} of {expected} with {vectors}; {remarks}")
     assert not problems, f"{target}: " + "\n".join(problems)
@@ -179,6 +180,26 @@ def test_every_x86_build_this_cpu_runs_is_bit_identical_to_torch(
                 assert_bit_identical_to_torch(result, reference, f"{build}, {hyper_name}, {scale_name}, {lp_dtype}")
 
 
+@needs_torch_vector_path
+@pytest.mark.parametrize("build", X86_BUILDS)
+def test_every_x86_build_runs_every_rule_and_storage_as_the_reference(
+    build: str, x86_builds: dict[str, native.HostAdamKernel]
+) -> None:
+    """Every rule's loop variants (test_native_rules.CASES) in every storage, scaled into fp16 and unscaled into
+    bf16, on two threads: the bits of the reference (test_native_rules.reference_step)."""
+    if build not in x86_builds:
+        pytest.skip(
+            f"this CPU does not run {X86_BUILDS[build][0]}; "
+            f"test_the_element_loop_and_the_casts_are_vectorized[{X86_BUILDS[build][0]}] still checks its build"
+        )
+    for case in rules_test.CASES:
+        for storage in rules_test.STORAGES:
+            for scale, lp_dtype in ((1.0, torch.bfloat16), (3.7 * 2.0**12, torch.float16)):
+                reference = rules_test.run(case, storage, scale, lp_dtype, None, ours=False)
+                result = rules_test.run(case, storage, scale, lp_dtype, 2, ours=True, update=x86_builds[build].update)
+                rules_test.assert_matches_reference(case, result, reference, f"{build}, {case}, {storage}, {lp_dtype}")
+
+
 def _qemu() -> str | None:
     return shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
 
@@ -206,26 +227,37 @@ def arm_programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return programs
 
 
-def run_arm(program: Path, hyper_name: str, scale: float, lp_dtype: torch.dtype, tmp_path: Path) -> list[torch.Tensor]:
-    """param, exp_avg, exp_avg_sq and the copy after :data:`STEPS` of the aarch64 ``program`` (two threads)."""
-    state = initial_state()
-    data = [struct.pack("=qiii", NUMEL, _LP_KIND[lp_dtype], 2, len(STEPS))]
-    data += [t.numpy().tobytes() for t in (state[0], state[2], state[3])]
-    h = HYPERS[hyper_name]
-    for step, grad in zip(STEPS, gradients(scale)):
-        constants = native.step_constants(step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled, 1 / scale)
-        data.append(struct.pack("=fiffiffffff", *constants))
-        data.append(grad.numpy().tobytes())
+_RULE_IDS = {"adam": 0, "adagrad": 1, "lion": 2}
+_STORAGE_IDS = {"fp32": 0, "bf16-master": 1, "bf16": 2}
+
+
+def run_arm(
+    program: Path, case: str, storage: str, scale: float, lp_dtype: torch.dtype | None, tmp_path: Path
+) -> list[torch.Tensor]:
+    """param, the states and the copy after test_native_rules.STEPS of the aarch64 ``program`` (two threads),
+    from test_native_rules' initial state and gradients."""
+    rule, hyper = rules_test.CASES[case]
+    numel = rules_test.NUMEL
+    state = rules_test.initial_state(rule, storage)
+    lp_kind = 0 if lp_dtype is None else _LP_KIND[lp_dtype]
+    header = [_RULE_IDS[rule], _STORAGE_IDS[storage], lp_kind, 2, len(rules_test.STEPS), len(RULES[rule].states)]
+    data = [struct.pack("=q6i", numel, *header), *(t.numpy().tobytes() if t.dtype == torch.float32
+            else t.view(torch.int16).numpy().tobytes() for t in state)]  # fmt: skip
+    for step, grad in zip(rules_test.STEPS, rules_test.gradients(storage, scale)):
+        data.append(struct.pack("=f", 1 / scale) + bytes(native.step_scalars(rule, step, hyper)))
+        data.append(grad.view(torch.int16 if grad.dtype == torch.bfloat16 else torch.int32).numpy().tobytes())
     (tmp_path / "in").write_bytes(b"".join(data))
     command = [str(program), str(tmp_path / "in"), str(tmp_path / "out")]
     if platform.machine() != ARM:
         command.insert(0, _qemu())
     subprocess.run(command, check=True, timeout=300)
-    out = (tmp_path / "out").read_bytes()
-    fp32 = [
-        torch.frombuffer(bytearray(out[k * 4 * NUMEL : (k + 1) * 4 * NUMEL]), dtype=torch.float32) for k in range(3)
-    ]
-    return [*fp32, torch.frombuffer(bytearray(out[12 * NUMEL :]), dtype=lp_dtype)]
+    out, offset, result = (tmp_path / "out").read_bytes(), 0, []
+    for t in [*state, *([] if lp_dtype is None else [torch.empty(0, dtype=lp_dtype)])]:
+        size = numel * t.element_size()
+        result.append(torch.frombuffer(bytearray(out[offset : offset + size]), dtype=t.dtype))
+        offset += size
+    assert offset == len(out)
+    return result
 
 
 @needs_torch_vector_path
@@ -233,20 +265,25 @@ def run_arm(program: Path, hyper_name: str, scale: float, lp_dtype: torch.dtype,
 def test_the_aarch64_builds_under_qemu_are_bit_identical_to_torch_and_to_this_machines_build(
     target: str, arm_programs: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Each hyperparameter set, scaled and not, into bf16, fp16 and fp32: torch's bits on torch's vector body,
-    and the bits of the engine's build on this machine on every element."""
+    """Every rule's loop variants in every storage, scaled and not, into each copy dtype in turn: the reference's
+    bits (test_native_rules.reference_step; Adam on torch's vector body), and the bits of the engine's build on
+    this machine on every element."""
     if not native.available():
         pytest.skip(f"the compiled kernel is unavailable here ({native.unavailable_reason()}) to compare with")
-    for hyper_name, hyper in HYPERS.items():
-        for scale_name, scale in SCALES.items():
-            reference = torch_reference(hyper, scale)
-            for lp_dtype in LP_DTYPES:
-                what = f"{target}, {hyper_name}, {scale_name}, {lp_dtype}"
-                result = run_arm(arm_programs[target], hyper_name, scale, lp_dtype, tmp_path)
-                assert_bit_identical_to_torch(result, reference, what)
-                here = kernel_result(native.host_adam, hyper, scale, lp_dtype)
+    copies = [None, torch.bfloat16, torch.float16, torch.float32]
+    turn = 0
+    for case in rules_test.CASES:
+        for storage in rules_test.STORAGES:
+            for scale_name, scale in SCALES.items():
+                lp_dtype = copies[turn % len(copies)]
+                turn += 1
+                what = f"{target}, {case}, {storage}, {scale_name}, {lp_dtype}"
+                result = run_arm(arm_programs[target], case, storage, scale, lp_dtype, tmp_path)
+                reference = rules_test.run(case, storage, scale, lp_dtype, None, ours=False)
+                rules_test.assert_matches_reference(case, result, reference, what)
+                here = rules_test.run(case, storage, scale, lp_dtype, 2, ours=True)
                 for mine, theirs in zip(result, here):
-                    torch.testing.assert_close(mine, theirs, rtol=0, atol=0, msg=f"{what}: against this machine's")
+                    assert torch.equal(rules_test.bits(mine), rules_test.bits(theirs)), f"{what}: this machine's"
 
 
 @pytest.mark.skipif(not native.available(), reason="the compiled kernel is unavailable here: no rows to time")

@@ -1,18 +1,24 @@
-/* One pass over host memory for a sub-group's update: unscale, Adam (or AdamW) and the cast of the fresh
- * weights into the model's dtype, element by element, so each byte of gradient and state is read once and
- * written once (30 bytes per element for a bf16 target, against ~42 for unscale, Adam and cast as three
- * kernels).
+/* One pass over host memory for a sub-group's update: unscale, the optimizer's step (Adam or AdamW, Adagrad,
+ * Lion: engine/update_rules.py describes each) and the cast of the fresh weights into the model's dtype, element
+ * by element, so each byte of gradient and state is read once and written once (30 bytes per element for Adam
+ * into a bf16 target, against ~42 for unscale, Adam and cast as three kernels).
  *
- * The arithmetic is that of torch's CPU fused Adam kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp) on
- * its vector path as torch's own build compiles it, operation for operation, in float32: the first moment as
- * torch's lerp (one fused multiply-add), the second moment and Adam's L2 decay each as one fused multiply-add
- * (torch's compiler contracts `v * beta2 + c * g * g` and `g + p * wd`; checked bit for bit against torch
- * 2.13 in tests/test_native_kernel.py), everything else as separate multiplies, adds, a square root and
- * divisions. The unscale is a multiply by the inverse scale, as DeepSpeed unscales. Built with
- * -ffp-contract=off, so the compiler fuses nothing else, and every element (vector body or scalar remainder)
- * rounds the same way: the result does not depend on where a sub-group starts, how it is split over threads,
- * or the machine's vector width. lightning_dos/engine/native.py builds this file with the system C compiler
- * on first use; without one the engine runs torch's kernels.
+ * Each rule's arithmetic is that of its torch formula (UpdateRule.torch_update) as torch's own build computes it
+ * on its vector path, operation for operation, in float32. Adam: torch's CPU fused Adam kernel
+ * (aten/src/ATen/native/cpu/FusedAdamKernel.cpp): the first moment as torch's lerp (one fused multiply-add), the
+ * second moment and Adam's L2 decay each as one fused multiply-add (torch's compiler contracts
+ * `v * beta2 + c * g * g` and `g + p * wd`), everything else as separate multiplies, adds, a square root and
+ * divisions. Adagrad and Lion: see their loops. Each is checked bit for bit against torch 2.13 in
+ * tests/test_native_kernel.py and tests/test_native_rules.py. The unscale is a multiply by the inverse scale, as
+ * DeepSpeed unscales. Built with -ffp-contract=off, so the compiler fuses nothing else, and every element (vector
+ * body or scalar remainder) rounds the same way: the result does not depend on where a sub-group starts, how it
+ * is split over threads, or the machine's vector width. lightning_dos/engine/native.py builds this file with the
+ * system C compiler on first use; without one the engine runs torch's kernels.
+ *
+ * Master weights and gradient are fp32 or bf16, the states fp32 or (beside bf16 master weights) bf16: a bf16
+ * value is loaded into fp32 exactly, the step is computed as for fp32, and the result stored rounded to nearest
+ * even (DeepSpeed's CPU optimizers' store_16_f32_as_bf16_nearest, and torch's .to(torch.bfloat16)); the 16-bit
+ * copy is cast from the stored master weights, as DeepSpeed copies its 16-bit partition from its master partition.
  *
  * Every loop over elements is plain C that compilers vectorize for any target: SSE4.2, AVX2, AVX-512, Arm
  * NEON and SVE (tests/test_native_builds.py builds each and asserts so from GCC's vectorization report, by
@@ -31,27 +37,42 @@
 #include <string.h>
 
 enum { LP_NONE = 0, LP_BF16 = 1, LP_FP16 = 2, LP_FP32 = 3 };
+enum { RULE_ADAM = 0, RULE_ADAGRAD = 1, RULE_LION = 2 };
+/* Storage of the master weights and gradient, and of the states: fp32 throughout, bf16 master weights and
+ * gradient with fp32 states, or all bf16 (DeepSpeed keeps bf16 states only beside bf16 master weights). */
+enum { DTYPES_FP32 = 0, DTYPES_BF16_MASTER = 1, DTYPES_BF16 = 2 };
+
+/* The scalars of one step, each rule reading its own (float: rounded once from Python's double, as torch
+ * rounds a scalar argument to the tensor's dtype). */
+typedef struct {
+    int decoupled;      /* Adam: 1 for AdamW (decay on the weights), 0 for Adam with L2 (decay added to the
+                         * gradient). Adagrad, Lion: 1 when there is a decay term at all. */
+    float decay_factor; /* AdamW, Lion: float(1 - lr * weight_decay) */
+    float weight_decay; /* Adam L2, Adagrad: float(weight_decay) */
+    int lerp_small;     /* Adam: |1 - beta1| < 0.5, torch's lerp takes its first form */
+    float lerp_coeff;   /* Adam: float(1 - beta1), or that minus 1 for lerp's second form */
+    float beta1;        /* Lion: float(beta1) */
+    float one_minus_beta1; /* Lion: float(1 - beta1) */
+    float beta2;        /* Adam, Lion */
+    float sq_coeff;     /* Adam: float(1 - beta2); Lion: float(1 - beta2) */
+    float bc2_sqrt;     /* Adam: float(sqrt(1 - beta2^step)) */
+    float eps;          /* Adam, Adagrad */
+    float neg_step_size; /* Adam: float(-lr / (1 - beta1^step)); Adagrad: float(-lr / (1 + (step - 1) * lr_decay));
+                          * Lion: float(lr) */
+} Step;
 
 typedef struct {
-    float *param;
-    const float *grad;
-    float *exp_avg;
-    float *exp_avg_sq;
+    void *param;        /* float or bf16 (uint16_t), as `dtypes` says; so are grad and the states */
+    const void *grad;
+    void *state0;       /* Adam: exp_avg; Adagrad: sum; Lion: exp_avg */
+    void *state1;       /* Adam: exp_avg_sq; unused by the others */
     void *lp;
     int lp_kind;
+    int rule, dtypes;
     int64_t begin, end;
     float inv_scale;    /* multiplies the gradient: 1 / (loss scale x clip), as DeepSpeed unscales */
     int unscale;        /* 0: inv_scale is 1, skip the multiply */
-    int decoupled;      /* 1: AdamW (decay on the weights), 0: Adam with L2 (decay added to the gradient) */
-    float decay_factor; /* AdamW: float(1 - lr * weight_decay) */
-    float weight_decay; /* Adam L2: float(weight_decay) */
-    int lerp_small;     /* |1 - beta1| < 0.5: torch's lerp takes its first form */
-    float lerp_coeff;   /* float(1 - beta1), or that minus 1 for lerp's second form */
-    float beta2;
-    float sq_coeff;     /* float(1 - beta2) */
-    float bc2_sqrt;     /* float(sqrt(1 - beta2^step)) */
-    float eps;
-    float neg_step_size; /* float(-lr / (1 - beta1^step)) */
+    Step s;
 } Job;
 
 /* fmaf, correctly rounded, where it is not one instruction (x86 before FMA3: x86-64-v2 and older). glibc's
@@ -159,14 +180,13 @@ static void stream_copy(void *dst, const void *src, int64_t bytes, int unit) {
 }
 #endif
 
-/* lp[begin, end) = param[begin, end) in the target dtype. */
-static void cast_block(void *lp, int lp_kind, const float *param, int64_t begin, int64_t end) {
-    int64_t n = end - begin;
+/* lp[begin, begin + n) = fresh[0, n) in the target dtype: `fresh` holds the block's new weights in fp32. */
+static void cast_block(void *lp, int lp_kind, const float *fresh, int64_t begin, int64_t n) {
     if (lp_kind == LP_FP32) {
 #if defined(STREAMING_STORES)
-        stream_copy((float *)lp + begin, param + begin, n * (int64_t)sizeof(float), sizeof(float));
+        stream_copy((float *)lp + begin, fresh, n * (int64_t)sizeof(float), sizeof(float));
 #else
-        memcpy((float *)lp + begin, param + begin, n * sizeof(float));
+        memcpy((float *)lp + begin, fresh, n * sizeof(float));
 #endif
         return;
     }
@@ -177,58 +197,161 @@ static void cast_block(void *lp, int lp_kind, const float *param, int64_t begin,
 #else
     uint16_t *out = (uint16_t *)lp + begin;
 #endif
-    if (lp_kind == LP_BF16) convert_bf16(out, param + begin, n);
-    else convert_fp16(out, param + begin, n);
+    if (lp_kind == LP_BF16) convert_bf16(out, fresh, n);
+    else convert_fp16(out, fresh, n);
 #if defined(STREAMING_STORES)
     stream_copy((uint16_t *)lp + begin, staged, n * (int64_t)sizeof(uint16_t), sizeof(uint16_t));
 #endif
 }
 
-/* One block's update, the formula of the header: the same statements for every element. `unscale`,
- * `decoupled` and `lerp_small` are constants in each caller below (this is inlined into each), so every
- * combination is its own loop without a test in it, which the compilers vectorize on every target. */
-static inline __attribute__((always_inline)) void adam_block(const Job *job, int64_t begin, int64_t end,
-                                                             const int unscale, const int decoupled,
-                                                             const int lerp_small) {
-    float *restrict param = job->param;
-    const float *restrict grad = job->grad;
-    float *restrict exp_avg = job->exp_avg;
-    float *restrict exp_avg_sq = job->exp_avg_sq;
-    const float inv_scale = job->inv_scale, decay_factor = job->decay_factor, weight_decay = job->weight_decay;
-    const float lerp_coeff = job->lerp_coeff, beta2 = job->beta2, sq_coeff = job->sq_coeff;
-    const float bc2_sqrt = job->bc2_sqrt, eps = job->eps, neg_step_size = job->neg_step_size;
-    for (int64_t i = begin; i < end; i++) { /* vectorized: element loop */
-        float g = grad[i];
+/* A bf16 value as fp32: exact (bf16 is the top half of an fp32). */
+static inline float from_bf16(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+/* Element i of an fp32 or bf16 array (`bf16` is a constant in every loop, so each loop has one kind of load),
+ * and the store back, rounded to nearest even for bf16. Both views of the array are passed; the loop uses one. */
+#define LOAD(BF16, F32, H16, I) ((BF16) ? from_bf16((H16)[I]) : (F32)[I])
+#define STORE(BF16, F32, H16, I, X)                 \
+    do {                                            \
+        if (BF16) (H16)[I] = to_bf16(X);            \
+        else (F32)[I] = (X);                        \
+    } while (0)
+
+/* The views every loop takes of a job's arrays: fp32 and bf16 pointers to the same memory (a loop uses one of
+ * each pair, so `restrict` holds). */
+#define VIEWS(JOB)                                                                              \
+    float *restrict param = (JOB)->param;                                                       \
+    uint16_t *restrict param_h = (JOB)->param;                                                  \
+    const float *restrict grad = (JOB)->grad;                                                   \
+    const uint16_t *restrict grad_h = (JOB)->grad;                                              \
+    float *restrict state0 = (JOB)->state0;                                                     \
+    uint16_t *restrict state0_h = (JOB)->state0;                                                \
+    float *restrict state1 = (JOB)->state1;                                                     \
+    uint16_t *restrict state1_h = (JOB)->state1;                                                \
+    const float inv_scale = (JOB)->inv_scale;                                                   \
+    (void)param_h, (void)grad_h, (void)state0_h, (void)state1, (void)state1_h
+
+/* The new weight p of element i: stored (rounded for bf16 master weights), and the stored value kept in fp32 in
+ * `fresh` for the cast when the master weights are bf16 (the 16-bit copy is cast from the stored master weights, as
+ * DeepSpeed copies its 16-bit partition from its master partition; with fp32 master weights the cast reads them). */
+#define STORE_WEIGHT(MASTER16, I, P)                    \
+    do {                                                \
+        if (MASTER16) {                                 \
+            const uint16_t stored = to_bf16(P);         \
+            param_h[I] = stored;                        \
+            fresh[(I) - begin] = from_bf16(stored);     \
+        } else {                                        \
+            param[I] = (P);                             \
+        }                                               \
+    } while (0)
+
+/* Adam's block, the formula of the header: the same statements for every element. `unscale`, `decoupled`,
+ * `lerp_small` and the two storage choices are constants in each caller below (this is inlined into each), so
+ * every combination is its own loop without a test in it, which the compilers vectorize on every target. */
+static inline __attribute__((always_inline)) void adam_block(const Job *job, float *restrict fresh, int64_t begin,
+                                                             int64_t end, const int unscale, const int decoupled,
+                                                             const int lerp_small, const int master16,
+                                                             const int states16) {
+    VIEWS(job);
+    const float decay_factor = job->s.decay_factor, weight_decay = job->s.weight_decay;
+    const float lerp_coeff = job->s.lerp_coeff, beta2 = job->s.beta2, sq_coeff = job->s.sq_coeff;
+    const float bc2_sqrt = job->s.bc2_sqrt, eps = job->s.eps, neg_step_size = job->s.neg_step_size;
+    for (int64_t i = begin; i < end; i++) { /* vectorized: adam loop */
+        float g = LOAD(master16, grad, grad_h, i);
         if (unscale) g = g * inv_scale;
-        float p = param[i];
+        float p = LOAD(master16, param, param_h, i);
         if (decoupled) p = p * decay_factor;
         else g = FMA(p, weight_decay, g);
-        float m = exp_avg[i];
+        float m = LOAD(states16, state0, state0_h, i);
         m = lerp_small ? FMA(lerp_coeff, g - m, m) : FMA(lerp_coeff, g - m, g);
-        float v = FMA(sq_coeff * g, g, exp_avg_sq[i] * beta2);
-        exp_avg[i] = m;
-        exp_avg_sq[i] = v;
+        float v = FMA(sq_coeff * g, g, LOAD(states16, state1, state1_h, i) * beta2);
+        STORE(states16, state0, state0_h, i, m);
+        STORE(states16, state1, state1_h, i, v);
         float denom = sqrtf(v) / bc2_sqrt + eps;
-        param[i] = p + neg_step_size * m / denom;
+        STORE_WEIGHT(master16, i, p + neg_step_size * m / denom);
     }
 }
 
-static inline __attribute__((always_inline)) void run_blocks(const Job *job, const int unscale,
-                                                             const int decoupled, const int lerp_small) {
+/* Adagrad's block: torch.optim.Adagrad's single-tensor step as ATen's AVX2 kernels compute it (checked bit for
+ * bit, vector body and tail, in tests/test_native_kernel.py): `grad.add(param, alpha=wd)` is one fused
+ * multiply-add (ATen's vector add is fmadd(b, alpha, a)); `sum.addcmul_(g, g, value=1)` is fma(g, g, sum) (its
+ * `self + value * t1 * t2`, contracted by torch's compiler; value * g is exact for value 1); `sqrt().add_(eps)`
+ * two roundings; `param.addcdiv_(g, std, value=-clr)` is `p + (-clr * g) / std`, three roundings. */
+static inline __attribute__((always_inline)) void adagrad_block(const Job *job, float *restrict fresh,
+                                                                int64_t begin, int64_t end, const int unscale,
+                                                                const int decays, const int master16,
+                                                                const int states16) {
+    VIEWS(job);
+    const float weight_decay = job->s.weight_decay, eps = job->s.eps, neg_clr = job->s.neg_step_size;
+    for (int64_t i = begin; i < end; i++) { /* vectorized: adagrad loop */
+        float g = LOAD(master16, grad, grad_h, i);
+        if (unscale) g = g * inv_scale;
+        float p = LOAD(master16, param, param_h, i);
+        if (decays) g = FMA(p, weight_decay, g);
+        float sum = FMA(g, g, LOAD(states16, state0, state0_h, i));
+        STORE(states16, state0, state0_h, i, sum);
+        float std = sqrtf(sum) + eps;
+        STORE_WEIGHT(master16, i, p + neg_clr * g / std);
+    }
+}
+
+/* Lion's block, DeepSpeed's scalar formula (every product rounded on its own, no fused multiply-add; torch's
+ * separate mul, add and copysign kernels compute the same): c = b1 * m + (1 - b1) * g; p = p * (1 - lr * wd)
+ * when wd > 0; p = p - copysign(lr, c) (+lr for c = +0); m = b2 * m + (1 - b2) * g. */
+static inline __attribute__((always_inline)) void lion_block(const Job *job, float *restrict fresh, int64_t begin,
+                                                             int64_t end, const int unscale, const int decays,
+                                                             const int master16, const int states16) {
+    VIEWS(job);
+    const float decay_factor = job->s.decay_factor, beta1 = job->s.beta1, one_minus_beta1 = job->s.one_minus_beta1;
+    const float beta2 = job->s.beta2, one_minus_beta2 = job->s.sq_coeff, lr = job->s.neg_step_size;
+    for (int64_t i = begin; i < end; i++) { /* vectorized: lion loop */
+        float g = LOAD(master16, grad, grad_h, i);
+        if (unscale) g = g * inv_scale;
+        float m = LOAD(states16, state0, state0_h, i);
+        float c = m * beta1 + g * one_minus_beta1;
+        float p = LOAD(master16, param, param_h, i);
+        if (decays) p = p * decay_factor;
+        STORE(states16, state0, state0_h, i, m * beta2 + g * one_minus_beta2);
+        STORE_WEIGHT(master16, i, p - copysignf(lr, c));
+    }
+}
+
+static inline __attribute__((always_inline)) void run_blocks(const Job *job, const int rule, const int unscale,
+                                                             const int flag0, const int flag1, const int master16,
+                                                             const int states16) {
+    float fresh[BLOCK] __attribute__((aligned(64)));
     for (int64_t begin = job->begin; begin < job->end; begin += BLOCK) {
         int64_t end = begin + BLOCK < job->end ? begin + BLOCK : job->end;
-        adam_block(job, begin, end, unscale, decoupled, lerp_small);
-        cast_block(job->lp, job->lp_kind, job->param, begin, end);
+        if (rule == RULE_ADAM) adam_block(job, fresh, begin, end, unscale, flag0, flag1, master16, states16);
+        else if (rule == RULE_ADAGRAD) adagrad_block(job, fresh, begin, end, unscale, flag0, master16, states16);
+        else lion_block(job, fresh, begin, end, unscale, flag0, master16, states16);
+        const float *weights = master16 ? fresh : (const float *)job->param + begin;
+        cast_block(job->lp, job->lp_kind, weights, begin, end - begin);
     }
 }
 
-#define VARIANT(UNSCALE, DECOUPLED, LERP_SMALL) \
-    case (UNSCALE) << 2 | (DECOUPLED) << 1 | (LERP_SMALL): run_blocks(job, UNSCALE, DECOUPLED, LERP_SMALL); break;
+/* One loop per rule, storage and loop-invariant choice: the key of a job is (rule, dtypes, unscale, flag0, flag1)
+ * with flag0 = decoupled (Adam) or decays (Adagrad, Lion) and flag1 = lerp_small (Adam; 0 for the others). */
+#define KEY(RULE, DTYPES, UNSCALE, F0, F1) (((RULE) * 3 + (DTYPES)) << 3 | (UNSCALE) << 2 | (F0) << 1 | (F1))
+#define VARIANT(RULE, DTYPES, UNSCALE, F0, F1)                                                             \
+    case KEY(RULE, DTYPES, UNSCALE, F0, F1):                                                               \
+        run_blocks(job, RULE, UNSCALE, F0, F1, (DTYPES) != DTYPES_FP32, (DTYPES) == DTYPES_BF16);          \
+        break;
+#define ADAM_VARIANTS(D)                                                                                   \
+    VARIANT(RULE_ADAM, D, 0, 0, 0) VARIANT(RULE_ADAM, D, 0, 0, 1) VARIANT(RULE_ADAM, D, 0, 1, 0)          \
+    VARIANT(RULE_ADAM, D, 0, 1, 1) VARIANT(RULE_ADAM, D, 1, 0, 0) VARIANT(RULE_ADAM, D, 1, 0, 1)          \
+    VARIANT(RULE_ADAM, D, 1, 1, 0) VARIANT(RULE_ADAM, D, 1, 1, 1)
+#define ONE_FLAG_VARIANTS(R, D) VARIANT(R, D, 0, 0, 0) VARIANT(R, D, 0, 1, 0) VARIANT(R, D, 1, 0, 0) VARIANT(R, D, 1, 1, 0)
+#define RULE_VARIANTS(D) ADAM_VARIANTS(D) ONE_FLAG_VARIANTS(RULE_ADAGRAD, D) ONE_FLAG_VARIANTS(RULE_LION, D)
 
 static void run_job(const Job *job) {
-    switch ((job->unscale != 0) << 2 | (job->decoupled != 0) << 1 | (job->lerp_small != 0)) {
-        VARIANT(0, 0, 0) VARIANT(0, 0, 1) VARIANT(0, 1, 0) VARIANT(0, 1, 1)
-        VARIANT(1, 0, 0) VARIANT(1, 0, 1) VARIANT(1, 1, 0) VARIANT(1, 1, 1)
+    int flag1 = job->rule == RULE_ADAM && job->s.lerp_small != 0;
+    switch (KEY(job->rule, job->dtypes, job->unscale != 0, job->s.decoupled != 0, flag1)) {
+        RULE_VARIANTS(DTYPES_FP32) RULE_VARIANTS(DTYPES_BF16_MASTER) RULE_VARIANTS(DTYPES_BF16)
     }
 #if defined(STREAMING_STORES)
     _mm_sfence(); /* streaming stores are weakly ordered: complete them before the caller reads the copy */
@@ -236,9 +359,9 @@ static void run_job(const Job *job) {
 }
 
 #define MAX_THREADS 256
-/* Threads start on multiples of this many elements: a 64-byte cache line of fp32 state, so no two threads
- * write the same line. */
-#define SHARE_ALIGN 16
+/* Threads start on multiples of this many elements: a 64-byte cache line of bf16 (two of fp32), so no two
+ * threads write the same line. */
+#define SHARE_ALIGN 32
 
 #if !defined(_OPENMP)
 static void *run_job_thread(void *arg) {
@@ -247,22 +370,25 @@ static void *run_job_thread(void *arg) {
 }
 #endif
 
-/* Update elements [0, numel) with `threads` threads (the caller is one of them). Returns 0, or -1 when a
- * thread could not be started (the caller has then run that share itself: the result is complete). */
-int dos_host_adam(float *param, const float *grad, float *exp_avg, float *exp_avg_sq, void *lp, int lp_kind,
-                  int64_t numel, float inv_scale, int decoupled, float decay_factor, float weight_decay,
-                  int lerp_small, float lerp_coeff, float beta2, float sq_coeff, float bc2_sqrt, float eps,
-                  float neg_step_size, int threads) {
+/* One step of `rule` (RULE_*) over elements [0, numel) with `threads` threads (the caller is one of them):
+ * param, grad and the states stored as `dtypes` (DTYPES_*) says, state1 used by Adam only, the new weights also
+ * cast into lp (LP_*; NULL for LP_NONE). Returns 0; -1 when a thread could not be started (the caller has then
+ * run that share itself: the result is complete); -2 when rule, dtypes or lp_kind is none of those (nothing is
+ * touched). */
+int dos_host_update(int rule, int dtypes, void *param, const void *grad, void *state0, void *state1, void *lp,
+                    int lp_kind, int64_t numel, float inv_scale, const Step *step, int threads) {
+    if (rule < RULE_ADAM || rule > RULE_LION || dtypes < DTYPES_FP32 || dtypes > DTYPES_BF16 || lp_kind < LP_NONE ||
+        lp_kind > LP_FP32)
+        return -2;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     Job jobs[MAX_THREADS];
     int64_t share = (numel + threads - 1) / threads;
     share = (share + SHARE_ALIGN - 1) / SHARE_ALIGN * SHARE_ALIGN;
     for (int t = 0; t < threads; t++) {
-        Job job = {param, grad, exp_avg, exp_avg_sq, lp, lp_kind,
+        Job job = {param, grad, state0, state1, lp, lp_kind, rule, dtypes,
                    t * share < numel ? t * share : numel, (t + 1) * share < numel ? (t + 1) * share : numel,
-                   inv_scale, inv_scale != 1.0f, decoupled, decay_factor, weight_decay, lerp_small, lerp_coeff,
-                   beta2, sq_coeff, bc2_sqrt, eps, neg_step_size};
+                   inv_scale, inv_scale != 1.0f, *step};
         jobs[t] = job;
     }
 #if defined(_OPENMP)

@@ -5,10 +5,12 @@ passes of their own; tiling them through cache (``kernels.tiled_host_update``) s
 kernel launches, and their barriers, per tile. ``host_adam.c`` does all three per element, in one loop, with
 torch's own formula (see the file's header), and splits the sub-group over threads once per call.
 
-The build takes about a second: ``cc -O3 -march=native -fopenmp`` on one C file, no torch headers. It is
+The build takes a few seconds (48 loops: each rule, storage and loop-invariant choice): ``cc -O3 -march=native
+-fopenmp`` on one C file, no torch headers. It is
 loaded with ctypes after torch, so its OpenMP runtime is torch's and the sub-group is split over torch's
-threads, and it is called as the torch op ``lightning_dos::host_adam``, so dispatch modes see its reads and
-writes. The library is cached under ``~/.cache/lightning_dos/native`` (``$XDG_CACHE_HOME`` is honoured),
+threads, and it is called as the torch op ``lightning_dos::host_update`` (every rule and storage:
+:func:`host_update`; ``lightning_dos::host_adam`` is fp32 Adam, :func:`host_adam`), so dispatch modes see its
+reads and writes. The library is cached under ``~/.cache/lightning_dos/native`` (``$XDG_CACHE_HOME`` is honoured),
 keyed by the source, the compiler and this CPU's flags, so a machine never loads a library built for another
 CPU. Where there is no compiler, or the build fails, the engine uses torch's kernels (same formula; slower)
 and warns once. ``LIGHTNING_DOS_NATIVE=0`` turns the compiled kernel off without a warning.
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_dos.engine.update_rules import Hyper
+from lightning_dos.engine.update_rules import RULES, Hyper
 
 SOURCE = Path(__file__).with_name("host_adam.c")
 #: Set to 0 to use torch's kernels on the host (the pure-torch path; no compiler needed).
@@ -40,6 +42,13 @@ FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-pt
 #: (2 threads, cache-resident, bench/RESULTS.md): 2 threads beat 1 from 16K elements up (28 vs 33 us).
 MIN_ELEMENTS_PER_THREAD = 1 << 14
 _LP_KINDS = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+#: host_adam.c's RULE_* and DTYPES_* (master weights and gradient, states).
+_RULE_IDS = {"adam": 0, "adagrad": 1, "lion": 2}
+_DTYPES = {
+    (torch.float32, torch.float32): 0,
+    (torch.bfloat16, torch.float32): 1,
+    (torch.bfloat16, torch.bfloat16): 2,
+}
 
 _lock = threading.Lock()
 _kernel: HostAdamKernel | None = None
@@ -122,16 +131,122 @@ def build() -> Path:
     raise RuntimeError("the C compiler could not build host_adam.c:\n" + "\n".join(errors))
 
 
+class Step(ctypes.Structure):
+    """``Step`` of host_adam.c: one step's scalars, each rule reading its own (see the C struct's comments)."""
+
+    _fields_ = [
+        ("decoupled", ctypes.c_int),
+        ("decay_factor", ctypes.c_float),
+        ("weight_decay", ctypes.c_float),
+        ("lerp_small", ctypes.c_int),
+        ("lerp_coeff", ctypes.c_float),
+        ("beta1", ctypes.c_float),
+        ("one_minus_beta1", ctypes.c_float),
+        ("beta2", ctypes.c_float),
+        ("sq_coeff", ctypes.c_float),
+        ("bc2_sqrt", ctypes.c_float),
+        ("eps", ctypes.c_float),
+        ("neg_step_size", ctypes.c_float),
+    ]
+
+
+def supports(rule: str, master_dtype: torch.dtype, state_dtype: torch.dtype) -> bool:
+    """Whether the compiled kernel has a loop for ``rule`` (an :attr:`UpdateRule.name`) with master weights and
+    gradient of ``master_dtype`` and states of ``state_dtype``: fp32 throughout, bf16 master weights with fp32
+    states, or all bf16 (DeepSpeed keeps bf16 states only beside bf16 master weights). Whether the kernel is built
+    here is :func:`available`'s question."""
+    return rule in _RULE_IDS and (master_dtype, state_dtype) in _DTYPES
+
+
+def step_scalars(rule: str, step: float, hyper: Hyper) -> Step:
+    """The :class:`Step` of ``rule`` for step number ``step`` (1 for the first) and ``hyper``: derived in double
+    as torch's formula (:meth:`UpdateRule.torch_update`) derives them, rounded to float where used."""
+    h = hyper
+    if rule == "adam":
+        constants = step_constants(step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled)[1:]
+        decoupled, decay_factor, weight_decay, lerp_small, lerp_coeff, beta2, sq_coeff, bc2_sqrt, eps, neg = constants
+        return Step(decoupled, decay_factor, weight_decay, lerp_small, lerp_coeff, 0.0, 0.0, beta2, sq_coeff,
+                    bc2_sqrt, eps, neg)  # fmt: skip
+    if rule == "adagrad":  # torch's Adagrad: decay when weight_decay != 0; clr from the step as a Python float
+        clr = h.lr / (1 + (step - 1) * h.lr_decay)
+        return Step(int(h.weight_decay != 0), 1.0, h.weight_decay, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, h.eps, -clr)
+    if rule == "lion":  # Lion decays only for weight_decay > 0, as DeepSpeed's and the torch formula do
+        decays = h.weight_decay > 0
+        decay_factor = 1 - h.lr * h.weight_decay if decays else 1.0
+        return Step(int(decays), decay_factor, 0.0, 0, 0.0, h.beta1, 1 - h.beta1, h.beta2, 1 - h.beta2, 1.0, 0.0,
+                    h.lr)  # fmt: skip
+    raise ValueError(f"unknown update rule {rule!r}; the compiled kernel runs {', '.join(_RULE_IDS)}")
+
+
+def _check(rule: str, param: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tensor],
+           lp_out: torch.Tensor | None) -> None:  # fmt: skip
+    """Raise ValueError naming what is wrong with the arguments of :func:`host_update`."""
+    if rule not in _RULE_IDS:
+        raise ValueError(f"unknown update rule {rule!r}; the compiled kernel runs {', '.join(_RULE_IDS)}")
+    expected = RULES[rule].states
+    if len(states) != len(expected):
+        raise ValueError(f"{rule} takes {len(expected)} state tensor(s) ({', '.join(expected)}), got {len(states)}")
+    numel = param.numel()
+    for name, t in (("param", param), ("grad", grad), *zip(expected, states)):
+        if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != numel:
+            raise ValueError(f"host_update({rule}): {name} must be a contiguous CPU tensor of {numel} elements")
+    if grad.dtype != param.dtype:
+        raise ValueError(f"host_update({rule}): grad is {grad.dtype}, param {param.dtype}: they must be one dtype")
+    state_dtypes = {t.dtype for t in states}
+    if len(state_dtypes) > 1:
+        raise ValueError(f"host_update({rule}): the states must be one dtype, got {sorted(map(str, state_dtypes))}")
+    if not supports(rule, param.dtype, states[0].dtype):
+        raise ValueError(
+            f"host_update({rule}): master weights {param.dtype} with states {states[0].dtype} are not supported; "
+            "the kernel runs fp32 master with fp32 states, bf16 master with fp32 states, or bf16 with bf16"
+        )
+    if lp_out is not None and (
+        lp_out.dtype not in _LP_KINDS
+        or lp_out.device.type != "cpu"
+        or not lp_out.is_contiguous()
+        or lp_out.numel() != numel
+    ):
+        raise ValueError("lp_out must be a contiguous bf16, fp16 or fp32 CPU tensor with as many elements as param")
+
+
 class HostAdamKernel:
-    """A loaded build of ``host_adam.c``, called like :func:`host_adam` (without its first check)."""
+    """A loaded build of ``host_adam.c``: :meth:`update` is :func:`host_update` and calling it is
+    :func:`host_adam` (each without the check that the kernel loads)."""
 
     def __init__(self, path: Path) -> None:
         """Load the library at ``path`` (built by :func:`build` or :func:`compile_library`)."""
         self.path = path
-        self._fn = ctypes.CDLL(str(path)).dos_host_adam
+        self._fn = ctypes.CDLL(str(path)).dos_host_update
         self._fn.restype = ctypes.c_int
-        f, i, p = ctypes.c_float, ctypes.c_int, ctypes.c_void_p
-        self._fn.argtypes = [p, p, p, p, p, i, ctypes.c_int64, f, i, f, f, i, f, f, f, f, f, f, i]
+        i, p = ctypes.c_int, ctypes.c_void_p
+        self._fn.argtypes = [i, i, p, p, p, p, p, i, ctypes.c_int64, ctypes.c_float, ctypes.POINTER(Step), i]
+
+    def update(
+        self,
+        rule: str,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        states: Sequence[torch.Tensor],
+        step: float,
+        hyper: Hyper,
+        inv_grad_scale: float = 1.0,
+        lp_out: torch.Tensor | None = None,
+        threads: int | None = None,
+    ) -> None:
+        """:func:`host_update` on this build."""
+        _check(rule, param, grad, states, lp_out)
+        scalars = step_scalars(rule, step, hyper)
+        numel = param.numel()
+        threads = threads or torch.get_num_threads()
+        threads = max(1, min(threads, math.ceil(numel / MIN_ELEMENTS_PER_THREAD)))
+        second = states[1].data_ptr() if len(states) > 1 else None
+        status = self._fn(
+            _RULE_IDS[rule], _DTYPES[param.dtype, states[0].dtype], param.data_ptr(), grad.data_ptr(),
+            states[0].data_ptr(), second, None if lp_out is None else lp_out.data_ptr(),
+            _LP_KINDS[None if lp_out is None else lp_out.dtype], numel, inv_grad_scale, ctypes.byref(scalars), threads,
+        )  # fmt: skip
+        if status == -2:  # the checks above make this unreachable; a library out of step with this file is not
+            raise RuntimeError(f"{self.path} refused rule {rule!r} or its dtypes: rebuild it")
 
     def __call__(
         self,
@@ -154,21 +269,8 @@ class HostAdamKernel:
         for t in (param, grad, exp_avg, exp_avg_sq):
             if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != numel:
                 raise ValueError("host_adam needs contiguous fp32 CPU tensors of one size")
-        if lp_out is not None and (
-            lp_out.dtype not in _LP_KINDS
-            or lp_out.device.type != "cpu"
-            or not lp_out.is_contiguous()
-            or lp_out.numel() != numel
-        ):
-            raise ValueError("lp_out must be a contiguous bf16, fp16 or fp32 CPU tensor with as many elements as param")
-        constants = step_constants(step, lr, beta1, beta2, eps, weight_decay, decoupled, inv_grad_scale)
-        threads = threads or torch.get_num_threads()
-        threads = max(1, min(threads, math.ceil(numel / MIN_ELEMENTS_PER_THREAD)))
-        self._fn(
-            param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-            None if lp_out is None else lp_out.data_ptr(), _LP_KINDS[None if lp_out is None else lp_out.dtype],
-            numel, *constants, threads,
-        )  # fmt: skip
+        hyper = Hyper(lr, beta1, beta2, eps, weight_decay, decoupled)
+        self.update("adam", param, grad, (exp_avg, exp_avg_sq), step, hyper, inv_grad_scale, lp_out, threads)
 
 
 def step_constants(
@@ -181,9 +283,9 @@ def step_constants(
     decoupled: bool,
     inv_grad_scale: float = 1.0,
 ) -> tuple[float | int, ...]:
-    """The scalar arguments of ``dos_host_adam`` between ``numel`` and ``threads`` (``inv_scale`` to
-    ``neg_step_size``), derived as torch's kernel derives them: in double, rounded to float where used. The
-    arguments are those of :func:`host_adam`."""
+    """Adam's scalars: ``inv_scale``, then :class:`Step`'s Adam fields from ``decoupled`` to ``neg_step_size``
+    (Adam's loop reads no others), derived as torch's kernel derives them: in double, rounded to float where used.
+    The arguments are those of :func:`host_adam`."""
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     lerp_weight = 1 - beta1
@@ -290,12 +392,6 @@ def host_adam(
     )  # fmt: skip
 
 
-def supports(rule: str, master_dtype: torch.dtype, state_dtype: torch.dtype) -> bool:
-    """Whether the compiled kernel runs ``rule`` with master weights (and gradients) in ``master_dtype`` and
-    states in ``state_dtype``."""
-    return rule == "adam" and master_dtype == torch.float32 and state_dtype == torch.float32
-
-
 def host_update(
     rule: str,
     param: torch.Tensor,
@@ -307,26 +403,82 @@ def host_update(
     lp_out: torch.Tensor | None = None,
     threads: int | None = None,
 ) -> None:
-    """One step of ``rule`` (an ``UpdateRule`` name) over contiguous CPU tensors, unscale and cast in the same
-    pass; states in the rule's order. Arguments otherwise as for :func:`host_adam`."""
-    if not supports(rule, param.dtype, states[0].dtype if states else param.dtype):
-        raise ValueError(f"the compiled host kernel does not run {rule} in {param.dtype}")
+    """One step of ``rule`` over contiguous CPU tensors, with the unscale and the cast in the same pass.
+
+    Computes, for every element, what ``RULES[rule].torch_update`` computes on this CPU (bit for bit; Adam: on
+    torch's vector body, see host_adam.c), from the gradient multiplied by ``inv_grad_scale`` in fp32 (the gradient
+    itself is left as it came). bf16 master weights, gradient or states are loaded into fp32, computed as fp32 ones
+    are, and stored rounded to nearest even; the copy in ``lp_out`` is cast from the stored master weights
+    (DeepSpeed copies its 16-bit partition from them). The caller checks :func:`available` (and :func:`supports`)
+    first.
+
+    Args:
+        rule: the :attr:`UpdateRule.name` (``adam``, ``adagrad`` or ``lion``).
+        param: master weights, fp32 or bf16, updated in place.
+        grad: gradient of ``param``'s dtype, read only.
+        states: the rule's state tensors in :attr:`UpdateRule.states` order, all fp32, or all bf16 with bf16
+            ``param``; updated in place.
+        step: the step number being applied (1 for the first): Adam's bias correction, Adagrad's lr decay.
+        hyper: the param group's hyperparameters (each rule reads its own).
+        inv_grad_scale: what the gradient is multiplied by (1 / DeepSpeed's combined scale); 1.0 for none.
+        lp_out: contiguous bf16, fp16 or fp32 CPU tensor of as many elements, or None for no copy.
+        threads: threads to split the elements over (default: torch's intra-op count; fewer for small
+            tensors, :data:`MIN_ELEMENTS_PER_THREAD` each at least).
+
+    Raises:
+        RuntimeError: the compiled kernel is unavailable (see :func:`unavailable_reason`).
+        ValueError: an unknown rule, or a tensor the kernel does not take (see :func:`supports`); nothing has
+            been changed.
+    """
+    if _load() is None:
+        raise RuntimeError(f"the compiled host update kernel is unavailable: {_failure}")
+    _check(rule, param, grad, states, lp_out)
     h = hyper
-    host_adam(param, grad, *states, step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled,
-              inv_grad_scale, lp_out, threads)  # fmt: skip
+    torch.ops.lightning_dos.host_update(
+        rule, param, grad, list(states), float(step), h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled,
+        h.lr_decay, inv_grad_scale, lp_out, threads or 0,
+    )  # fmt: skip
 
 
 def _host_adam_op(*args: object) -> None:
     _load()(*args)  # host_adam checked that it loads
 
 
-#: The op's schema, in the order of :func:`host_adam`'s arguments: (a!) marks what the kernel writes; the
-#: gradient is read only.
+def _host_update_op(
+    rule: str,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    states: list[torch.Tensor],
+    step: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    lr_decay: float,
+    inv_grad_scale: float,
+    lp_out: torch.Tensor | None,
+    threads: int,
+) -> None:
+    hyper = Hyper(lr, beta1, beta2, eps, weight_decay, decoupled, lr_decay)
+    _load().update(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, threads or None)
+
+
+#: The ops' schemas, in the order of :func:`host_adam`'s and :func:`host_update`'s arguments (the hyperparameters
+#: spelled out): (a!) marks what the kernel writes (every state tensor of the list); the gradient is read only.
 OP_SCHEMA = (
     "host_adam(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, float step, float lr, "
     "float beta1, float beta2, float eps, float weight_decay, bool decoupled, float inv_grad_scale, "
     "Tensor(d!)? lp_out, int threads) -> ()"
 )
+UPDATE_OP_SCHEMA = (
+    "host_update(str rule, Tensor(a!) param, Tensor grad, Tensor(b!)[] states, float step, float lr, float beta1, "
+    "float beta2, float eps, float weight_decay, bool decoupled, float lr_decay, float inv_grad_scale, "
+    "Tensor(c!)? lp_out, int threads) -> ()"
+)
 _ops = torch.library.Library("lightning_dos", "FRAGMENT")  # kept: the registration lasts as long as this object
 _ops.define(OP_SCHEMA)
 _ops.impl("host_adam", _host_adam_op, "CPU")
+_ops.define(UPDATE_OP_SCHEMA)
+_ops.impl("host_update", _host_update_op, "CPU")

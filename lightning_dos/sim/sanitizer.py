@@ -52,6 +52,8 @@ HOST, DS_REDUCE, DS_ALLGATHER = 100, 101, 102
 NAMES = {**STREAM_NAMES, HOST: "host", DS_REDUCE: "deepspeed.reduce", DS_ALLGATHER: "deepspeed.allgather"}
 
 
+#: The compiled one-pass host update (``native``): the rule's step and, when ``lp_out`` is given, the 16-bit cast.
+HOST_UPDATE_OPS = ("host_adam", "host_update")
 #: Ops that only allocate memory: no work for the replay.
 ALLOCATIONS = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"})
 
@@ -383,9 +385,12 @@ class StreamSanitizer:
         reads: list[torch.Tensor] = []
         writes: list[torch.Tensor] = []
         blocking = True
+        lp_out = None
         for argument, value in self._zip_arguments(schema, args, kwargs):
             if argument.name == "non_blocking":
                 blocking = not value
+            if argument.name == "lp_out":
+                lp_out = value
             alias = argument.alias_info
             if alias is not None and not alias.is_write:
                 continue  # a view: metadata only
@@ -411,8 +416,7 @@ class StreamSanitizer:
         op = schema.name.split("::")[-1]
         self._launch(stream, op, reads, writes + fresh, where=_caller())
         logged = [self._classify(op, stream, reads, writes + fresh)]
-        if op == "host_adam" and len(writes) == 4:  # the compiled one-pass update also casts into lp_out
-            lp_out = writes[3]
+        if op in HOST_UPDATE_OPS and lp_out is not None:  # the compiled one-pass update also casts into lp_out
             logged.append(LoggedOp("op", stream, "host_cast", lp_out.numel(), lp_out.numel() * FP32_BYTES))
         operation = self._sim.operation if self._sim is not None else None
         self.log.extend(dataclasses.replace(one, sub_group=operation[1]) if operation else one for one in logged)
@@ -426,7 +430,7 @@ class StreamSanitizer:
         elements = max((t.numel() for t in writes), default=0)
         if op in ALLOCATIONS:
             return LoggedOp("op", stream, "alloc")
-        if op.startswith("_fused_adam") or op == "host_adam":  # torch's kernels, or the compiled one-pass update
+        if op.startswith("_fused_adam") or op in HOST_UPDATE_OPS:  # torch's kernels, or the compiled one-pass update
             lane = "host_adam" if stream == HOST else "device_adam"
             return LoggedOp("op", stream, lane, elements=sum(t.numel() for t in _tensors(writes[:1])))
         if op == "copy_" and writes and reads:
