@@ -8,11 +8,13 @@ import pytest
 
 from lightning_dos.cli import main
 from lightning_dos.engine.perfmodel import HardwareRates, choose_plan
+from lightning_dos.engine.plan import Place, Plan
+from lightning_dos.engine.update_rules import ADAGRAD, ADAM, ADAM_FP32, LION, Footprint
 from lightning_dos.profiles import load_profile
 from lightning_dos.sim.replay import replay
 from lightning_dos.sim.sanitizer import HOST, LoggedOp
 from lightning_dos.sim.simstreams import D2H, H2D
-from lightning_dos.sim.simulate import auto_plan, simulate, sub_group_sizes
+from lightning_dos.sim.simulate import auto_plan, copy_bytes, engine_log, rescale_copies, simulate, sub_group_sizes
 
 RATES = HardwareRates(1e9, 1e10, 1e11, 50e9, 50e9, 25e9, 20e9)
 
@@ -88,3 +90,69 @@ def test_simulate_refuses_bad_settings(capsys) -> None:  # noqa: ANN001
     assert main(["simulate", "--params", "7e9", "--gpu-fraction", "2"]) == 2
     assert "gpu_fraction" in capsys.readouterr().err
     assert main(["simulate", "--params", "7e9", "--profile", "nope"]) == 2
+
+
+# -- every optimizer rule and dtype (issue 21) --------------------------------------------------------------------
+
+
+def test_the_engines_own_copies_are_exactly_adam_fp32s_footprint() -> None:
+    """The copies the engine issues for Adam in fp32 carry exactly the bytes its Footprint counts: the factor
+    ``rescale_copies`` applies to the engine's own log is 1 for every streamed and resident sub-group. (Once the
+    engine takes the rule, the same holds for every rule and dtype; the factor then stays 1.)"""
+    sizes = [64] * 4
+    plan = Plan((Place.RESIDENT, Place.DEVICE, Place.DEVICE, Place.HOST), device_buffers=2)
+    log, scale, races = engine_log(sizes, plan, 2)
+    expected = copy_bytes(plan, sizes, ADAM_FP32, 2, lp_downloads=False)
+    _, factors = rescale_copies(log, expected)
+    assert races == 0 and scale == 1.0
+    assert set(factors) == {(0, "upload"), (1, "upload"), (1, "download"), (2, "upload"), (2, "download")}
+    assert all(f == 1.0 for f in factors.values()), factors
+
+
+@pytest.mark.parametrize(
+    ("footprint", "up", "down"),
+    [
+        (Footprint(ADAM, 2, 2), 8, 6),
+        (Footprint(LION), 12, 8),
+        (Footprint(ADAGRAD), 12, 8),
+        (Footprint(ADAM, 2, 4), 12, 10),
+    ],
+    ids=["adam bf16", "lion fp32", "adagrad fp32", "adam bf16 master fp32 states"],
+)
+def test_each_rule_and_dtype_replays_its_own_bytes_and_agrees_with_the_model(footprint, up, down) -> None:  # noqa: ANN001
+    rates, meta = load_profile("paper-h100x4")
+    sizes = sub_group_sizes(20_000_000_000, meta["gpus_per_node"], 100_000_000)
+    plan = auto_plan(sizes, rates, 2, int(0.9 * meta["device_free_bytes"]), footprint=footprint)
+    result = simulate(sizes, plan, rates, 2, footprint=footprint)
+    streamed = sum(sizes[i] for i in plan.streamed_indices)
+    host = sum(sizes[i] for i in plan.host_indices)
+    assert result.replayed.h2d_bytes == pytest.approx(up * streamed + 2 * host, rel=1e-3)
+    assert result.replayed.d2h_bytes == pytest.approx(down * streamed, rel=1e-3)
+    assert result.predicted.h2d_bytes == up * streamed + 2 * host and result.predicted.d2h_bytes == down * streamed
+    assert result.races == 0
+    assert result.ratio == pytest.approx(1.0, abs=0.10), (result.replayed.time_s, result.predicted.time_s)
+
+
+def test_simulate_command_takes_the_optimizer_and_dtypes(tmp_path, capsys) -> None:  # noqa: ANN001
+    trace = str(tmp_path / "sim.json")
+    args = ["simulate", "--params", "20e9", "--trace", trace, "--json"]
+    assert main(args) == 0
+    adam = json.loads(capsys.readouterr().out)
+    assert main([*args, "--master-dtype", "bf16", "--state-dtype", "bf16"]) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert (adam["optimizer"], adam["master_dtype"], adam["state_dtype"]) == ("adam", "fp32", "fp32")
+    assert (bf16["master_dtype"], bf16["state_dtype"]) == ("bf16", "bf16")
+    assert bf16["bytes_per_element"] == {
+        "host_state": 6, "streamed_up": 8, "streamed_down": 6, "resident_up": 2, "device": 8
+    }  # fmt: skip
+    # Half the bytes per streamed element: more of the model streams, and the update is shorter.
+    assert bf16["plan"]["streamed"] >= adam["plan"]["streamed"] and bf16["update_s"] < adam["update_s"]
+    assert main([*args, "--optimizer", "lion", "--budget", "25.6e9"]) == 0
+    lion = json.loads(capsys.readouterr().out)
+    resident = lion["plan"]["resident"]
+    assert resident > 0 and lion["held_between_updates_bytes"] == 12 * resident * 100_000_000
+    assert main([*args, "--state-dtype", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "--state-dtype bf16 needs --master-dtype bf16" in err
+    assert main([*args, "--optimizer", "sgd"]) == 2
+    assert "adam, adamw, adagrad, lion" in capsys.readouterr().err

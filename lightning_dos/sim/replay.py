@@ -12,8 +12,9 @@ The model:
 - one **copy engine per direction** (uploads on ``h2d`` and ``lp_h2d`` share one, downloads use the other)
   serves one copy at a time, at the profile's solo rate, or its duplex rate while the other direction is
   busy too (rates change as copies start and end);
-- the **compute stream** runs device Adam at ``device_adam_eps``; other device kernels (the 16-bit cast,
-  gradient scaling) are memory-bound and run at that rate scaled by the bytes each element moves.
+- the **compute stream** runs the device update at ``device_adam_eps`` (scaled to the optimizer's rule and
+  dtypes, :func:`~lightning_dos.engine.perfmodel.rates_for`); other device kernels (the 16-bit cast, gradient
+  scaling) are memory-bound and run at the bandwidth device Adam implies, by the bytes each element moves.
 
 Sizes scale: every logged amount is multiplied by ``scale``, so a test-sized run replays as the real model.
 The figures are simulated, not measured.
@@ -28,13 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_dos.engine.perfmodel import HardwareRates
+from lightning_dos.engine.perfmodel import HardwareRates, rates_for, update_bytes
+from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
 from lightning_dos.sim.sanitizer import HOST, LoggedOp
 
-#: Bytes one element of device Adam moves (fp32 param, grad, two moments read; param and moments written).
-DEVICE_ADAM_BYTES = 28
-#: Bytes per element of other device kernels: the cast reads fp32 and writes 16 bits; scaling reads and writes fp32.
-DEVICE_KERNEL_BYTES = {"cast": 6, "device_elementwise": 8}
 COPY_LANES = {"upload": "h2d", "lp_upload": "h2d", "download": "d2h"}
 _EPS = 1e-15
 
@@ -83,6 +81,17 @@ class _Item:
     remaining: float = 0.0
     started: float = -1.0
     sub_group: int = -1
+
+
+def device_kernel_bytes(lane: str, footprint: Footprint = ADAM_FP32, lp_bytes: int = 2) -> int:
+    """Bytes per element a device kernel of ``lane`` moves for ``footprint``: the update reads the gradient and
+    reads and writes master weights and states (28 for Adam in fp32: ``perfmodel.update_bytes``), the cast reads
+    master weights and writes ``lp_bytes``, any other kernel (gradient scaling) reads and writes the gradient."""
+    if lane == "device_adam":
+        return update_bytes(footprint)
+    if lane == "cast":
+        return footprint.master + lp_bytes
+    return 2 * footprint.master
 
 
 class _Device:
@@ -175,16 +184,18 @@ class _Device:
         return all(not q for q in queues)
 
 
-def _kernel_seconds(lane: str, elements: float, rates: HardwareRates) -> float:
+def _kernel_seconds(lane: str, elements: float, rates: HardwareRates, footprint: Footprint) -> float:
+    """Seconds of a device kernel; ``rates`` in the unit profiles keep (Adam with fp32 state)."""
     if lane == "device_adam":
-        return elements / rates.device_adam_eps
-    per_element = DEVICE_KERNEL_BYTES.get(lane, DEVICE_KERNEL_BYTES["device_elementwise"])
-    return elements / (rates.device_adam_eps * DEVICE_ADAM_BYTES / per_element)
+        return elements / rates_for(rates, footprint).device_adam_eps
+    # Device Adam's elements/s times its bytes per element: the device's memory bandwidth.
+    bandwidth = rates.device_adam_eps * update_bytes(ADAM_FP32)
+    return elements * device_kernel_bytes(lane, footprint) / bandwidth
 
 
-def _host_seconds(lane: str, elements: float, rates: HardwareRates) -> float:
+def _host_seconds(lane: str, elements: float, rates: HardwareRates, footprint: Footprint) -> float:
     if lane == "host_adam":
-        return elements / rates.host_adam_eps
+        return elements / rates_for(rates, footprint).host_adam_eps
     if lane == "host_cast":
         return elements / rates.host_cast_eps
     # The gradient's unscale is part of the one-pass host update whose rate host_adam_eps is (calibrate
@@ -192,8 +203,12 @@ def _host_seconds(lane: str, elements: float, rates: HardwareRates) -> float:
     return 0.0
 
 
-def replay(log: Sequence[LoggedOp], rates: HardwareRates, scale: float = 1.0) -> ReplayResult:
-    """Replay ``log`` on the node ``rates`` describes, every amount multiplied by ``scale``."""
+def replay(
+    log: Sequence[LoggedOp], rates: HardwareRates, scale: float = 1.0, *, footprint: Footprint = ADAM_FP32
+) -> ReplayResult:
+    """Replay ``log`` on the node ``rates`` describes, every amount multiplied by ``scale``; ``footprint`` is the
+    optimizer's rule and dtypes the logged engine ran (its update rates and kernel bytes; copies move the bytes
+    logged)."""
     if rates.device_adam_eps <= 0:
         raise ValueError("replay needs a profile with an accelerator (device_adam_eps > 0)")
     device = _Device(rates)
@@ -203,7 +218,7 @@ def replay(log: Sequence[LoggedOp], rates: HardwareRates, scale: float = 1.0) ->
     h2d_bytes = d2h_bytes = 0.0
     for entry in log:
         if entry.kind == "op" and entry.stream == HOST:
-            seconds = _host_seconds(entry.lane, entry.elements * scale, rates)
+            seconds = _host_seconds(entry.lane, entry.elements * scale, rates, footprint)
             if seconds > 0:
                 span = ReplaySpan(entry.lane, "host", host_t, host_t + seconds, entry.elements * scale, entry.sub_group)
                 host_spans.append(span)
@@ -221,7 +236,7 @@ def replay(log: Sequence[LoggedOp], rates: HardwareRates, scale: float = 1.0) ->
                 continue
             else:
                 amount = entry.elements * scale
-                work = _kernel_seconds(entry.lane, amount, rates)
+                work = _kernel_seconds(entry.lane, amount, rates, footprint)
             item = _Item("op", host_t, entry.lane, amount, remaining=work, sub_group=entry.sub_group)
             device.submit(entry.stream, item)
         elif entry.kind in ("record", "wait"):
