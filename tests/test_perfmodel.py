@@ -265,3 +265,40 @@ def test_rate_estimator_keeps_adam_units_for_an_engine_running_another_rule() ->
     # Lion's spans showed 70 G elements/s: kept as the Adam-equivalent rate, given back for Lion.
     assert rates_for(est.rates, LION_FP32).device_adam_eps == pytest.approx(70e9, rel=1e-6)
     assert est.rates.device_adam_eps == pytest.approx(70e9 * 20 / 28, rel=1e-6)
+
+
+FOOTPRINTS = st.sampled_from([ADAM_FP32, BF16_ADAM, LION_FP32, ADAGRAD_FP32, Footprint(ADAM, 2, 4)])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rates=rates_strategy(),
+    sizes=st.one_of(
+        st.integers(1, 6).map(lambda n: [1000] * n),  # equal sizes: the quadratic scan
+        st.lists(st.sampled_from([250, 400, 1000]), min_size=1, max_size=5),  # uneven: exhaustive
+    ),
+    resident=st.booleans(),
+    budget_units=st.integers(0, 7),
+    footprint=FOOTPRINTS,
+)
+def test_chosen_plan_matches_brute_force_for_every_rule_and_dtype(
+    rates: HardwareRates, sizes: list[int], resident: bool, budget_units: int, footprint: Footprint
+) -> None:
+    """The search is exact for every footprint, in that footprint's own device bytes."""
+    budget = budget_units * footprint.device * 1000
+    places = (Place.HOST, Place.DEVICE, Place.RESIDENT) if resident else (Place.HOST, Place.DEVICE)
+    best = min(
+        predict(sizes, plan, rates, 2, footprint=footprint).time_s
+        for combo in itertools.product(places, repeat=len(sizes))
+        for buffers in range(1, 5)
+        if device_bytes(sizes, plan := Plan(combo, buffers), footprint=footprint) <= budget
+    )
+    plan, prediction = choose_plan(sizes, rates, budget, 2, allow_resident=resident, footprint=footprint)
+    assert prediction.time_s == pytest.approx(best, rel=1e-9)
+    assert prediction.peak_device_bytes == device_bytes(sizes, plan, footprint=footprint) <= budget
+    # The floor, searched at this plan's streamed share too, is below it (without resident state, which the
+    # floor counts only within a budget).
+    if not resident:
+        share = sum(sizes[i] for i in plan.streamed_indices) / sum(sizes)
+        _, t_floor = floor(sum(sizes), rates, 2, shares=[(share, 0.0)], footprint=footprint)
+        assert t_floor <= prediction.time_s * (1 + 1e-9)
