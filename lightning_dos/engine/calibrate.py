@@ -71,14 +71,18 @@ HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, d
 _DTYPES = {4: torch.float32, 2: torch.bfloat16}
 
 
-def measured_footprint(footprint: Footprint) -> Footprint:
-    """The rule and dtypes calibration times for an engine running ``footprint``.
+#: The engine's update for any rule and dtypes, ``apply_update(rule, param, grad, states, step, hyper,
+#: inv_grad_scale=1.0, lp_out=None)``; None until the kernels have it, and calibration then times Adam with
+#: fp32 state (which the model scales to other rules). TODO(issue 21): once ``kernels.apply_update`` lands, this
+#: line becomes ``from lightning_dos.engine.kernels import apply_update as APPLY_UPDATE`` (nothing else changes).
+APPLY_UPDATE: Callable[..., None] | None = None
 
-    Its own, where the kernels run it; until then Adam with fp32 state, which the performance model scales to
-    ``footprint`` by bytes per element (:func:`~lightning_dos.engine.perfmodel.rates_for`).
-    TODO(issue 21, once ``kernels.apply_update`` runs every rule and dtype): ``return footprint``.
-    """
-    return ADAM_FP32
+
+def measured_footprint(footprint: Footprint) -> Footprint:
+    """The rule and dtypes calibration times for an engine running ``footprint``: its own where the kernels run
+    every rule (:data:`APPLY_UPDATE`); Adam with fp32 state otherwise, which the performance model scales to
+    ``footprint`` by bytes per element (:func:`~lightning_dos.engine.perfmodel.rates_for`)."""
+    return footprint if APPLY_UPDATE is not None else ADAM_FP32
 
 
 def _buffers(footprint: Footprint, numel: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -100,16 +104,18 @@ def _update(
     param, grad, *states = buffers
     step = step_tensor(1, param.device)
     factor = [2.0]
-    if footprint != ADAM_FP32:  # see measured_footprint
+    if APPLY_UPDATE is None and footprint != ADAM_FP32:  # see measured_footprint
         raise NotImplementedError(f"calibration times Adam with fp32 state only, not {footprint}")
-    # TODO(issue 21): the swap, once kernels.apply_update lands (and measured_footprint returns its argument):
-    #   host:   apply_update(footprint.rule, param, grad, states, step, HYPER, factor[0], lp)
-    #   device: apply_update(footprint.rule, param, grad, states, step, HYPER)
 
     def run() -> None:
         # The unscale factor alternates so repeated samples neither shrink the gradient towards denormals nor grow it.
         factor[0] = 1.0 / factor[0]
-        if host:
+        if APPLY_UPDATE is not None:
+            if host:
+                APPLY_UPDATE(footprint.rule, param, grad, states, step, HYPER, factor[0], lp)
+            else:
+                APPLY_UPDATE(footprint.rule, param, grad, states, step, HYPER)
+        elif host:
             fused_host_update(param, grad, *states, step, HYPER, factor[0], lp)
         else:
             adam_update(param, grad, *states, step, HYPER)
