@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from lightning_dos.engine import kernels
 from lightning_dos.engine.kernels import AdamHyper, adam_update, fused_host_update, step_tensor
 from lightning_dos.engine.perfmodel import HardwareRates, adam_equivalent
 from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
@@ -71,11 +72,11 @@ HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, d
 _DTYPES = {4: torch.float32, 2: torch.bfloat16}
 
 
-#: The engine's update for any rule and dtypes, ``apply_update(rule, param, grad, states, step, hyper,
-#: inv_grad_scale=1.0, lp_out=None)``; None until the kernels have it, and calibration then times Adam with
-#: fp32 state (which the model scales to other rules). TODO(issue 21): once ``kernels.apply_update`` lands, this
-#: line becomes ``from lightning_dos.engine.kernels import apply_update as APPLY_UPDATE`` (nothing else changes).
-APPLY_UPDATE: Callable[..., None] | None = None
+#: The engine's update for any rule and dtypes, ``kernels.apply_update(rule, param, grad, states, step, hyper,
+#: inv_grad_scale=1.0, lp_out=None)``. Where the kernels do not have it (before issue 21's generic kernels),
+#: None: calibration then times Adam with fp32 state, which the model scales to other rules.
+#: TODO(issue 21): once merged with the generic kernels, ``from lightning_dos.engine.kernels import apply_update``.
+APPLY_UPDATE: Callable[..., None] | None = getattr(kernels, "apply_update", None)
 
 
 def measured_footprint(footprint: Footprint) -> Footprint:

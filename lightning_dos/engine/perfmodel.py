@@ -333,6 +333,9 @@ def _scan(
     early where the device side alone, which only grows with ``r`` and ``k``, already takes longer than the best.
     ``rates`` are already those of ``footprint`` (:func:`rates_for`)."""
     fp = footprint
+    # Bytes per element as locals: the inner loop below is the planner's hot path.
+    streamed_up_b, streamed_down_b = fp.streamed_up, fp.streamed_down
+    resident_up_b, device_b = fp.resident_up, fp.device
     per_element = 1.0 / rates.host_adam_eps + 1.0 / rates.host_cast_eps
     up, down, adam = rates.duplex_h2d_bps, rates.duplex_d2h_bps, rates.device_adam_eps
     fastest_up, fastest_down = max(up, rates.h2d_bps), max(down, rates.d2h_bps)
@@ -341,7 +344,7 @@ def _scan(
         chosen = set(resident_order[:r])
         resident = [sizes[i] for i in sorted(chosen)]
         resident_elements = sum(resident)
-        free = None if budget_bytes is None else budget_bytes - fp.device * resident_elements
+        free = None if budget_bytes is None else budget_bytes - device_b * resident_elements
         if free is not None and free < 0:
             continue
         alone, start = _resident_lane(resident, rates.h2d_bps, adam, fp), _resident_lane(resident, up, adam, fp)
@@ -350,7 +353,7 @@ def _scan(
         rest = [sizes[i] for i in stream_order if i not in chosen]
         rest_elements = sum(rest)
         # k = 0: nothing streams, so the link runs one way at its own rate.
-        up_bytes = fp.resident_up * resident_elements + lp_bytes * rest_elements
+        up_bytes = resident_up_b * resident_elements + lp_bytes * rest_elements
         lower = max(*alone, rest_elements * per_element, up_bytes / rates.h2d_bps)
         if lower < best[0]:  # only then is the host lane's upload end worth a pass
             lp_free_alone = _host_tail(rest, per_element, lp_bytes / rates.h2d_bps)[1][0]
@@ -362,17 +365,17 @@ def _scan(
             fitting = [max_buffers] * len(rest)
         else:
             largest = itertools.accumulate(rest, max)
-            fitting = [min(max_buffers, free // (fp.device * max(1, n))) for n in largest]
+            fitting = [min(max_buffers, free // (device_b * max(1, n))) for n in largest]
         for buffers in sorted(set(fitting) - {0}):
             streamed_up = streamed = 0
             for k, done in enumerate(_streamed_lane(start, rest, buffers, up, down, adam, fp), start=1):
                 streamed += rest[k - 1]
-                streamed_up = up_bytes + (fp.streamed_up - lp_bytes) * streamed
+                streamed_up = up_bytes + (streamed_up_b - lp_bytes) * streamed
                 # The device lane and every byte over the link at its fastest rate only grow with k.
-                device_lower = max(done, streamed_up / fastest_up, fp.streamed_down * streamed / fastest_down)
+                device_lower = max(done, streamed_up / fastest_up, streamed_down_b * streamed / fastest_down)
                 if fitting[k - 1] < buffers or device_lower >= best[0]:
                     break
-                link_s = link_seconds(streamed_up, fp.streamed_down * streamed, rates)
+                link_s = link_seconds(streamed_up, streamed_down_b * streamed, rates)
                 time_s = max(done, link_s, host_s[k], lp_free[k])
                 if time_s < best[0]:
                     best = (time_s, r, k, min(buffers, k))
