@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -156,3 +157,38 @@ def test_simulate_command_takes_the_optimizer_and_dtypes(tmp_path, capsys) -> No
     assert "--state-dtype bf16 needs --master-dtype bf16" in err
     assert main([*args, "--optimizer", "sgd"]) == 2
     assert "adam, adamw, adagrad, lion" in capsys.readouterr().err
+
+
+def test_a_sub_groups_update_is_charged_once_at_the_rules_rate_however_many_kernels_ran_it() -> None:
+    """torch's path for a rule or dtype the host kernel does not compile runs conversions and a kernel per term;
+    a tiled path runs the update in pieces; the compiled pass is one operation. The replay charges each
+    sub-group's update once at the rule's rate (the rate calibration measured for the whole update), plus one
+    cast of its elements."""
+    n, lion = 1_000_000, Footprint(LION)
+    compiled = [
+        LoggedOp("op", HOST, "host_adam", elements=n, sub_group=0),
+        LoggedOp("op", HOST, "host_cast", n, sub_group=0),
+    ]
+    torch_path = [
+        *(LoggedOp("op", HOST, "host_cast", n, sub_group=0) for _ in range(3)),  # bf16 -> fp32 conversions
+        *(LoggedOp("op", HOST, "host_elementwise", n, sub_group=0) for _ in range(9)),  # one kernel per term
+        LoggedOp("op", HOST, "host_cast", n, sub_group=0),
+    ]
+    tiled = [LoggedOp("op", HOST, "host_adam", elements=n // 4, sub_group=0) for _ in range(4)]
+    tiled.append(LoggedOp("op", HOST, "host_cast", n, sub_group=0))
+    expected = n * 20 / 28 / RATES.host_adam_eps + n / RATES.host_cast_eps  # Lion fp32 touches 20 bytes, Adam 28
+    for log in (compiled, torch_path, tiled):
+        assert replay(log, RATES, footprint=lion).time_s == pytest.approx(expected)
+    # On the device: the update at the rule's device rate, the cast at the bandwidth Adam's rate implies.
+    device = [
+        *(LoggedOp("op", 0, "device_elementwise", n, sub_group=3) for _ in range(9)),
+        LoggedOp("op", 0, "cast", n, sub_group=3),
+    ]
+    update_s = n * 20 / 28 / RATES.device_adam_eps
+    cast_s = n * (4 + 2) / (RATES.device_adam_eps * 28)
+    assert replay(device, RATES, footprint=lion).time_s == pytest.approx(update_s + cast_s)
+    # Two sub-groups are two updates; operations of no sub-group are charged as they are.
+    two = [*compiled, *(replace(op, sub_group=1) for op in compiled)]
+    assert replay(two, RATES, footprint=lion).time_s == pytest.approx(2 * expected)
+    loose = [LoggedOp("op", HOST, "host_adam", elements=n), LoggedOp("op", HOST, "host_adam", elements=n)]
+    assert replay(loose, RATES).time_s == pytest.approx(2 * n / RATES.host_adam_eps)

@@ -14,7 +14,10 @@ The model:
   busy too (rates change as copies start and end);
 - the **compute stream** runs the device update at ``device_adam_eps`` (scaled to the optimizer's rule and
   dtypes, :func:`~lightning_dos.engine.perfmodel.rates_for`); other device kernels (the 16-bit cast, gradient
-  scaling) are memory-bound and run at the bandwidth device Adam implies, by the bytes each element moves.
+  scaling) are memory-bound and run at the bandwidth device Adam implies, by the bytes each element moves;
+- each sub-group's update is charged once per side, at the rule's rate, however many kernels the engine ran
+  it in (:func:`one_update_per_sub_group`): the compiled host pass is one, torch's path for a rule or dtype
+  is several (conversions, one kernel per term), and the calibrated rate is that of the whole update.
 
 Sizes scale: every logged amount is multiplied by ``scale``, so a test-sized run replays as the real model.
 The figures are simulated, not measured.
@@ -23,9 +26,9 @@ The figures are simulated, not measured.
 from __future__ import annotations
 
 import json
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +206,48 @@ def _host_seconds(lane: str, elements: float, rates: HardwareRates, footprint: F
     return 0.0
 
 
+#: Lanes of a sub-group's update computation, per side: (the update, its 16-bit cast, the rest of its kernels).
+UPDATE_LANES = {
+    True: ("host_adam", "host_cast", "host_elementwise"),
+    False: ("device_adam", "cast", "device_elementwise"),
+}
+
+
+def one_update_per_sub_group(log: Sequence[LoggedOp]) -> list[LoggedOp]:
+    """``log`` with each sub-group's update computation on each side (host, device) as one update and one cast
+    of its elements, where its first update and first cast operation were; its other kernels are dropped.
+
+    The performance model and calibration time the engine's update of a sub-group as a whole (the compiled host
+    pass unscales, updates and casts in one; torch's path for a rule or dtype runs conversions and one kernel per
+    term, and a gradient-scaling kernel on the device), so the replay charges it so too. The sub-group's elements:
+    the largest operation's, or the sum of its update operations' where the update ran in tiles. Operations of no
+    sub-group are left as they are."""
+    elements: dict[tuple[bool, int], int] = defaultdict(int)
+    updates: dict[tuple[bool, int], int] = defaultdict(int)
+    for entry in log:
+        host = entry.stream == HOST
+        if entry.kind == "op" and entry.sub_group >= 0 and entry.lane in UPDATE_LANES[host]:
+            key = (host, entry.sub_group)
+            elements[key] = max(elements[key], entry.elements)
+            if entry.lane == UPDATE_LANES[host][0]:
+                updates[key] += entry.elements
+    out: list[LoggedOp] = []
+    seen: set[tuple[bool, int, str]] = set()
+    for entry in log:
+        host = entry.stream == HOST
+        if entry.kind != "op" or entry.sub_group < 0 or entry.lane not in UPDATE_LANES[host]:
+            out.append(entry)
+            continue
+        key = (host, entry.sub_group)
+        update, cast, _ = UPDATE_LANES[host]
+        lane = cast if entry.lane == cast else update
+        if (*key, lane) in seen:
+            continue
+        seen.add((*key, lane))
+        out.append(replace(entry, lane=lane, elements=max(elements[key], updates[key])))
+    return out
+
+
 def replay(
     log: Sequence[LoggedOp], rates: HardwareRates, scale: float = 1.0, *, footprint: Footprint = ADAM_FP32
 ) -> ReplayResult:
@@ -216,7 +261,7 @@ def replay(
     host_busy = 0.0
     host_spans: list[ReplaySpan] = []
     h2d_bytes = d2h_bytes = 0.0
-    for entry in log:
+    for entry in one_update_per_sub_group(log):
         if entry.kind == "op" and entry.stream == HOST:
             seconds = _host_seconds(entry.lane, entry.elements * scale, rates, footprint)
             if seconds > 0:
