@@ -302,3 +302,13 @@ def test_chosen_plan_matches_brute_force_for_every_rule_and_dtype(
         share = sum(sizes[i] for i in plan.streamed_indices) / sum(sizes)
         _, t_floor = floor(sum(sizes), rates, 2, shares=[(share, 0.0)], footprint=footprint)
         assert t_floor <= prediction.time_s * (1 + 1e-9)
+
+
+def test_rate_estimator_reads_update_spans_in_the_master_weights_bytes() -> None:
+    """Under bf16 master weights the engine's update spans carry 2 bytes per element: 100 G elements/s of bf16
+    Adam are 200 GB/s of span bytes, kept as 50 G elements/s of Adam fp32 (14 bytes touched against 28)."""
+    est = RateEstimator(GPU, footprint=BF16_ADAM)
+    for step in range(5):
+        est.observe(_report(step, [Span("device_adam", 0, 0.0, 1.0, int(2 * 100e9))]))
+    assert rates_for(est.rates, BF16_ADAM).device_adam_eps == pytest.approx(100e9, rel=1e-6)
+    assert est.rates.device_adam_eps == pytest.approx(50e9, rel=1e-6)

@@ -563,7 +563,8 @@ class RateEstimator:
         drift: relative mismatch between prediction and measurement that counts as drift.
         patience: consecutive drifting steps before a re-plan is suggested.
         footprint: the engine's rule and dtypes: the update throughputs its spans show are that rule's, and are
-            kept in Adam-with-fp32-state units as every :class:`HardwareRates` keeps them (:func:`adam_equivalent`).
+            kept in Adam-with-fp32-state units as every :class:`HardwareRates` keeps them (:func:`adam_equivalent`);
+            its update spans (``host_adam``, ``device_adam``) carry ``footprint.master`` bytes per element.
     """
 
     def __init__(
@@ -597,13 +598,15 @@ class RateEstimator:
         # The spans time this engine's rule: compare and update them in its own throughputs.
         own = rates_for(rates, self.footprint)
         med = {lane: statistics.median(v) for lane, v in self._lanes.items() if v}
-        if "host_adam" in med:  # nbytes is 4 per element; the span covers the update and the cast
-            per_element = 4.0 / med["host_adam"]
+        # The engine's update spans count the master weights' bytes per element (4, or 2 under bf16 master weights).
+        span_bytes = float(self.footprint.master)
+        if "host_adam" in med:  # the span covers the update and the cast
+            per_element = span_bytes / med["host_adam"]
             cast_share = (1.0 / own.host_cast_eps) / (1.0 / own.host_adam_eps + 1.0 / own.host_cast_eps)
             host = adam_equivalent(replace(own, host_adam_eps=1.0 / (per_element * (1 - cast_share))), self.footprint)
             rates = replace(rates, host_adam_eps=host.host_adam_eps, host_cast_eps=1.0 / (per_element * cast_share))
         if "device_adam" in med:
-            device = adam_equivalent(replace(own, device_adam_eps=med["device_adam"] / 4.0), self.footprint)
+            device = adam_equivalent(replace(own, device_adam_eps=med["device_adam"] / span_bytes), self.footprint)
             rates = replace(rates, device_adam_eps=device.device_adam_eps)
         if "upload" in med:
             rates = replace(rates, duplex_h2d_bps=med["upload"])
