@@ -110,7 +110,8 @@ def child(args: argparse.Namespace) -> None:
         row.update(engine_host_bytes=pool.host_bytes, pinned_bytes=pool.pinned_bytes)
         figure = strategy.dos_host_figure
     else:
-        # Stock has no pre-flight: the same model of DeepSpeed's buffers, its own fp32 state in place of the slabs.
+        # Stock has no pre-flight: the same model of DeepSpeed's buffers, its own master weights and optimizer state
+        # in place of the slabs, in the dtypes the config asks for (preflight.config_footprint; Adam's two moments).
         # One parameter group: without pinning (CPU) grouping changes how sub-groups are cut, not their sum.
         figure = figure_for(
             model,

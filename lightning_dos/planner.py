@@ -3,6 +3,7 @@
 lightning-dos calibrate --out my-node.yaml
 lightning-dos plan --params 20e9 --gpus-per-node 4 --profile paper-h100x4
 lightning-dos plan --recipe recipes/gpt-7b.yaml --profile my-node.yaml --forward-s 0.4 --backward-s 0.9 --json
+lightning-dos plan --params 20e9 --optimizer lion --master-dtype bf16 --state-dtype bf16
 """
 
 from __future__ import annotations
@@ -16,24 +17,108 @@ from typing import Any
 
 import yaml
 
-from lightning_dos.engine.perfmodel import HardwareRates, choose_plan, floor, planning_budget, predict
+from lightning_dos.engine.perfmodel import HardwareRates, choose_plan, floor, planning_budget, predict, rates_for
 from lightning_dos.engine.plan import Place, Plan, auto_sub_group_size, split_into_sub_groups, stride_plan
+from lightning_dos.engine.update_rules import ADAGRAD, ADAM, ADAM_FP32, LION, Footprint, UpdateRule
 from lightning_dos.profiles import load_profile, save_profile
 
 TWINFLOW_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5)
 STRIDES = (2, 3, 4)
+#: ``--optimizer`` choices and the rule each runs (AdamW is Adam's rule with decoupled decay: the same bytes).
+OPTIMIZERS: dict[str, UpdateRule] = {"adam": ADAM, "adamw": ADAM, "adagrad": ADAGRAD, "lion": LION}
+#: ``--master-dtype`` and ``--state-dtype`` choices, and their bytes per element.
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
-def stock_update_s(elements: float, rates: HardwareRates, lp_bytes: int) -> float:
-    """Stock ZeRO-3 offload: for each sub-group, CPU Adam, then a CPU cast and a blocking upload; no overlap."""
+def footprint_of(optimizer: str = "adam", master_dtype: str = "fp32", state_dtype: str = "fp32") -> Footprint:
+    """The bytes per element of ``optimizer`` with master weights and gradients in ``master_dtype`` and its
+    states in ``state_dtype``, as ``plan`` and ``simulate`` take them.
+
+    Raises ValueError naming the option and its valid values: an unknown optimizer or dtype, or bf16 states
+    with fp32 master weights (DeepSpeed requires ``bf16_master_weights_and_grads`` for ``bf16_optimizer_states``).
+    """
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"--optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    for option, value in (("--master-dtype", master_dtype), ("--state-dtype", state_dtype)):
+        if value not in DTYPE_BYTES:
+            raise ValueError(f"{option} {value!r} is not one of {', '.join(DTYPE_BYTES)}")
+    if state_dtype == "bf16" and master_dtype != "bf16":
+        raise ValueError(
+            "--state-dtype bf16 needs --master-dtype bf16 (DeepSpeed's bf16_optimizer_states requires "
+            "bf16_master_weights_and_grads); valid: --master-dtype bf16 --state-dtype bf16|fp32, or "
+            "--master-dtype fp32 --state-dtype fp32"
+        )
+    return Footprint(OPTIMIZERS[optimizer], DTYPE_BYTES[master_dtype], DTYPE_BYTES[state_dtype])
+
+
+def add_footprint_options(parser: argparse.ArgumentParser) -> None:
+    """``--optimizer``, ``--master-dtype`` and ``--state-dtype`` (validated by :func:`footprint_of`)."""
+    parser.add_argument(
+        "--optimizer", default="adam", help=f"the optimizer whose state is offloaded: {', '.join(OPTIMIZERS)}"
+    )
+    parser.add_argument(
+        "--master-dtype",
+        default="fp32",
+        help="master weights and gradients: fp32, or bf16 (DeepSpeed's bf16_master_weights_and_grads)",
+    )
+    parser.add_argument(
+        "--state-dtype",
+        default="fp32",
+        help="optimizer states: fp32, or bf16 (DeepSpeed's bf16_optimizer_states; needs --master-dtype bf16)",
+    )
+
+
+def _footprint_options(args: argparse.Namespace) -> tuple[str, str, str]:
+    """``--optimizer``, ``--master-dtype``, ``--state-dtype`` (their defaults where ``args`` lacks them)."""
+    return (
+        getattr(args, "optimizer", "adam"),
+        getattr(args, "master_dtype", "fp32"),
+        getattr(args, "state_dtype", "fp32"),
+    )
+
+
+def footprint_summary(args: argparse.Namespace, footprint: Footprint) -> dict[str, Any]:
+    """The optimizer, its dtypes and the bytes per element they give, for ``--json``."""
+    optimizer, master, state = _footprint_options(args)
+    return {
+        "optimizer": optimizer,
+        "master_dtype": master,
+        "state_dtype": state,
+        "bytes_per_element": {
+            "host_state": footprint.optimizer_state,
+            "streamed_up": footprint.streamed_up,
+            "streamed_down": footprint.streamed_down,
+            "resident_up": footprint.resident_up,
+            "device": footprint.device,
+        },
+    }
+
+
+def footprint_label(args: argparse.Namespace) -> str:
+    """``Adam, fp32 master and states`` and the like, for titles."""
+    optimizer, master, state = _footprint_options(args)
+    name = {"adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad", "lion": "Lion"}[optimizer]
+    if master == state:
+        return f"{name}, {master} master and states"
+    return f"{name}, {master} master, {state} states"
+
+
+def stock_update_s(elements: float, rates: HardwareRates, lp_bytes: int, *, footprint: Footprint = ADAM_FP32) -> float:
+    """Stock ZeRO-3 offload: for each sub-group, the CPU update, then a CPU cast and a blocking upload; no
+    overlap. The update's rate is the profile's scaled to ``footprint`` (``perfmodel.rates_for``), as DeepSpeed's
+    CPU optimizers too stream their state from memory."""
+    rates = rates_for(rates, footprint)
     return elements * (1 / rates.host_adam_eps + 1 / rates.host_cast_eps + lp_bytes / rates.h2d_bps)
 
 
-def twinflow_update_s(elements: float, gpu_share: float, rates: HardwareRates, lp_bytes: int) -> float:
+def twinflow_update_s(
+    elements: float, gpu_share: float, rates: HardwareRates, lp_bytes: int, *, footprint: Footprint = ADAM_FP32
+) -> float:
     """TwinFlow: a fixed share stays on the GPU (its gradients too), updated there, serially with the host
     sub-groups."""
-    gpu = gpu_share * elements / rates.device_adam_eps if rates.device_adam_eps > 0 else math.inf
-    return stock_update_s((1 - gpu_share) * elements, rates, lp_bytes) + gpu
+    device_eps = rates_for(rates, footprint).device_adam_eps
+    gpu = gpu_share * elements / device_eps if device_eps > 0 else math.inf
+    return stock_update_s((1 - gpu_share) * elements, rates, lp_bytes, footprint=footprint) + gpu
 
 
 def has_accelerator(rates: HardwareRates) -> bool:
@@ -64,7 +149,14 @@ def recipe_parameters(path: str) -> int:
     )
 
 
-def plan_rows(params: int, gpus: int, rates: HardwareRates, meta: dict[str, Any], args: argparse.Namespace) -> dict:
+def plan_rows(
+    params: int,
+    gpus: int,
+    rates: HardwareRates,
+    meta: dict[str, Any],
+    args: argparse.Namespace,
+    footprint: Footprint = ADAM_FP32,
+) -> dict:
     """Every scheme's predicted update for a model of ``params`` on ``gpus`` ranks.
 
     Without ``args.budget`` the rows are what runs by default: "ours (auto)" streams within the profile's
@@ -75,8 +167,10 @@ def plan_rows(params: int, gpus: int, rates: HardwareRates, meta: dict[str, Any]
     TwinFlow and the paper's strides need an accelerator; with a CPU-only profile only stock offload and ours
     are shown. The floor is searched at every shown scheme's device share too, and "ours (auto)" searches a
     superset of the placements shown, so within the device budget no row is below the floor and none is
-    better than ours.
+    better than ours. Every byte count (streamed, held, resident uploads) and update rate is ``footprint``'s,
+    the optimizer's rule and dtypes, for stock offload and TwinFlow as for ours.
     """
+    fp = footprint
     per_rank = params // gpus
     size = auto_sub_group_size(per_rank) if args.sub_group_size == "auto" else int(args.sub_group_size)
     # Cut as the engine cuts a rank's partition: near-equal pieces of at most `size` elements.
@@ -89,32 +183,32 @@ def plan_rows(params: int, gpus: int, rates: HardwareRates, meta: dict[str, Any]
     accelerator = has_accelerator(rates)
     # (scheme, update seconds, device bytes it holds during the update, streamed share, resident share)
     rows: list[tuple[str, float, float, float, float]] = [
-        ("stock ZeRO-3 offload", stock_update_s(per_rank, rates, lp), 0, 0.0, 0.0)
+        ("stock ZeRO-3 offload", stock_update_s(per_rank, rates, lp, footprint=fp), 0, 0.0, 0.0)
     ]
     # TwinFlow's placement run by this engine (its GPU share resident, gradients uploaded from host memory).
     twinflow_as_ours: dict[str, float] = {}
     # TwinFlow holds its GPU share through forward and backward: shown only inside an explicit budget.
     for g in TWINFLOW_RATIOS if accelerator and resident_ok else ():
-        # DeepSpeed keeps the first int(g * n) whole sub-groups on the GPU: fp32 param, moments and gradient,
+        # DeepSpeed keeps the first int(g * n) whole sub-groups on the GPU: master weights, states and gradient,
         # all run. Their share of the elements is what they hold (near-equal cuts are not exactly equal).
         kept = int(g * count)
         share = sum(sizes[:kept]) / per_rank
         resident = Plan(tuple(Place.RESIDENT if i < kept else Place.HOST for i in range(count)))
-        twinflow_as_ours[f"TwinFlow ratio {g:.1f}"] = predict(sizes, resident, rates, lp).time_s
+        twinflow_as_ours[f"TwinFlow ratio {g:.1f}"] = predict(sizes, resident, rates, lp, footprint=fp).time_s
         rows.append(
             (
                 f"TwinFlow ratio {g:.1f}",
-                twinflow_update_s(per_rank, share, rates, lp),
-                16 * share * per_rank,
+                twinflow_update_s(per_rank, share, rates, lp, footprint=fp),
+                fp.device * share * per_rank,
                 0.0,
                 share,
             )
         )
     for k in STRIDES if accelerator else ():
         plan = stride_plan(count, k)
-        stride = predict(sizes, plan, rates, lp)
+        stride = predict(sizes, plan, rates, lp, footprint=fp)
         rows.append((f"paper stride {k}", stride.time_s, stride.peak_device_bytes, plan.device_share(sizes), 0.0))
-    ours_plan, ours = choose_plan(sizes, rates, budget, lp, allow_resident=resident_ok)
+    ours_plan, ours = choose_plan(sizes, rates, budget, lp, allow_resident=resident_ok, footprint=fp)
     ours_shares = (
         sum(sizes[i] for i in ours_plan.streamed_indices) / sum(sizes),
         sum(sizes[i] for i in ours_plan.resident_indices) / sum(sizes),
@@ -128,7 +222,7 @@ def plan_rows(params: int, gpus: int, rates: HardwareRates, meta: dict[str, Any]
     # TwinFlow's resident share keeps its gradients on the GPU: the floor must allow that too. Resident state
     # only within an explicit budget, as everywhere.
     resident_room = budget if resident_ok else None
-    r_star, t_floor = floor(per_rank, rates, lp, resident_room, shares=shown, resident_up_bytes=0)
+    r_star, t_floor = floor(per_rank, rates, lp, resident_room, shares=shown, resident_up_bytes=0, footprint=fp)
     fwd_bwd = (args.forward_s or 0.0) + (args.backward_s or 0.0)
     table = [
         {
@@ -139,7 +233,7 @@ def plan_rows(params: int, gpus: int, rates: HardwareRates, meta: dict[str, Any]
             "vs_floor": t / t_floor,
             "device_gb": held / 1e9,
             # Held through forward and backward as well (resident state); the rest is freed after the update.
-            "held_gb": 16 * q * per_rank / 1e9,
+            "held_gb": fp.device * q * per_rank / 1e9,
             "fits_budget": fits(held),
             **({"as_ours_s": twinflow_as_ours[name]} if name in twinflow_as_ours else {}),
         }
@@ -149,6 +243,8 @@ def plan_rows(params: int, gpus: int, rates: HardwareRates, meta: dict[str, Any]
         "params": params,
         "gpus": gpus,
         "device": device_kind(rates, meta),
+        **footprint_summary(args, fp),
+        "precision": footprint_label(args),
         "sub_group_size": size,
         "sub_groups_per_rank": count,
         "budget_gb": None if budget is None else budget / 1e9,
@@ -188,8 +284,9 @@ def _print_plan(result: dict) -> None:
         filter(None, [caption, "GPU GB: held during the update; held GB: of it, held through forward and backward."])
     )
     table = Table(
-        title=f"{result['params'] / 1e9:.2f}B params over {result['gpus']} rank(s), {result['device']}: "
-        f"{result['sub_groups_per_rank']} sub-group(s) of {result['sub_group_size']:,} elements per rank",
+        title=f"{result['params'] / 1e9:.2f}B params over {result['gpus']} rank(s), {result['device']}, "
+        f"{result['precision']}: {result['sub_groups_per_rank']} sub-group(s) of {result['sub_group_size']:,} "
+        "elements per rank",
         caption=caption,
     )
     # Two-line headers and no iteration column without forward/backward times: the table fits 80 columns.
@@ -252,7 +349,8 @@ def _print_plan(result: dict) -> None:
     if ahead:
         console.print(
             f"{', '.join(ahead)}: predicted ahead of ours because TwinFlow keeps its GPU share's gradients on the GPU; "
-            "this engine uploads every gradient from host memory (4 bytes per resident element).",
+            "this engine uploads every gradient from host memory "
+            f"({result['bytes_per_element']['resident_up']} bytes per resident element).",
             markup=False,
         )
 
@@ -281,7 +379,12 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     name = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     device = torch.device(name)
-    rates = calibrate(device)
+    try:
+        footprint = footprint_of(args.optimizer, args.master_dtype, args.state_dtype)
+    except ValueError as error:
+        print(f"lightning-dos calibrate: error: {error}", file=sys.stderr)
+        return 2
+    rates = calibrate(device, footprint=footprint)
     path = save_profile(args.out, rates, device=str(device), gpus_per_node=max(1, torch.cuda.device_count()))
     print(f"wrote {path}")
     print("\n".join(describe_rates(rates)))
@@ -296,6 +399,7 @@ def _parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help="measure this machine's rates and write a profile")
     cal.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when there is one)")
     cal.add_argument("--out", type=Path, default=Path("profile.yaml"), help="profile file (.yaml or .json)")
+    add_footprint_options(cal)
     plan = sub.add_parser("plan", help="predict the update phase of each offload scheme")
     model = plan.add_mutually_exclusive_group(required=True)
     model.add_argument("--params", type=float, help="model parameters, e.g. 7e9")
@@ -306,6 +410,7 @@ def _parser() -> argparse.ArgumentParser:
         "--sub-group-size", default="auto", help="elements per sub-group, or auto (as the strategy sizes them)"
     )
     plan.add_argument("--lp-bytes", type=int, default=2, choices=(2, 4), help="bytes per model parameter")
+    add_footprint_options(plan)
     plan.add_argument(
         "--budget",
         type=float,
@@ -326,6 +431,7 @@ def main(argv: list[str]) -> int:
     if args.command == "calibrate":
         return _calibrate(args)
     try:
+        footprint = footprint_of(args.optimizer, args.master_dtype, args.state_dtype)
         rates, meta = load_profile(args.profile)
     except (FileNotFoundError, ValueError) as error:
         print(f"lightning-dos plan: error: {error}", file=sys.stderr)
@@ -341,7 +447,7 @@ def main(argv: list[str]) -> int:
     args.budget = int(args.budget) if args.budget is not None else None
     params = int(args.params) if args.params is not None else recipe_parameters(args.recipe)
     gpus = args.gpus_per_node or int(meta.get("gpus_per_node", 1))
-    result = plan_rows(params, gpus, rates, meta, args)
+    result = plan_rows(params, gpus, rates, meta, args, footprint)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -2,13 +2,18 @@
 
 Counted per rank, from DeepSpeed 0.19.8's ZeRO-3 optimizer with CPU optimizer offload (``stage3.py``):
 
-- a gradient buffer per DeepSpeed sub-group, fp32, each pinned on its own (``initialize_optimizer_states``);
+- a gradient buffer per DeepSpeed sub-group, in the master weights' dtype (``master_weights_and_grads_dtype``:
+  fp32, or bf16 under ``bf16.bf16_master_weights_and_grads``), each pinned on its own
+  (``initialize_optimizer_states``);
 - ``grad_partitions_flat_buffer``, the rank's whole partition in the gradient-accumulation dtype (the model's
   dtype unless ``data_types.grad_accum_dtype`` says otherwise), pinned (``_setup_for_real_optimizer``);
 - with parameter offload to the CPU on an accelerator, a 16-bit flat buffer per parameter group, pinned
   (``_create_param_groups_fp16_flat_cpu_memory``); without an accelerator the 16-bit model is the model itself;
-- the engine's slabs: fp32 master weights and two moments (DeepSpeed's own fp32 partition becomes a view of
-  them), and a 16-bit staging ring where the 16-bit parameters are not in host memory. Registered exactly.
+- the engine's slabs: master weights and the optimizer's state tensors in their dtypes
+  (:attr:`~lightning_dos.engine.update_rules.Footprint.optimizer_state` bytes per element: 12 for Adam in fp32,
+  6 for Adam with bf16 master weights and states, 8 for Lion or Adagrad in fp32; DeepSpeed's own master
+  partition becomes a view of them), and a 16-bit staging ring where the 16-bit parameters are not in host
+  memory. Registered exactly.
 
 DeepSpeed pins through ``tensor.pin_memory()``: torch's caching host allocator rounds each block up to a power
 of two, and keeps it cached after it is freed. With ``DS_PIN_MEMORY_BACKEND=native`` DeepSpeed's own page-aligned
@@ -16,7 +21,7 @@ of two, and keeps it cached after it is freed. With ``DS_PIN_MEMORY_BACKEND=nati
 returns the tensor as it is), so nothing is rounded. :func:`pin_backend` tells which applies.
 
 Not counted: the process's baseline (libraries, the model as built, activations), and transients that end
-before the first step (DeepSpeed's own fp32 partitions, freed as the engine adopts them, at most about 256 MB
+before the first step (DeepSpeed's own master partitions, freed as the engine adopts them, at most about 256 MB
 at a time; the pageable source of each ``pin_memory`` copy).
 """
 
@@ -31,6 +36,7 @@ import torch
 from lightning_dos.engine.hostslab import page_rounded
 from lightning_dos.engine.plan import auto_sub_group_size
 from lightning_dos.engine.pool import BufferPool
+from lightning_dos.engine.update_rules import ADAM, ADAM_FP32, Footprint, UpdateRule
 
 FP32_BYTES = 4
 #: ``data_types.grad_accum_dtype`` spellings DeepSpeed accepts, and their dtypes.
@@ -102,7 +108,9 @@ def deepspeed_sub_groups(group_numels: Sequence[Sequence[int]], sub_group_size: 
     return sizes
 
 
-def least_rounded_sub_group_size(group_numels: Sequence[Sequence[int]], default: int) -> int:
+def least_rounded_sub_group_size(
+    group_numels: Sequence[Sequence[int]], default: int, grad_bytes: int = FP32_BYTES
+) -> int:
     """A DeepSpeed ``sub_group_size`` near ``default`` whose fp32 gradient buffers waste the least when torch pins
     them (each rounded up to a power of two of bytes).
 
@@ -115,6 +123,8 @@ def least_rounded_sub_group_size(group_numels: Sequence[Sequence[int]], default:
     Args:
         group_numels: per optimizer parameter group, each trainable parameter's partition size on this rank.
         default: the size used otherwise.
+        grad_bytes: bytes per element of DeepSpeed's gradient buffers (its master dtype: 4, or 2 under bf16
+            master weights; a power of two of elements is then a power of two of bytes as well).
     """
     largest = max((n for numels in group_numels for n in numels), default=0)
     candidates = {default}
@@ -124,10 +134,48 @@ def least_rounded_sub_group_size(group_numels: Sequence[Sequence[int]], default:
             candidates.add(size)
 
     def pinned(size: int) -> tuple[int, int]:
-        blocks = sum(power_of_two_ceil(FP32_BYTES * n) for n in deepspeed_sub_groups(group_numels, size))
+        blocks = sum(power_of_two_ceil(grad_bytes * n) for n in deepspeed_sub_groups(group_numels, size))
         return blocks, -size
 
     return min(candidates, key=pinned)
+
+
+def engine_host_bytes(
+    total_numel: int,
+    lp_dtype: torch.dtype,
+    lp_on_host: bool,
+    largest_sub_group: int | None,
+    footprint: Footprint = ADAM_FP32,
+) -> int:
+    """Host bytes the engine's buffer pool allocates for ``footprint``: master weights and state tensors of every
+    element, and the 16-bit staging ring (``BufferPool.ring_shape``) where the 16-bit parameters are not on the
+    host. For Adam in fp32 this is ``BufferPool.planned_host_bytes``."""
+    slots, slot = BufferPool.ring_shape(total_numel, largest_sub_group, lp_on_host)
+    lp_size = torch.empty((), dtype=lp_dtype).element_size()
+    return footprint.optimizer_state * total_numel + lp_size * slots * slot
+
+
+def _dtype_name(nbytes: int) -> str:
+    return {4: "fp32", 2: "bf16"}.get(nbytes, f"{8 * nbytes}-bit")
+
+
+def config_footprint(config: Mapping[str, object], rule: UpdateRule = ADAM) -> Footprint:
+    """``rule`` with the master weights' and states' dtypes a DeepSpeed config asks for: bf16 master weights and
+    gradients under ``bf16.bf16_master_weights_and_grads``, bf16 states under ``bf16.bf16_optimizer_states``
+    (which DeepSpeed accepts only with bf16 master weights), fp32 otherwise.
+
+    Raises ValueError naming the setting for bf16 states without bf16 master weights, as DeepSpeed refuses it.
+    """
+    bf16 = config.get("bf16") or {}
+    enabled = bool(bf16.get("enabled"))
+    master = enabled and bool(bf16.get("bf16_master_weights_and_grads"))
+    states = enabled and bool(bf16.get("bf16_optimizer_states"))
+    if states and not master:
+        raise ValueError(
+            "bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads (DeepSpeed requires it); valid: "
+            "both true, or bf16_optimizer_states false"
+        )
+    return Footprint(rule, 2 if master else 4, 2 if states else 4)
 
 
 @dataclass
@@ -165,6 +213,7 @@ def rank_host_figure(
     params_on_host: bool,
     backend: str,
     state_owner: str = "engine",
+    footprint: Footprint = ADAM_FP32,
 ) -> HostFigure:
     """Host bytes one rank holds once DeepSpeed and the engine have allocated (see the module's docstring).
 
@@ -177,8 +226,12 @@ def rank_host_figure(
         on_accelerator: training runs on an accelerator (else the engine's device side is the CPU).
         params_on_host: parameter offload to the CPU is on.
         backend: how DeepSpeed pins (:func:`pin_backend`).
-        state_owner: ``"engine"`` (its slabs hold master weights and moments) or ``"deepspeed"`` (stock offload:
-            DeepSpeed's own fp32 partitions and its CPU Adam's moments, 12 B/param, not pinned).
+        state_owner: ``"engine"`` (its slabs hold master weights and states) or ``"deepspeed"`` (stock offload:
+            DeepSpeed's own master partitions and its CPU optimizer's states, not pinned).
+        footprint: the optimizer's rule, the master weights' and gradients' bytes per element (DeepSpeed's
+            ``master_weights_and_grads_dtype``) and the states' (``bf16_optimizer_states``): DeepSpeed's gradient
+            buffers take the master dtype, master weights and states ``footprint.optimizer_state`` bytes per
+            element (12 for Adam in fp32).
     """
     total = sum(sum(numels) for numels in group_numels)
     lp_size = torch.empty((), dtype=lp_dtype).element_size()
@@ -190,16 +243,16 @@ def rank_host_figure(
         figure.nominal += sum(sizes)
 
     sub_groups = deepspeed_sub_groups(group_numels, deepspeed_sub_group_size)
-    add("DeepSpeed fp32 gradients", [FP32_BYTES * n for n in sub_groups])
+    add(f"DeepSpeed {_dtype_name(footprint.master)} gradients", [footprint.master * n for n in sub_groups])
     add("DeepSpeed gradient partitions", [accum_size * total])
     if params_on_host and on_accelerator:
         add("DeepSpeed offloaded 16-bit parameters", [lp_size * sum(numels) for numels in group_numels])
     if state_owner == "deepspeed":
-        figure.items.append(("DeepSpeed fp32 master weights and moments", 3 * FP32_BYTES * total))
-        figure.nominal += 3 * FP32_BYTES * total
+        figure.items.append(("DeepSpeed master weights and optimizer states", footprint.optimizer_state * total))
+        figure.nominal += footprint.optimizer_state * total
         return figure
-    engine = BufferPool.planned_host_bytes(
-        total, lp_dtype, lp_on_host=params_on_host or not on_accelerator, largest_sub_group=engine_sub_group_size
+    engine = engine_host_bytes(
+        total, lp_dtype, params_on_host or not on_accelerator, engine_sub_group_size, footprint=footprint
     )
     figure.items.append(("engine slabs", engine))
     figure.nominal += engine
@@ -230,6 +283,8 @@ def figure_for(
     engine_sub_group_size: int | str,
     state_owner: str = "engine",
     env: Mapping[str, str] = os.environ,
+    rule: UpdateRule = ADAM,
+    footprint: Footprint | None = None,
 ) -> HostFigure:
     """:func:`rank_host_figure` for ``model`` trained with ``param_groups`` under DeepSpeed ``config``.
 
@@ -242,6 +297,10 @@ def figure_for(
         engine_sub_group_size: the engine's sub-group size, or ``"auto"``.
         state_owner: see :func:`rank_host_figure`.
         env: the environment (for ``DS_PIN_MEMORY_BACKEND``).
+        rule: the optimizer's update rule (its state tensors are counted), with the dtypes ``config`` asks for
+            (:func:`config_footprint`).
+        footprint: the rule and dtypes the engine runs, when the caller knows them (overrides ``rule`` and the
+            config's dtypes).
     """
     group_numels = partition_numels(model, param_groups, world_size)
     per_rank = sum(sum(numels) for numels in group_numels)
@@ -264,4 +323,5 @@ def figure_for(
         params_on_host=params_on_host,
         backend=pin_backend(on_accelerator, env),
         state_owner=state_owner,
+        footprint=footprint if footprint is not None else config_footprint(config, rule),
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
 import torch
 
 from lightning_dos.engine import calibrate as calibration
@@ -53,3 +54,64 @@ def test_calibration_buffers_never_outgrow_a_small_model_nor_fall_into_cache() -
     assert calibration.calibration_numel(10**12) * 4 == calibration.HOST_BUFFER_BYTES
     assert calibration.calibration_numel(25_000_000) == 25_000_000
     assert calibration.calibration_numel(8_000) * 4 == 32 << 20
+
+
+def test_calibration_of_another_rule_reports_rates_in_adam_fp32_units() -> None:
+    """An engine of any rule and dtype can be calibrated; the rates come back in the unit profiles hold (Adam
+    with fp32 state), so a profile from any engine plans any other. Without a generic kernel (issue 21) the
+    update timed is Adam's with fp32 state, and any other is refused by name rather than mistimed."""
+    from lightning_dos.engine.perfmodel import rates_for
+    from lightning_dos.engine.update_rules import ADAM, ADAM_FP32, LION, Footprint
+
+    bf16 = Footprint(ADAM, 2, 2)
+    timed = calibration.measured_footprint(bf16)
+    assert timed == (bf16 if calibration.APPLY_UPDATE is not None else ADAM_FP32)
+    rates = calibration.calibrate(torch.device("cpu"), numel=1 << 16, footprint=bf16)
+    assert rates.shared_cpu and rates.host_adam_eps > 0 and rates.device_adam_eps == rates.host_adam_eps
+    assert rates_for(rates, timed).host_adam_eps > 0
+    # The timed update touches the footprint's own buffers, in its dtypes.
+    buffers = calibration._buffers(Footprint(LION, 2, 2), 8, torch.device("cpu"))
+    assert [b.dtype for b in buffers] == [torch.bfloat16] * 3
+    if calibration.APPLY_UPDATE is None:
+        with pytest.raises(NotImplementedError, match="Adam with fp32 state only"):
+            calibration._update(Footprint(LION), calibration._buffers(Footprint(LION), 8, torch.device("cpu")))
+
+
+def test_with_a_generic_kernel_calibration_times_the_engines_own_rule_and_dtypes(monkeypatch) -> None:  # noqa: ANN001
+    """Once the kernels run every rule (``APPLY_UPDATE``), calibration times the engine's rule on buffers of its
+    dtypes, and converts the rate to Adam fp32 units, so the model gives the measured rate back for that rule.
+    The kernel here is the rule's torch formula in fp32, stored back in the buffers' dtypes."""
+    from lightning_dos.engine.perfmodel import adam_equivalent, rates_for
+    from lightning_dos.engine.update_rules import LION, Footprint
+
+    seen: list[tuple] = []
+
+    def apply_update(rule, param, grad, states, step, hyper, inv_grad_scale=1.0, lp_out=None) -> None:  # noqa: ANN001
+        seen.append((rule.name, param.dtype, grad.dtype, tuple(s.dtype for s in states), lp_out is not None))
+        p, g, st = param.float(), grad.float() * inv_grad_scale, [s.float() for s in states]
+        rule.torch_update(p, g, st, step, hyper)
+        param.copy_(p)
+        for dst, src in zip(states, st):
+            dst.copy_(src)
+        if lp_out is not None:
+            lp_out.copy_(p)
+
+    monkeypatch.setattr(calibration, "APPLY_UPDATE", apply_update)
+    lion = Footprint(LION, 2, 2)
+    assert calibration.measured_footprint(lion) == lion
+    measured = {}
+    real_host_rates = calibration.host_rates
+
+    def host_rates(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        measured["rates"] = real_host_rates(*args, **kwargs)
+        return measured["rates"]
+
+    monkeypatch.setattr(calibration, "host_rates", host_rates)
+    rates = calibration.calibrate(torch.device("cpu"), numel=1 << 14, footprint=lion)
+    assert {s[0] for s in seen} == {"lion"}
+    assert {s[1:4] for s in seen} == {(torch.bfloat16, torch.bfloat16, (torch.bfloat16,))}
+    assert {s[4] for s in seen} == {False, True}, "timed without and with the cast"
+    update_eps = measured["rates"][0]
+    assert rates_for(rates, lion).host_adam_eps == pytest.approx(update_eps)
+    assert rates.host_adam_eps == pytest.approx(adam_equivalent(rates_for(rates, lion), lion).host_adam_eps)
+    assert rates.host_adam_eps == pytest.approx(update_eps * 10 / 28)  # Lion bf16 touches 10 bytes, Adam fp32 28

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -13,13 +14,17 @@ from lightning_dos.engine.perfmodel import (
     HardwareRates,
     RateEstimator,
     _host_tail,
+    adam_equivalent,
     choose_plan,
     device_bytes,
     floor,
     predict,
+    rates_for,
+    update_bytes,
 )
 from lightning_dos.engine.plan import Place, Plan, all_host, even_plan
 from lightning_dos.engine.report import Span, StepReport
+from lightning_dos.engine.update_rules import ADAGRAD, ADAM, ADAM_FP32, LION, Footprint
 
 # One H100 rank with a share of a many-core host: CPU Adam ~2.5 G elements/s, PCIe Gen5.
 GPU = HardwareRates(2.5e9, 10e9, 150e9, 50e9, 50e9, 30e9, 30e9)
@@ -181,3 +186,129 @@ def test_host_lane_of_every_suffix_from_one_backward_pass(sizes: list[int], per_
             chained_lp = max(chained_lp, chained_host) + n * lp_per_element
         assert host_s[p] == pytest.approx(chained_host, rel=1e-9, abs=1e-12)
         assert lp_free[p] == pytest.approx(chained_lp, rel=1e-9, abs=1e-12)
+
+
+# -- bytes and rates per optimizer rule and dtype (issue 21) ------------------------------------------------------
+
+BF16_ADAM = Footprint(ADAM, master=2, state=2)
+LION_FP32, ADAGRAD_FP32 = Footprint(LION), Footprint(ADAGRAD)
+
+
+def test_each_rule_and_dtype_moves_and_holds_its_own_bytes_per_element() -> None:
+    """Streamed bytes up and down, resident uploads and device bytes of a plan, from the rule's state count and
+    the dtypes: Adam fp32 16/12/4/16 (the engine's figures before issue 21), bf16 Adam half of it, Lion and
+    Adagrad (one state tensor each) 12/8/4/12."""
+    sizes = [1000] * 4
+    plan = Plan((Place.DEVICE, Place.DEVICE, Place.RESIDENT, Place.HOST), device_buffers=2)
+    expected = {ADAM_FP32: (16, 12, 4, 16), BF16_ADAM: (8, 6, 2, 8), LION_FP32: (12, 8, 4, 12)}
+    expected[ADAGRAD_FP32] = expected[LION_FP32]
+    for footprint, (up, down, resident_up, device) in expected.items():
+        p = predict(sizes, plan, GPU, 2, footprint=footprint)
+        # Two streamed sub-groups up and down, one resident gradient up, one host sub-group's 16-bit upload.
+        assert p.h2d_bytes == 2 * 1000 * up + 1000 * resident_up + 1000 * 2, footprint
+        assert p.d2h_bytes == 2 * 1000 * down, footprint
+        # One resident sub-group and two staging buffers on the device.
+        assert p.peak_device_bytes == device_bytes(sizes, plan, footprint=footprint) == 3 * 1000 * device
+    # The default is Adam in fp32, positionally as the engine's loop calls it.
+    assert predict(sizes, plan, GPU, 2, False) == predict(sizes, plan, GPU, 2, False, footprint=ADAM_FP32)
+
+
+def test_update_rates_scale_by_bytes_touched_and_come_back_exactly_for_the_rule_measured() -> None:
+    assert [update_bytes(f) for f in (ADAM_FP32, BF16_ADAM, LION_FP32, ADAGRAD_FP32)] == [28, 14, 20, 20]
+    assert rates_for(GPU) == GPU
+    bf16 = rates_for(GPU, BF16_ADAM)
+    assert bf16.host_adam_eps == pytest.approx(2 * GPU.host_adam_eps)
+    assert bf16.device_adam_eps == pytest.approx(2 * GPU.device_adam_eps)
+    assert bf16.host_cast_eps == GPU.host_cast_eps and bf16.h2d_bps == GPU.h2d_bps, "only the update scales"
+    # A calibration of Lion converts its measured rate to Adam's unit; the model gives that rate back for Lion.
+    measured = replace(GPU, host_adam_eps=3.3e9, device_adam_eps=77e9)
+    stored = adam_equivalent(measured, LION_FP32)
+    assert rates_for(stored, LION_FP32).host_adam_eps == pytest.approx(3.3e9)
+    assert rates_for(stored, LION_FP32).device_adam_eps == pytest.approx(77e9)
+
+
+def test_host_only_update_time_follows_the_rule() -> None:
+    sizes = [10_000_000] * 3
+    host = all_host(3)
+    adam, lion = predict(sizes, host, GPU, 2), predict(sizes, host, GPU, 2, footprint=LION_FP32)
+    per_element = 1 / GPU.host_adam_eps * 20 / 28 + 1 / GPU.host_cast_eps
+    assert lion.host_s == pytest.approx(sum(sizes) * per_element)
+    assert lion.host_s < adam.host_s
+
+
+def test_half_the_bytes_double_the_device_share_at_the_same_link_time() -> None:
+    """With the host's update as fast as the link allows, bf16 state streams twice the elements per PCIe second,
+    and the best plan of each footprint matches brute force, within its own device bytes."""
+    sizes = [1000] * 6
+    # A slow host so that streaming pays; the link is the limit.
+    slow_host = HardwareRates(0.2e9, 10e9, 150e9, 50e9, 50e9, 30e9, 30e9)
+    for footprint in (ADAM_FP32, BF16_ADAM, LION_FP32):
+        budget = 3 * 1000 * footprint.device
+        plan, best = choose_plan(sizes, slow_host, budget, 2, allow_resident=True, footprint=footprint)
+        brute = min(
+            (predict(sizes, Plan(places, b), slow_host, 2, footprint=footprint).time_s, places, b)
+            for places in itertools.product((Place.HOST, Place.DEVICE, Place.RESIDENT), repeat=6)
+            for b in (1, 2, 3)
+            if device_bytes(sizes, Plan(places, b), footprint=footprint) <= budget
+        )
+        assert best.time_s == pytest.approx(brute[0], rel=1e-9), footprint
+        assert best.peak_device_bytes <= budget
+        share, t = floor(sum(sizes), slow_host, 2, footprint=footprint)
+        assert t <= best.time_s * (1 + 1e-9)
+    assert floor(10**9, GPU, 2, footprint=BF16_ADAM)[0] > floor(10**9, GPU, 2)[0]
+
+
+def test_rate_estimator_keeps_adam_units_for_an_engine_running_another_rule() -> None:
+    est = RateEstimator(GPU, footprint=LION_FP32)
+    for step in range(5):
+        est.observe(_report(step, [Span("device_adam", 0, 0.0, 1.0, int(4 * 70e9))]))
+    # Lion's spans showed 70 G elements/s: kept as the Adam-equivalent rate, given back for Lion.
+    assert rates_for(est.rates, LION_FP32).device_adam_eps == pytest.approx(70e9, rel=1e-6)
+    assert est.rates.device_adam_eps == pytest.approx(70e9 * 20 / 28, rel=1e-6)
+
+
+FOOTPRINTS = st.sampled_from([ADAM_FP32, BF16_ADAM, LION_FP32, ADAGRAD_FP32, Footprint(ADAM, 2, 4)])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rates=rates_strategy(),
+    sizes=st.one_of(
+        st.integers(1, 6).map(lambda n: [1000] * n),  # equal sizes: the quadratic scan
+        st.lists(st.sampled_from([250, 400, 1000]), min_size=1, max_size=5),  # uneven: exhaustive
+    ),
+    resident=st.booleans(),
+    budget_units=st.integers(0, 7),
+    footprint=FOOTPRINTS,
+)
+def test_chosen_plan_matches_brute_force_for_every_rule_and_dtype(
+    rates: HardwareRates, sizes: list[int], resident: bool, budget_units: int, footprint: Footprint
+) -> None:
+    """The search is exact for every footprint, in that footprint's own device bytes."""
+    budget = budget_units * footprint.device * 1000
+    places = (Place.HOST, Place.DEVICE, Place.RESIDENT) if resident else (Place.HOST, Place.DEVICE)
+    best = min(
+        predict(sizes, plan, rates, 2, footprint=footprint).time_s
+        for combo in itertools.product(places, repeat=len(sizes))
+        for buffers in range(1, 5)
+        if device_bytes(sizes, plan := Plan(combo, buffers), footprint=footprint) <= budget
+    )
+    plan, prediction = choose_plan(sizes, rates, budget, 2, allow_resident=resident, footprint=footprint)
+    assert prediction.time_s == pytest.approx(best, rel=1e-9)
+    assert prediction.peak_device_bytes == device_bytes(sizes, plan, footprint=footprint) <= budget
+    # The floor, searched at this plan's streamed share too, is below it (without resident state, which the
+    # floor counts only within a budget).
+    if not resident:
+        share = sum(sizes[i] for i in plan.streamed_indices) / sum(sizes)
+        _, t_floor = floor(sum(sizes), rates, 2, shares=[(share, 0.0)], footprint=footprint)
+        assert t_floor <= prediction.time_s * (1 + 1e-9)
+
+
+def test_rate_estimator_reads_update_spans_in_the_master_weights_bytes() -> None:
+    """Under bf16 master weights the engine's update spans carry 2 bytes per element: 100 G elements/s of bf16
+    Adam are 200 GB/s of span bytes, kept as 50 G elements/s of Adam fp32 (14 bytes touched against 28)."""
+    est = RateEstimator(GPU, footprint=BF16_ADAM)
+    for step in range(5):
+        est.observe(_report(step, [Span("device_adam", 0, 0.0, 1.0, int(2 * 100e9))]))
+    assert rates_for(est.rates, BF16_ADAM).device_adam_eps == pytest.approx(100e9, rel=1e-6)
+    assert est.rates.device_adam_eps == pytest.approx(50e9, rel=1e-6)

@@ -191,3 +191,62 @@ def test_no_row_is_below_the_floor_and_none_beats_auto(rates, per_rank, gpus, gr
             else:
                 assert ours["update_s"] <= row["update_s"] * (1 + 1e-6), (row, ours)  # ties differ by rounding
     assert result["device"] == ("CPU (no accelerator)" if rates.shared_cpu else "GPU")
+
+
+# -- every optimizer rule and dtype (issue 21) --------------------------------------------------------------------
+
+
+def test_plan_counts_the_bytes_of_each_optimizer_and_dtype(capsys) -> None:  # noqa: ANN001
+    """--optimizer and the dtypes change every byte count: stock offload's update, the device bytes each scheme
+    holds, what streams, and the floor; a plan's JSON says which optimizer and dtypes it is for."""
+    common = ["--params", "20e9", "--profile", "paper-h100x4", "--budget", "25.6e9"]
+    adam = _plan(capsys, *common)
+    bf16 = _plan(capsys, *common, "--master-dtype", "bf16", "--state-dtype", "bf16")
+    lion = _plan(capsys, *common, "--optimizer", "lion")
+    adagrad = _plan(capsys, *common, "--optimizer", "adagrad")
+    assert (adam["optimizer"], adam["master_dtype"], adam["state_dtype"]) == ("adam", "fp32", "fp32")
+    assert adam["bytes_per_element"]["streamed_up"] == 16 and bf16["bytes_per_element"]["streamed_up"] == 8
+    assert lion["bytes_per_element"] == adagrad["bytes_per_element"] == {
+        "host_state": 8, "streamed_up": 12, "streamed_down": 8, "resident_up": 4, "device": 12
+    }  # fmt: skip
+
+    def rows(result: dict) -> dict:
+        return {r["scheme"]: r for r in result["rows"]}
+
+    # TwinFlow's resident share holds master weights, states and gradient: 16, 8 and 12 bytes per element.
+    per_rank = 5e9
+    for result, device in ((adam, 16), (bf16, 8), (lion, 12)):
+        twinflow = rows(result)["TwinFlow ratio 0.2"]
+        assert twinflow["device_gb"] == pytest.approx(device * 0.2 * per_rank / 1e9)
+        assert twinflow["held_gb"] == pytest.approx(twinflow["device_gb"])
+    # Stock offload's host update, 28 bytes touched per element for Adam fp32, 14 for bf16: twice as fast.
+    rates, _ = load_profile("paper-h100x4")
+    adam_s, bf16_s = (rows(r)["stock ZeRO-3 offload"]["update_s"] for r in (adam, bf16))
+    assert adam_s - bf16_s == pytest.approx(per_rank / rates.host_adam_eps / 2, rel=1e-9)
+    # Same PCIe, half the bytes: more of the model on the GPU, and a shorter update; no row under the floor.
+    assert bf16["ours"]["device_share"] > adam["ours"]["device_share"]
+    for result in (adam, bf16, lion, adagrad):
+        assert all(r["vs_floor"] >= 0.999 for r in result["rows"] if r["fits_budget"])
+        assert rows(result)["ours (auto)"]["update_s"] <= min(r["update_s"] for r in result["rows"] if r["fits_budget"])
+    assert (
+        rows(bf16)["ours (auto)"]["update_s"]
+        < rows(lion)["ours (auto)"]["update_s"]
+        < rows(adam)["ours (auto)"]["update_s"]
+    )
+    # Lion and Adagrad hold and move the same bytes: the same plan.
+    assert lion["ours"] == adagrad["ours"]
+
+
+def test_plan_refuses_unknown_optimizers_and_dtype_combinations_deepspeed_refuses(capsys) -> None:  # noqa: ANN001
+    base = ["plan", "--params", "7e9"]
+    assert main([*base, "--optimizer", "sgd"]) == 2
+    assert "--optimizer 'sgd' is not one of adam, adamw, adagrad, lion" in capsys.readouterr().err
+    assert main([*base, "--master-dtype", "fp16"]) == 2
+    assert "--master-dtype 'fp16' is not one of fp32, bf16" in capsys.readouterr().err
+    assert main([*base, "--state-dtype", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "--state-dtype bf16 needs --master-dtype bf16" in err and "bf16_optimizer_states" in err
+    # bf16 master weights with fp32 states is what DeepSpeed runs without bf16_optimizer_states.
+    assert _plan(capsys, *base[1:], "--master-dtype", "bf16")["bytes_per_element"]["streamed_up"] == 12
+    assert main(["calibrate", "--device", "cpu", "--state-dtype", "bf16"]) == 2
+    assert "--master-dtype bf16" in capsys.readouterr().err

@@ -16,8 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_dos.engine.pool import BufferPool
+from lightning_dos.engine.update_rules import ADAGRAD, ADAM, ADAM_FP32, LION, Footprint
 from lightning_dos.preflight import (
+    config_footprint,
     deepspeed_sub_groups,
+    engine_host_bytes,
+    figure_for,
     least_rounded_sub_group_size,
     pin_backend,
     pinned_block_bytes,
@@ -103,6 +108,96 @@ def test_under_auto_deepspeeds_sub_groups_are_sized_to_waste_the_least_pinned_me
     # Never worse than the default, whatever the shapes (one huge parameter leaves no better choice).
     odd = [[16_000_000] * 200 + [65_000_000]]
     assert _pinned_fp32_gradients(odd, least_rounded_sub_group_size(odd, 10**8)) <= _pinned_fp32_gradients(odd, 10**8)
+
+
+# -- every optimizer rule and dtype (issue 21) --------------------------------------------------------------------
+
+BF16 = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
+
+
+def _figure(footprint: Footprint, state_owner: str = "engine", backend: str = "none") -> dict[str, int]:
+    """One rank of a 1M-parameter model in 10 parameters, bf16 model, DeepSpeed sub-groups of 250k elements."""
+    figure = rank_host_figure(
+        [[100_000] * 10],
+        lp_dtype=torch.bfloat16,
+        grad_accum_dtype=torch.bfloat16,
+        deepspeed_sub_group_size=250_000,
+        engine_sub_group_size=500_000,
+        on_accelerator=True,
+        params_on_host=False,
+        backend=backend,
+        state_owner=state_owner,
+        footprint=footprint,
+    )
+    return dict(figure.items)
+
+
+def test_bf16_master_weights_and_states_halve_deepspeeds_gradients_and_the_engines_slabs() -> None:
+    """Under bf16_master_weights_and_grads DeepSpeed's per-sub-group gradient buffers are bf16 (they take its
+    master_weights_and_grads_dtype); under bf16_optimizer_states the states too: the engine's slabs hold 2 + 2 x 2
+    bytes per element instead of 4 + 2 x 4. The gradient partitions keep the accumulation dtype; the 16-bit
+    staging ring (two slots of the engine's largest sub-group) is the same."""
+    n, ring = 1_000_000, 2 * 500_000 * 2
+    fp32, bf16 = _figure(ADAM_FP32), _figure(Footprint(ADAM, 2, 2))
+    assert fp32["DeepSpeed fp32 gradients"] == 4 * n and bf16["DeepSpeed bf16 gradients"] == 2 * n
+    assert fp32["DeepSpeed gradient partitions"] == bf16["DeepSpeed gradient partitions"] == 2 * n
+    assert fp32["engine slabs"] == 12 * n + ring and bf16["engine slabs"] == 6 * n + ring
+    # bf16 master weights with fp32 states (DeepSpeed without bf16_optimizer_states): 2 + 2 x 4.
+    assert _figure(Footprint(ADAM, 2, 4))["engine slabs"] == 10 * n + ring
+    # Stock offload: DeepSpeed's own master partitions and its CPU Adam's moments, in the same dtypes.
+    assert _figure(ADAM_FP32, "deepspeed")["DeepSpeed master weights and optimizer states"] == 12 * n
+    assert _figure(Footprint(ADAM, 2, 2), "deepspeed")["DeepSpeed master weights and optimizer states"] == 6 * n
+    # Pinned by torch, each bf16 gradient buffer is rounded: 300k elements (600 kB) to 1 MiB, 100k to 256 KiB.
+    assert deepspeed_sub_groups([[100_000] * 10], 250_000) == [300_000] * 3 + [100_000]
+    pinned = _figure(Footprint(ADAM, 2, 2), backend="torch")
+    assert pinned["DeepSpeed bf16 gradients"] == 3 * (1 << 20) + (1 << 18)
+
+
+def test_lion_and_adagrad_keep_one_state_tensor() -> None:
+    """Lion's one moment and Adagrad's one sum: 4 + 4 bytes per element in fp32, 2 + 2 in bf16; stock offload
+    holds the same."""
+    n, ring = 1_000_000, 2 * 500_000 * 2
+    for rule in (LION, ADAGRAD):
+        assert _figure(Footprint(rule))["engine slabs"] == 8 * n + ring
+        assert _figure(Footprint(rule, 2, 2))["engine slabs"] == 4 * n + ring
+        assert _figure(Footprint(rule), "deepspeed")["DeepSpeed master weights and optimizer states"] == 8 * n
+
+
+def test_adam_fp32_slabs_are_what_the_buffer_pool_plans() -> None:
+    """The pre-flight's count of the engine's slabs for Adam in fp32 is the pool's own (``planned_host_bytes``)."""
+    for lp_on_host in (True, False):
+        for largest in (None, 1000, 4096):
+            ours = engine_host_bytes(10_000, torch.bfloat16, lp_on_host, largest)
+            assert ours == BufferPool.planned_host_bytes(10_000, torch.bfloat16, lp_on_host, largest)
+
+
+def test_bf16_gradient_buffers_are_sized_to_waste_the_least_too() -> None:
+    layers = [[4096 * 4096] * 128]
+    size = least_rounded_sub_group_size(layers, 100_000_000, grad_bytes=2)
+    sizes = deepspeed_sub_groups(layers, size)
+    assert sum(power_of_two_ceil(2 * n) for n in sizes) == sum(2 * n for n in sizes)
+
+
+def test_the_config_names_the_dtypes_and_a_combination_deepspeed_refuses_is_refused() -> None:
+    assert config_footprint({}) == ADAM_FP32
+    assert config_footprint({"bf16": {"enabled": True}}) == ADAM_FP32  # bf16 model, fp32 master and states
+    assert config_footprint(BF16, LION) == Footprint(LION, 2, 2)
+    master_only = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}
+    assert config_footprint(master_only) == Footprint(ADAM, 2, 4)
+    with pytest.raises(ValueError, match="bf16_optimizer_states needs bf16.bf16_master_weights_and_grads"):
+        config_footprint({"bf16": {"enabled": True, "bf16_optimizer_states": True}})
+    # figure_for reads them from the config, or takes the engine's footprint.
+    model = torch.nn.Linear(100, 100, bias=False)
+    groups = [{"params": list(model.parameters())}]
+    config = {**BF16, "zero_optimization": {"stage": 3, "sub_group_size": 10**9}}
+    kwargs = dict(world_size=1, on_accelerator=False, engine_sub_group_size="auto")
+    from_config = dict(figure_for(model, groups, config, **kwargs).items)
+    assert from_config["DeepSpeed bf16 gradients"] == 2 * 10_000
+    assert from_config["engine slabs"] == 6 * 10_000  # the 16-bit parameters are the model itself: no ring
+    lion = dict(figure_for(model, groups, config, rule=LION, **kwargs).items)
+    assert lion["engine slabs"] == 4 * 10_000
+    given = dict(figure_for(model, groups, config, footprint=ADAM_FP32, **kwargs).items)
+    assert given["engine slabs"] == 12 * 10_000
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from lightning_dos.cli import main
 from lightning_dos.engine.perfmodel import HardwareRates, choose_plan
+from lightning_dos.engine.plan import Place, Plan
+from lightning_dos.engine.update_rules import ADAGRAD, ADAM, ADAM_FP32, LION, Footprint
 from lightning_dos.profiles import load_profile
 from lightning_dos.sim.replay import replay
 from lightning_dos.sim.sanitizer import HOST, LoggedOp
 from lightning_dos.sim.simstreams import D2H, H2D
-from lightning_dos.sim.simulate import auto_plan, simulate, sub_group_sizes
+from lightning_dos.sim.simulate import auto_plan, copy_bytes, engine_log, rescale_copies, simulate, sub_group_sizes
 
 RATES = HardwareRates(1e9, 1e10, 1e11, 50e9, 50e9, 25e9, 20e9)
 
@@ -88,3 +91,104 @@ def test_simulate_refuses_bad_settings(capsys) -> None:  # noqa: ANN001
     assert main(["simulate", "--params", "7e9", "--gpu-fraction", "2"]) == 2
     assert "gpu_fraction" in capsys.readouterr().err
     assert main(["simulate", "--params", "7e9", "--profile", "nope"]) == 2
+
+
+# -- every optimizer rule and dtype (issue 21) --------------------------------------------------------------------
+
+
+def test_the_engines_own_copies_are_exactly_adam_fp32s_footprint() -> None:
+    """The copies the engine issues for Adam in fp32 carry exactly the bytes its Footprint counts: the factor
+    ``rescale_copies`` applies to the engine's own log is 1 for every streamed and resident sub-group. (Once the
+    engine takes the rule, the same holds for every rule and dtype; the factor then stays 1.)"""
+    sizes = [64] * 4
+    plan = Plan((Place.RESIDENT, Place.DEVICE, Place.DEVICE, Place.HOST), device_buffers=2)
+    log, scale, races = engine_log(sizes, plan, 2)
+    expected = copy_bytes(plan, sizes, ADAM_FP32, 2, lp_downloads=False)
+    _, factors = rescale_copies(log, expected)
+    assert races == 0 and scale == 1.0
+    assert set(factors) == {(0, "upload"), (1, "upload"), (1, "download"), (2, "upload"), (2, "download")}
+    assert all(f == 1.0 for f in factors.values()), factors
+
+
+@pytest.mark.parametrize(
+    ("footprint", "up", "down"),
+    [
+        (Footprint(ADAM, 2, 2), 8, 6),
+        (Footprint(LION), 12, 8),
+        (Footprint(ADAGRAD), 12, 8),
+        (Footprint(ADAM, 2, 4), 12, 10),
+    ],
+    ids=["adam bf16", "lion fp32", "adagrad fp32", "adam bf16 master fp32 states"],
+)
+def test_each_rule_and_dtype_replays_its_own_bytes_and_agrees_with_the_model(footprint, up, down) -> None:  # noqa: ANN001
+    rates, meta = load_profile("paper-h100x4")
+    sizes = sub_group_sizes(20_000_000_000, meta["gpus_per_node"], 100_000_000)
+    plan = auto_plan(sizes, rates, 2, int(0.9 * meta["device_free_bytes"]), footprint=footprint)
+    result = simulate(sizes, plan, rates, 2, footprint=footprint)
+    streamed = sum(sizes[i] for i in plan.streamed_indices)
+    host = sum(sizes[i] for i in plan.host_indices)
+    assert result.replayed.h2d_bytes == pytest.approx(up * streamed + 2 * host, rel=1e-3)
+    assert result.replayed.d2h_bytes == pytest.approx(down * streamed, rel=1e-3)
+    assert result.predicted.h2d_bytes == up * streamed + 2 * host and result.predicted.d2h_bytes == down * streamed
+    assert result.races == 0
+    assert result.ratio == pytest.approx(1.0, abs=0.10), (result.replayed.time_s, result.predicted.time_s)
+
+
+def test_simulate_command_takes_the_optimizer_and_dtypes(tmp_path, capsys) -> None:  # noqa: ANN001
+    trace = str(tmp_path / "sim.json")
+    args = ["simulate", "--params", "20e9", "--trace", trace, "--json"]
+    assert main(args) == 0
+    adam = json.loads(capsys.readouterr().out)
+    assert main([*args, "--master-dtype", "bf16", "--state-dtype", "bf16"]) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert (adam["optimizer"], adam["master_dtype"], adam["state_dtype"]) == ("adam", "fp32", "fp32")
+    assert (bf16["master_dtype"], bf16["state_dtype"]) == ("bf16", "bf16")
+    assert bf16["bytes_per_element"] == {
+        "host_state": 6, "streamed_up": 8, "streamed_down": 6, "resident_up": 2, "device": 8
+    }  # fmt: skip
+    # Half the bytes per streamed element: more of the model streams, and the update is shorter.
+    assert bf16["plan"]["streamed"] >= adam["plan"]["streamed"] and bf16["update_s"] < adam["update_s"]
+    assert main([*args, "--optimizer", "lion", "--budget", "25.6e9"]) == 0
+    lion = json.loads(capsys.readouterr().out)
+    resident = lion["plan"]["resident"]
+    assert resident > 0 and lion["held_between_updates_bytes"] == 12 * resident * 100_000_000
+    assert main([*args, "--state-dtype", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "--state-dtype bf16 needs --master-dtype bf16" in err
+    assert main([*args, "--optimizer", "sgd"]) == 2
+    assert "adam, adamw, adagrad, lion" in capsys.readouterr().err
+
+
+def test_a_sub_groups_update_is_charged_once_at_the_rules_rate_however_many_kernels_ran_it() -> None:
+    """torch's path for a rule or dtype the host kernel does not compile runs conversions and a kernel per term;
+    a tiled path runs the update in pieces; the compiled pass is one operation. The replay charges each
+    sub-group's update once at the rule's rate (the rate calibration measured for the whole update), plus one
+    cast of its elements."""
+    n, lion = 1_000_000, Footprint(LION)
+    compiled = [
+        LoggedOp("op", HOST, "host_adam", elements=n, sub_group=0),
+        LoggedOp("op", HOST, "host_cast", n, sub_group=0),
+    ]
+    torch_path = [
+        *(LoggedOp("op", HOST, "host_cast", n, sub_group=0) for _ in range(3)),  # bf16 -> fp32 conversions
+        *(LoggedOp("op", HOST, "host_elementwise", n, sub_group=0) for _ in range(9)),  # one kernel per term
+        LoggedOp("op", HOST, "host_cast", n, sub_group=0),
+    ]
+    tiled = [LoggedOp("op", HOST, "host_adam", elements=n // 4, sub_group=0) for _ in range(4)]
+    tiled.append(LoggedOp("op", HOST, "host_cast", n, sub_group=0))
+    expected = n * 20 / 28 / RATES.host_adam_eps + n / RATES.host_cast_eps  # Lion fp32 touches 20 bytes, Adam 28
+    for log in (compiled, torch_path, tiled):
+        assert replay(log, RATES, footprint=lion).time_s == pytest.approx(expected)
+    # On the device: the update at the rule's device rate, the cast at the bandwidth Adam's rate implies.
+    device = [
+        *(LoggedOp("op", 0, "device_elementwise", n, sub_group=3) for _ in range(9)),
+        LoggedOp("op", 0, "cast", n, sub_group=3),
+    ]
+    update_s = n * 20 / 28 / RATES.device_adam_eps
+    cast_s = n * (4 + 2) / (RATES.device_adam_eps * 28)
+    assert replay(device, RATES, footprint=lion).time_s == pytest.approx(update_s + cast_s)
+    # Two sub-groups are two updates; operations of no sub-group are charged as they are.
+    two = [*compiled, *(replace(op, sub_group=1) for op in compiled)]
+    assert replay(two, RATES, footprint=lion).time_s == pytest.approx(2 * expected)
+    loose = [LoggedOp("op", HOST, "host_adam", elements=n), LoggedOp("op", HOST, "host_adam", elements=n)]
+    assert replay(loose, RATES).time_s == pytest.approx(2 * n / RATES.host_adam_eps)

@@ -6,6 +6,11 @@ rates are timed on buffers of :data:`HOST_BUFFER_BYTES` (far beyond any CPU cach
 and, on CUDA, while uploads and downloads run (they share the host's memory bandwidth, as during the update).
 On a CPU "device" the device side is the CPU itself: its rates are the host's and ``shared_cpu`` is set, so the
 model adds host and device work instead of overlapping them. About a second on CPU (some 1.2 GB touched once).
+
+The update timed is the engine's own rule in its own dtypes (``footprint``), where the kernels run it: the
+rates returned are converted to the unit :class:`~lightning_dos.engine.perfmodel.HardwareRates` keeps (Adam
+with fp32 state, :func:`~lightning_dos.engine.perfmodel.adam_equivalent`), so the model gives back exactly the
+rate measured for that rule and scales it for any other by the bytes each element touches.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from collections.abc import Callable
 
 import torch
 
+from lightning_dos.engine import kernels
 from lightning_dos.engine.kernels import AdamHyper, adam_update, fused_host_update, step_tensor
-from lightning_dos.engine.perfmodel import HardwareRates
+from lightning_dos.engine.perfmodel import HardwareRates, adam_equivalent
+from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
 
 #: Bytes of each fp32 buffer host rates are timed on: larger than the last-level cache of any CPU (1.1 GB
 #: touched by Adam), so that the rates are those of the engine's slabs, which stream from memory.
@@ -60,69 +67,117 @@ def _best_seconds(
     return min(samples)
 
 
-def _adam(device: torch.device, numel: int) -> Callable[[], None]:
-    """The engine's Adam kernel on ``numel`` elements of ``device``."""
+#: Hyperparameters of the timed updates (AdamW's defaults; every rule reads the ones it uses).
+HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+_DTYPES = {4: torch.float32, 2: torch.bfloat16}
+
+
+#: The engine's update for any rule and dtypes, ``kernels.apply_update(rule, param, grad, states, step, hyper,
+#: inv_grad_scale=1.0, lp_out=None)``. Where the kernels do not have it (before issue 21's generic kernels),
+#: None: calibration then times Adam with fp32 state, which the model scales to other rules.
+#: TODO(issue 21): once merged with the generic kernels, ``from lightning_dos.engine.kernels import apply_update``.
+APPLY_UPDATE: Callable[..., None] | None = getattr(kernels, "apply_update", None)
+
+
+def measured_footprint(footprint: Footprint) -> Footprint:
+    """The rule and dtypes calibration times for an engine running ``footprint``: its own where the kernels run
+    every rule (:data:`APPLY_UPDATE`); Adam with fp32 state otherwise, which the performance model scales to
+    ``footprint`` by bytes per element (:func:`~lightning_dos.engine.perfmodel.rates_for`)."""
+    return footprint if APPLY_UPDATE is not None else ADAM_FP32
+
+
+def _buffers(footprint: Footprint, numel: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Master weights, gradient and state tensors of ``footprint`` on ``device``, in its dtypes."""
+    master, state = _DTYPES[footprint.master], _DTYPES[footprint.state]
     # Filled, not random: generating a gigabyte of random numbers would take longer than the measurement.
-    return _adam_on(*(torch.full((numel,), 0.5, device=device) for _ in range(4)))
+    return (
+        torch.full((numel,), 0.5, dtype=master, device=device),
+        torch.full((numel,), 0.5, dtype=master, device=device),
+        *(torch.full((numel,), 0.5, dtype=state, device=device) for _ in footprint.rule.states),
+    )
 
 
-def _adam_on(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> Callable[[], None]:
-    step = step_tensor(1, p.device)
-    hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
-    return lambda: adam_update(p, g, m, v, step, hyper)
-
-
-def _host_update(
-    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lp: torch.Tensor | None
+def _update(
+    footprint: Footprint, buffers: tuple[torch.Tensor, ...], lp: torch.Tensor | None = None, host: bool = True
 ) -> Callable[[], None]:
-    """The engine's host update on these buffers, unscale active, with the cast into ``lp`` when given."""
-    step = step_tensor(1, torch.device("cpu"))
-    hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+    """The engine's update of ``footprint``'s rule on ``buffers`` (master weights, gradient, states): on the host
+    its one-pass update, unscale active, with the cast into ``lp`` when given; on a device its device kernel."""
+    param, grad, *states = buffers
+    step = step_tensor(1, param.device)
     factor = [2.0]
+    if APPLY_UPDATE is None and footprint != ADAM_FP32:  # see measured_footprint
+        raise NotImplementedError(f"calibration times Adam with fp32 state only, not {footprint}")
 
     def run() -> None:
         # The unscale factor alternates so repeated samples neither shrink the gradient towards denormals nor grow it.
         factor[0] = 1.0 / factor[0]
-        fused_host_update(p, g, m, v, step, hyper, factor[0], lp)
+        if APPLY_UPDATE is not None:
+            if host:
+                APPLY_UPDATE(footprint.rule, param, grad, states, step, HYPER, factor[0], lp)
+            else:
+                APPLY_UPDATE(footprint.rule, param, grad, states, step, HYPER)
+        elif host:
+            fused_host_update(param, grad, *states, step, HYPER, factor[0], lp)
+        else:
+            adam_update(param, grad, *states, step, HYPER)
 
     return run
 
 
-def host_rates(
-    numel: int = HOST_BUFFER_BYTES // 4, lp_dtype: torch.dtype = torch.bfloat16, busy: Busy | None = None
-) -> tuple[float, float, float]:
-    """Host Adam elements/s, host cast elements/s, host memcpy bytes/s, on fp32 buffers of ``numel`` elements,
-    each timed while ``busy`` work (transfers) runs, when given.
+def _adam(device: torch.device, numel: int, footprint: Footprint = ADAM_FP32) -> Callable[[], None]:
+    """The engine's device update of ``footprint`` on ``numel`` elements of ``device``."""
+    return _update(footprint, _buffers(footprint, numel, device), host=False)
 
-    The engine's host update unscales, runs Adam and casts in one pass; the performance model charges
-    ``n / host_adam_eps + n / host_cast_eps`` for it, so Adam's rate is that pass without the cast and the
+
+def host_rates(
+    numel: int = HOST_BUFFER_BYTES // 4,
+    lp_dtype: torch.dtype = torch.bfloat16,
+    busy: Busy | None = None,
+    *,
+    footprint: Footprint = ADAM_FP32,
+) -> tuple[float, float, float]:
+    """Host update elements/s of ``footprint``'s rule and dtypes (as measured, not converted), host cast
+    elements/s, host memcpy bytes/s, on buffers of ``numel`` elements, each timed while ``busy`` work
+    (transfers) runs, when given.
+
+    The engine's host update unscales, updates and casts in one pass; the performance model charges
+    ``n / host_adam_eps + n / host_cast_eps`` for it, so the update's rate is that pass without the cast and the
     cast's rate is what the cast adds to the pass (far less than a cast on its own, which reads from memory).
     """
     # One set of buffers for every kernel, filled rather than random: first touches of fresh pages and random
     # numbers for a gigabyte would cost more than the kernels themselves.
-    p, g, m, v = (torch.full((numel,), 0.5) for _ in range(4))
+    buffers = _buffers(footprint, numel, torch.device("cpu"))
     lp = torch.empty(numel, dtype=lp_dtype)
-    adam_s = _best_seconds(_host_update(p, g, m, v, None), busy=busy)
-    full_s = _best_seconds(_host_update(p, g, m, v, lp), busy=busy)
+    adam_s = _best_seconds(_update(footprint, buffers), busy=busy)
+    full_s = _best_seconds(_update(footprint, buffers, lp), busy=busy)
     # Noise must not make the cast look free: it always costs at least a small share of the pass.
     cast_s = max(full_s - adam_s, 0.02 * full_s)
+    p, m = (torch.full((numel,), 0.5) for _ in range(2))
     memcpy = 4 * numel / _best_seconds(lambda: m.copy_(p), busy=busy)
     return numel / adam_s, numel / cast_s, memcpy
 
 
 def calibrate(
-    device: torch.device, numel: int = HOST_BUFFER_BYTES // 4, lp_dtype: torch.dtype = torch.bfloat16
+    device: torch.device,
+    numel: int = HOST_BUFFER_BYTES // 4,
+    lp_dtype: torch.dtype = torch.bfloat16,
+    *,
+    footprint: Footprint = ADAM_FP32,
 ) -> HardwareRates:
     """Measure the rates the performance model needs, for the engine on ``device``.
 
     Args:
         device: the engine's device; on CUDA, transfers and device Adam are measured too.
-        numel: elements of each fp32 buffer host rates are timed on.
+        numel: elements of each buffer host rates are timed on.
         lp_dtype: the 16-bit type of the host cast.
+        footprint: the engine's optimizer rule and dtypes; its update is the one timed where the kernels run
+            it (:func:`measured_footprint`), and the rates come back in Adam-with-fp32-state units.
     """
+    timed = measured_footprint(footprint)
     if device.type != "cuda":
-        adam, cast, memcpy = host_rates(numel, lp_dtype)
-        return HardwareRates(adam, cast, adam, memcpy, memcpy, memcpy / 2, memcpy / 2, shared_cpu=True)
+        adam, cast, memcpy = host_rates(numel, lp_dtype, footprint=timed)
+        rates = HardwareRates(adam, cast, adam, memcpy, memcpy, memcpy / 2, memcpy / 2, shared_cpu=True)
+        return adam_equivalent(rates, timed)
     sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
     nbytes = 64 << 20
     host_up = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -148,7 +203,7 @@ def calibrate(
     # Both at once: each direction moved nbytes in the time both took.
     duplex = nbytes / _best_seconds(both, sync=sync)
     device_numel = 16_000_000
-    device_adam = device_numel / _best_seconds(_adam(device, device_numel), sync=sync)
+    device_adam = device_numel / _best_seconds(_adam(device, device_numel, timed), sync=sync)
 
     def transfers(seconds: float) -> Callable[[], None]:
         # Queued copies run on their streams while the host works; enough of them to last `seconds`.
@@ -156,5 +211,5 @@ def calibrate(
             both()
         return sync
 
-    adam, cast, _ = host_rates(numel, lp_dtype, busy=transfers)
-    return HardwareRates(adam, cast, device_adam, h2d, d2h, min(duplex, h2d), min(duplex, d2h))
+    adam, cast, _ = host_rates(numel, lp_dtype, busy=transfers, footprint=timed)
+    return adam_equivalent(HardwareRates(adam, cast, device_adam, h2d, d2h, min(duplex, h2d), min(duplex, d2h)), timed)

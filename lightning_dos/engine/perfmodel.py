@@ -2,11 +2,20 @@
 
 It mirrors what the engine does (:mod:`lightning_dos.engine.loop`), per rank:
 
-- host sub-group of n elements: CPU Adam and cast (``n / host_adam_eps + n / host_cast_eps``), then an
+- host sub-group of n elements: CPU update and cast (``n / host_adam_eps + n / host_cast_eps``), then an
   upload of ``lp_bytes * n`` on its own stream;
-- streamed sub-group: upload 16n bytes (param, moments, gradient), device Adam, download 12n bytes, through
-  ``device_buffers`` staging slots (a slot is reused once its download is done);
-- resident sub-group: upload 4n bytes (gradient) and device Adam; 16n bytes of device memory all the time.
+- streamed sub-group: upload master weights, states and gradient, device update, download master weights and
+  states, through ``device_buffers`` staging slots (a slot is reused once its download is done);
+- resident sub-group: upload its gradient and update on the device; master weights, states and gradient held
+  in device memory all the time.
+
+The bytes per element come from a :class:`~lightning_dos.engine.update_rules.Footprint` (the optimizer's rule
+and its dtypes; every function takes one as ``footprint``, Adam with fp32 state by default: 16 bytes up and 12
+down per streamed element, 4 up per resident one, 16 on the device). The update rates of a
+:class:`HardwareRates` are those of Adam with fp32 state (what profiles hold, and calibration reports); the
+update is memory-bound, so another rule's or dtype's throughput is that one scaled by the bytes each element
+touches (:func:`rates_for`). A calibration of the engine's own rule converts its measurement to that unit
+and back, so for the rule measured the model uses exactly the measured rate.
 
 Device work is queued first and runs while the CPU works through the host sub-groups; the update ends when
 the last of them finishes. When the plan streams, both PCIe directions are busy at once and each runs at its
@@ -28,8 +37,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from lightning_dos.engine.plan import Place, Plan, all_host
 from lightning_dos.engine.report import StepReport
-
-STREAMED_UP, STREAMED_DOWN, RESIDENT_UP, DEVICE_BYTES = 16, 12, 4, 16
+from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
 
 
 @dataclass(frozen=True)
@@ -37,9 +45,10 @@ class HardwareRates:
     """What one rank's hardware does per second.
 
     Attributes:
-        host_adam_eps: host Adam throughput, elements/s (with the threads this rank gets).
+        host_adam_eps: host Adam throughput (fp32 master weights and moments), elements/s (with the threads this
+            rank gets); other rules and dtypes are scaled from it (:func:`rates_for`).
         host_cast_eps: host fp32 -> 16-bit cast throughput, elements/s.
-        device_adam_eps: device Adam throughput, elements/s; 0 means there is no accelerator.
+        device_adam_eps: device Adam throughput (fp32 state), elements/s; 0 means there is no accelerator.
         h2d_bps: pinned host-to-device bandwidth alone, bytes/s.
         d2h_bps: pinned device-to-host bandwidth alone, bytes/s.
         duplex_h2d_bps: host-to-device bandwidth while device-to-host runs too, bytes/s.
@@ -93,12 +102,43 @@ class Prediction:
     device_s: float
 
 
-def device_bytes(sizes: Sequence[int], plan: Plan) -> int:
-    """Device memory ``plan`` needs during the update (as the engine allocates it)."""
+def update_bytes(footprint: Footprint) -> int:
+    """Bytes one element of the update touches in memory: the gradient read, the master weights and every
+    state tensor read and written (28 for Adam with fp32 state; the 16-bit cast is counted apart)."""
+    return footprint.master + 2 * footprint.optimizer_state
+
+
+def rates_for(rates: HardwareRates, footprint: Footprint = ADAM_FP32) -> HardwareRates:
+    """``rates`` with the host and device update throughputs of ``footprint``'s rule and dtypes.
+
+    The update streams its operands from memory (host slabs far beyond any cache; device Adam is bandwidth
+    bound too), so its time per element is taken proportional to :func:`update_bytes`: Lion or Adagrad with
+    fp32 state (20 bytes) run at 1.4x Adam's elements/s, Adam with bf16 master weights and states (14 bytes) at
+    2x. An approximation for a rule other than the one calibrated: :func:`adam_equivalent` makes a measured
+    rule's own rate come back exactly.
+    """
+    if footprint == ADAM_FP32:
+        return rates
+    factor = update_bytes(ADAM_FP32) / update_bytes(footprint)
+    return replace(rates, host_adam_eps=rates.host_adam_eps * factor, device_adam_eps=rates.device_adam_eps * factor)
+
+
+def adam_equivalent(rates: HardwareRates, footprint: Footprint = ADAM_FP32) -> HardwareRates:
+    """The inverse of :func:`rates_for`: rates whose update throughputs were measured for ``footprint``, in the
+    unit :class:`HardwareRates` keeps them (Adam with fp32 state)."""
+    if footprint == ADAM_FP32:
+        return rates
+    factor = update_bytes(footprint) / update_bytes(ADAM_FP32)
+    return replace(rates, host_adam_eps=rates.host_adam_eps * factor, device_adam_eps=rates.device_adam_eps * factor)
+
+
+def device_bytes(sizes: Sequence[int], plan: Plan, *, footprint: Footprint = ADAM_FP32) -> int:
+    """Device memory ``plan`` needs during the update (as the engine allocates it), ``footprint.device`` bytes per
+    element of every resident sub-group and staging buffer."""
     streamed = [sizes[i] for i in plan.streamed_indices]
     resident = sum(sizes[i] for i in plan.resident_indices)
     buffers = min(plan.device_buffers, len(streamed))
-    return DEVICE_BYTES * (resident + buffers * max(streamed, default=0))
+    return footprint.device * (resident + buffers * max(streamed, default=0))
 
 
 def link_seconds(h2d_bytes: float, d2h_bytes: float, rates: HardwareRates) -> float:
@@ -118,12 +158,27 @@ def link_seconds(h2d_bytes: float, d2h_bytes: float, rates: HardwareRates) -> fl
 
 
 def predict(
-    sizes: Sequence[int], plan: Plan, rates: HardwareRates, lp_bytes: int, lp_on_host: bool = False
+    sizes: Sequence[int],
+    plan: Plan,
+    rates: HardwareRates,
+    lp_bytes: int,
+    lp_on_host: bool = False,
+    *,
+    footprint: Footprint = ADAM_FP32,
 ) -> Prediction:
     """Predict the update phase of ``plan`` over sub-groups of ``sizes`` elements.
 
     ``lp_on_host``: the 16-bit parameters live in host memory (parameter offload), so host sub-groups upload
-    nothing and device sub-groups download their 16-bit result as well."""
+    nothing and device sub-groups download their 16-bit result as well. ``footprint``: the optimizer's rule and
+    dtypes (bytes moved and held per element, update rates as :func:`rates_for` scales them)."""
+    return _predict(sizes, plan, rates_for(rates, footprint), lp_bytes, lp_on_host, footprint)
+
+
+def _predict(
+    sizes: Sequence[int], plan: Plan, rates: HardwareRates, lp_bytes: int, lp_on_host: bool, footprint: Footprint
+) -> Prediction:
+    """:func:`predict` with ``rates`` already those of ``footprint`` (:func:`rates_for`)."""
+    streamed_up, streamed_down, resident_up = footprint.streamed_up, footprint.streamed_down, footprint.resident_up
     streaming = bool(plan.streamed_indices)
     up = rates.duplex_h2d_bps if streaming else rates.h2d_bps
     down = rates.duplex_d2h_bps if streaming else rates.d2h_bps
@@ -131,20 +186,20 @@ def predict(
     h2d_bytes = d2h_bytes = 0
     lp_down = lp_bytes if lp_on_host else 0
     for i in plan.resident_indices:  # the engine queues resident work first
-        h2d_free += RESIDENT_UP * sizes[i] / up
+        h2d_free += resident_up * sizes[i] / up
         compute_free = max(compute_free, h2d_free) + sizes[i] / rates.device_adam_eps
-        h2d_bytes += RESIDENT_UP * sizes[i]
+        h2d_bytes += resident_up * sizes[i]
         if lp_down:
             d2h_free = max(d2h_free, compute_free) + lp_down * sizes[i] / down
             d2h_bytes += lp_down * sizes[i]
     slots_free = [0.0] * max(1, plan.device_buffers)
     for j, i in enumerate(plan.streamed_indices):
         n, slot = sizes[i], j % len(slots_free)
-        h2d_free = max(h2d_free, slots_free[slot]) + STREAMED_UP * n / up
+        h2d_free = max(h2d_free, slots_free[slot]) + streamed_up * n / up
         compute_free = max(compute_free, h2d_free) + n / rates.device_adam_eps
-        d2h_free = slots_free[slot] = max(d2h_free, compute_free) + (STREAMED_DOWN + lp_down) * n / down
-        h2d_bytes += STREAMED_UP * n
-        d2h_bytes += (STREAMED_DOWN + lp_down) * n
+        d2h_free = slots_free[slot] = max(d2h_free, compute_free) + (streamed_down + lp_down) * n / down
+        h2d_bytes += streamed_up * n
+        d2h_bytes += (streamed_down + lp_down) * n
     device_s = max(h2d_free, compute_free, d2h_free)
     host_s, lp_free = 0.0, 0.0
     per_element = 1.0 / rates.host_adam_eps + 1.0 / rates.host_cast_eps
@@ -158,36 +213,49 @@ def predict(
     else:
         # Host uploads and device uploads share the link: it needs at least all the bytes' worth of time.
         time_s = max(device_s, host_s, lp_free, link_seconds(h2d_bytes, d2h_bytes, rates))
-    return Prediction(time_s, device_bytes(sizes, plan), h2d_bytes, d2h_bytes, host_s, device_s)
+    return Prediction(time_s, device_bytes(sizes, plan, footprint=footprint), h2d_bytes, d2h_bytes, host_s, device_s)
 
 
 #: Sub-groups of unequal sizes are searched exhaustively up to this many placements (exact for any sizes).
 EXHAUSTIVE_LIMIT = 729
 
 
-def _fitting_buffers(streamed: Sequence[int], resident_elements: int, budget_bytes: int | None, most: int) -> int:
+def _fitting_buffers(
+    streamed: Sequence[int],
+    resident_elements: int,
+    budget_bytes: int | None,
+    most: int,
+    *,
+    footprint: Footprint = ADAM_FP32,
+) -> int:
     """Staging buffers for a placement: as many as fit in ``budget_bytes``, at most ``most`` (0: it does not fit).
 
     More buffers never make the predicted time longer (a streamed sub-group waits for the download of the one
     ``buffers`` places before it, and downloads finish in order), so for a given placement the most that fit
     is optimal; :func:`choose_plan` then drops any that do not shorten the prediction."""
-    free = None if budget_bytes is None else budget_bytes - DEVICE_BYTES * resident_elements
+    free = None if budget_bytes is None else budget_bytes - footprint.device * resident_elements
     if free is not None and free < 0:
         return 0
     if not streamed:
         return 1
     buffers = min(most, len(streamed))
     if free is not None:
-        buffers = min(buffers, free // (DEVICE_BYTES * max(1, max(streamed))))
+        buffers = min(buffers, free // (footprint.device * max(1, max(streamed))))
     return buffers
 
 
-def _exhaustive(sizes: Sequence[int], places_per_group: tuple[Place, ...], budget_bytes: int | None, most: int):  # noqa: ANN202
+def _exhaustive(  # noqa: ANN202
+    sizes: Sequence[int],
+    places_per_group: tuple[Place, ...],
+    budget_bytes: int | None,
+    most: int,
+    footprint: Footprint = ADAM_FP32,
+):
     """Every placement, each with the most staging buffers that fit (plans that do not fit are left out)."""
     for combo in itertools.product(places_per_group, repeat=len(sizes)):
         streamed = [sizes[i] for i, p in enumerate(combo) if p == Place.DEVICE]
         resident = sum(sizes[i] for i, p in enumerate(combo) if p == Place.RESIDENT)
-        buffers = _fitting_buffers(streamed, resident, budget_bytes, most)
+        buffers = _fitting_buffers(streamed, resident, budget_bytes, most, footprint=footprint)
         if buffers:
             yield Plan(combo, buffers)
 
@@ -209,26 +277,35 @@ def _host_tail(sizes: Sequence[int], per_element: float, lp_per_element: float) 
 
 
 def _streamed_lane(
-    start: tuple[float, float], sizes: Sequence[int], buffers: int, up: float, down: float, adam: float
+    start: tuple[float, float],
+    sizes: Sequence[int],
+    buffers: int,
+    up: float,
+    down: float,
+    adam: float,
+    footprint: Footprint = ADAM_FP32,
 ) -> Iterator[float]:
     """When the device side is done after streaming each prefix of ``sizes`` (as :func:`predict`): a sub-group's
     times never depend on the ones after it, so one pass gives every prefix."""
     h2d_free, compute_free = start
     d2h_free, slots = 0.0, [0.0] * buffers
+    streamed_up, streamed_down = footprint.streamed_up, footprint.streamed_down
     for j, n in enumerate(sizes):
         slot = j % buffers
-        h2d_free = (h2d_free if h2d_free > slots[slot] else slots[slot]) + STREAMED_UP * n / up
+        h2d_free = (h2d_free if h2d_free > slots[slot] else slots[slot]) + streamed_up * n / up
         compute_free = (compute_free if compute_free > h2d_free else h2d_free) + n / adam
-        d2h_free = slots[slot] = (d2h_free if d2h_free > compute_free else compute_free) + STREAMED_DOWN * n / down
+        d2h_free = slots[slot] = (d2h_free if d2h_free > compute_free else compute_free) + streamed_down * n / down
         # Downloads end last unless a later stage is still running (the lanes never run backwards).
         yield max(h2d_free, compute_free, d2h_free)
 
 
-def _resident_lane(sizes: Sequence[int], up: float, adam: float) -> tuple[float, float]:
+def _resident_lane(
+    sizes: Sequence[int], up: float, adam: float, footprint: Footprint = ADAM_FP32
+) -> tuple[float, float]:
     """Upload and compute ends of the resident sub-groups of ``sizes``, queued first (as :func:`predict`)."""
     h2d_free = compute_free = 0.0
     for n in sizes:
-        h2d_free += RESIDENT_UP * n / up
+        h2d_free += footprint.resident_up * n / up
         compute_free = (compute_free if compute_free > h2d_free else h2d_free) + n / adam
     return h2d_free, compute_free
 
@@ -243,6 +320,8 @@ def _scan(
     allow_resident: bool,
     max_buffers: int,
     bound: float = float("inf"),
+    *,
+    footprint: Footprint = ADAM_FP32,
 ) -> tuple[int, int, int] | None:
     """Best ``(r, k, buffers)`` faster than ``bound`` (None: none is) over the plans where the first ``r`` of
     ``resident_order`` are resident, the first ``k`` of the others in ``stream_order`` stream and the rest run
@@ -251,7 +330,12 @@ def _scan(
     Lanes are evaluated in ``stream_order``: exactly :func:`predict` when that is index order or when sizes are
     equal, an estimate otherwise. Each ``r`` costs a few passes over the sub-groups (the streamed lane is
     extended one sub-group at a time, the host lane read from suffix sums), so the scan is quadratic; it stops
-    early where the device side alone, which only grows with ``r`` and ``k``, already takes longer than the best."""
+    early where the device side alone, which only grows with ``r`` and ``k``, already takes longer than the best.
+    ``rates`` are already those of ``footprint`` (:func:`rates_for`)."""
+    fp = footprint
+    # Bytes per element as locals: the inner loop below is the planner's hot path.
+    streamed_up_b, streamed_down_b = fp.streamed_up, fp.streamed_down
+    resident_up_b, device_b = fp.resident_up, fp.device
     per_element = 1.0 / rates.host_adam_eps + 1.0 / rates.host_cast_eps
     up, down, adam = rates.duplex_h2d_bps, rates.duplex_d2h_bps, rates.device_adam_eps
     fastest_up, fastest_down = max(up, rates.h2d_bps), max(down, rates.d2h_bps)
@@ -260,16 +344,16 @@ def _scan(
         chosen = set(resident_order[:r])
         resident = [sizes[i] for i in sorted(chosen)]
         resident_elements = sum(resident)
-        free = None if budget_bytes is None else budget_bytes - DEVICE_BYTES * resident_elements
+        free = None if budget_bytes is None else budget_bytes - device_b * resident_elements
         if free is not None and free < 0:
             continue
-        alone, start = _resident_lane(resident, rates.h2d_bps, adam), _resident_lane(resident, up, adam)
+        alone, start = _resident_lane(resident, rates.h2d_bps, adam, fp), _resident_lane(resident, up, adam, fp)
         if min(max(alone), max(start)) >= best[0]:
             break  # more resident sub-groups only lengthen the resident lane
         rest = [sizes[i] for i in stream_order if i not in chosen]
         rest_elements = sum(rest)
         # k = 0: nothing streams, so the link runs one way at its own rate.
-        up_bytes = RESIDENT_UP * resident_elements + lp_bytes * rest_elements
+        up_bytes = resident_up_b * resident_elements + lp_bytes * rest_elements
         lower = max(*alone, rest_elements * per_element, up_bytes / rates.h2d_bps)
         if lower < best[0]:  # only then is the host lane's upload end worth a pass
             lp_free_alone = _host_tail(rest, per_element, lp_bytes / rates.h2d_bps)[1][0]
@@ -281,17 +365,17 @@ def _scan(
             fitting = [max_buffers] * len(rest)
         else:
             largest = itertools.accumulate(rest, max)
-            fitting = [min(max_buffers, free // (DEVICE_BYTES * max(1, n))) for n in largest]
+            fitting = [min(max_buffers, free // (device_b * max(1, n))) for n in largest]
         for buffers in sorted(set(fitting) - {0}):
             streamed_up = streamed = 0
-            for k, done in enumerate(_streamed_lane(start, rest, buffers, up, down, adam), start=1):
+            for k, done in enumerate(_streamed_lane(start, rest, buffers, up, down, adam, fp), start=1):
                 streamed += rest[k - 1]
-                streamed_up = up_bytes + (STREAMED_UP - lp_bytes) * streamed
+                streamed_up = up_bytes + (streamed_up_b - lp_bytes) * streamed
                 # The device lane and every byte over the link at its fastest rate only grow with k.
-                device_lower = max(done, streamed_up / fastest_up, STREAMED_DOWN * streamed / fastest_down)
+                device_lower = max(done, streamed_up / fastest_up, streamed_down_b * streamed / fastest_down)
                 if fitting[k - 1] < buffers or device_lower >= best[0]:
                     break
-                link_s = link_seconds(streamed_up, STREAMED_DOWN * streamed, rates)
+                link_s = link_seconds(streamed_up, streamed_down_b * streamed, rates)
                 time_s = max(done, link_s, host_s[k], lp_free[k])
                 if time_s < best[0]:
                     best = (time_s, r, k, min(buffers, k))
@@ -306,6 +390,8 @@ def choose_plan(
     allow_resident: bool = False,
     max_buffers: int = 4,
     lp_on_host: bool = False,
+    *,
+    footprint: Footprint = ADAM_FP32,
 ) -> tuple[Plan, Prediction]:
     """The plan with the least predicted update time whose device memory fits ``budget_bytes`` (None: no limit).
 
@@ -315,25 +401,27 @@ def choose_plan(
     (exact); beyond, the same scan with the sub-groups taken largest or smallest first, each scan's best plan
     then predicted exactly (a heuristic: on random 7-sub-group cases it found the brute-force optimum 5 times
     in 6, and was never more than 10% slower). With no accelerator (``device_adam_eps == 0``) everything stays
-    on the host and nothing is searched.
+    on the host and nothing is searched. ``footprint``: the optimizer's rule and dtypes (see :func:`predict`).
     """
     n = len(sizes)
     host = all_host(n)
+    rates = rates_for(rates, footprint)
+    fp = footprint
     if n == 0 or rates.device_adam_eps <= 0 or rates.shared_cpu:
-        return host, predict(sizes, host, rates, lp_bytes, lp_on_host) if rates.host_adam_eps > 0 else Prediction(
-            0, 0, 0, 0, 0, 0
-        )
+        if rates.host_adam_eps <= 0:
+            return host, Prediction(0, 0, 0, 0, 0, 0)
+        return host, _predict(sizes, host, rates, lp_bytes, lp_on_host, fp)
     places_per_group = (Place.HOST, Place.DEVICE, Place.RESIDENT) if allow_resident else (Place.HOST, Place.DEVICE)
-    best_plan, best = host, predict(sizes, host, rates, lp_bytes, lp_on_host)
+    best_plan, best = host, _predict(sizes, host, rates, lp_bytes, lp_on_host, fp)
 
     def consider(plan: Plan) -> None:
         nonlocal best_plan, best
-        guess = predict(sizes, plan, rates, lp_bytes, lp_on_host)
+        guess = _predict(sizes, plan, rates, lp_bytes, lp_on_host, fp)
         if guess.time_s < best.time_s - 1e-12:
             best_plan, best = plan, guess
 
     if len(set(sizes)) > 1 and len(places_per_group) ** n <= EXHAUSTIVE_LIMIT:
-        for plan in _exhaustive(sizes, places_per_group, budget_bytes, max_buffers):
+        for plan in _exhaustive(sizes, places_per_group, budget_bytes, max_buffers, fp):
             consider(plan)
     else:
         for resident_order, stream_order in _scan_orders(sizes, allow_resident):
@@ -349,13 +437,14 @@ def choose_plan(
                 allow_resident,
                 max_buffers,
                 bound=best.time_s,
+                footprint=fp,
             )
             if scan is not None:
                 consider(_plan_of(n, resident_order, stream_order, *scan))
     # Staging buffers that do not shorten the update would only hold device memory.
     while best_plan.device_buffers > 1 and best_plan.streamed_indices:
         fewer = replace(best_plan, device_buffers=best_plan.device_buffers - 1)
-        guess = predict(sizes, fewer, rates, lp_bytes, lp_on_host)
+        guess = _predict(sizes, fewer, rates, lp_bytes, lp_on_host, fp)
         if guess.time_s > best.time_s:
             break
         best_plan, best = fewer, guess
@@ -413,20 +502,26 @@ def floor(
     budget_bytes: int | None = None,
     points: int = 201,
     shares: Sequence[tuple[float, float]] = (),
-    resident_up_bytes: int = RESIDENT_UP,
+    resident_up_bytes: int | None = None,
+    *,
+    footprint: Footprint = ADAM_FP32,
 ) -> tuple[float, float]:
     """The first-order floor of the update phase (reference notes), with the engine's byte counts.
 
-    A share r of the elements streams (16 bytes up, 12 down), a share q stays resident (4 bytes up; at most
-    what ``budget_bytes`` holds, none without a budget, as in the reference), the rest is updated on the host:
+    A share r of the elements streams (``footprint.streamed_up`` bytes up, ``streamed_down`` down: 16 and 12 for
+    Adam in fp32), a share q stays resident (``resident_up`` bytes up, 4; at most what ``budget_bytes`` holds at
+    ``footprint.device`` bytes each, none without a budget, as in the reference), the rest is updated on the host:
     T(r, q) = max((1-r-q)N/U_host, link(N(16r + 4q + lp(1-r-q)) up, 12rN down), (r+q)N/U_dev), with the link's
     time as :func:`link_seconds` gives it, searched on a grid plus the exact ``shares`` (r, q) given (those of
     schemes the floor is compared with, so that it is below each of them wherever their own prediction is
     above T at their share). ``resident_up_bytes``: bytes a resident element uploads (0 for a scheme whose
-    gradients stay on the device, as TwinFlow's do). With no accelerator (a CPU "device") there is no upload
-    and no device: T = N/U_host.
+    gradients stay on the device, as TwinFlow's do; None: ``footprint.resident_up``). With no accelerator (a CPU
+    "device") there is no upload and no device: T = N/U_host. Update rates as :func:`rates_for` scales them.
     Returns the device share r + q at the minimum, and the minimum.
     """
+    rates = rates_for(rates, footprint)
+    if resident_up_bytes is None:
+        resident_up_bytes = footprint.resident_up
     n = float(total_elements)
     host = 1.0 / rates.host_adam_eps + 1.0 / rates.host_cast_eps
     if rates.shared_cpu:  # the parameters live on the CPU too: the cast writes them, nothing is uploaded
@@ -436,14 +531,14 @@ def floor(
         return best
 
     def t_of(r: float, q: float) -> float:
-        up_bytes = n * (STREAMED_UP * r + resident_up_bytes * q + lp_bytes * (1 - r - q))
+        up_bytes = n * (footprint.streamed_up * r + resident_up_bytes * q + lp_bytes * (1 - r - q))
         return max(
             n * (1 - r - q) * host,
-            link_seconds(up_bytes, n * STREAMED_DOWN * r, rates),
+            link_seconds(up_bytes, n * footprint.streamed_down * r, rates),
             n * (r + q) / rates.device_adam_eps,
         )
 
-    q_max = min(1.0, budget_bytes / (DEVICE_BYTES * n)) if budget_bytes else 0.0
+    q_max = min(1.0, budget_bytes / (footprint.device * n)) if budget_bytes else 0.0
     grid = [
         ((1 - q) * ri / (points - 1), q)
         for q in (q_max * qi / max(1, points - 1) for qi in range(points if q_max > 0 else 1))
@@ -467,9 +562,21 @@ class RateEstimator:
         window: how many recent observations each median is taken over.
         drift: relative mismatch between prediction and measurement that counts as drift.
         patience: consecutive drifting steps before a re-plan is suggested.
+        footprint: the engine's rule and dtypes: the update throughputs its spans show are that rule's, and are
+            kept in Adam-with-fp32-state units as every :class:`HardwareRates` keeps them (:func:`adam_equivalent`);
+            its update spans (``host_adam``, ``device_adam``) carry ``footprint.master`` bytes per element.
     """
 
-    def __init__(self, rates: HardwareRates, window: int = 20, drift: float = 0.2, patience: int = 3) -> None:
+    def __init__(
+        self,
+        rates: HardwareRates,
+        window: int = 20,
+        drift: float = 0.2,
+        patience: int = 3,
+        *,
+        footprint: Footprint = ADAM_FP32,
+    ) -> None:
+        self.footprint = footprint
         self.calibrated = rates
         self.rates = rates
         self.drift, self.patience = drift, patience
@@ -488,17 +595,19 @@ class RateEstimator:
             per_second = span.nbytes / span.duration_s
             self._lanes.setdefault(span.lane, deque(maxlen=self._window)).append(per_second)
         rates = self.rates
+        # The spans time this engine's rule: compare and update them in its own throughputs.
+        own = rates_for(rates, self.footprint)
         med = {lane: statistics.median(v) for lane, v in self._lanes.items() if v}
-        if "host_adam" in med:  # nbytes is 4 per element; the span covers Adam and the cast
-            per_element = 4.0 / med["host_adam"]
-            cast_share = (1.0 / rates.host_cast_eps) / (1.0 / rates.host_adam_eps + 1.0 / rates.host_cast_eps)
-            rates = replace(
-                rates,
-                host_adam_eps=1.0 / (per_element * (1 - cast_share)),
-                host_cast_eps=1.0 / (per_element * cast_share),
-            )
+        # The engine's update spans count the master weights' bytes per element (4, or 2 under bf16 master weights).
+        span_bytes = float(self.footprint.master)
+        if "host_adam" in med:  # the span covers the update and the cast
+            per_element = span_bytes / med["host_adam"]
+            cast_share = (1.0 / own.host_cast_eps) / (1.0 / own.host_adam_eps + 1.0 / own.host_cast_eps)
+            host = adam_equivalent(replace(own, host_adam_eps=1.0 / (per_element * (1 - cast_share))), self.footprint)
+            rates = replace(rates, host_adam_eps=host.host_adam_eps, host_cast_eps=1.0 / (per_element * cast_share))
         if "device_adam" in med:
-            rates = replace(rates, device_adam_eps=med["device_adam"] / 4.0)
+            device = adam_equivalent(replace(own, device_adam_eps=med["device_adam"] / span_bytes), self.footprint)
+            rates = replace(rates, device_adam_eps=device.device_adam_eps)
         if "upload" in med:
             rates = replace(rates, duplex_h2d_bps=med["upload"])
         if "download" in med:

@@ -25,6 +25,7 @@ from lightning_dos.engine.loop import InterleavedUpdate
 from lightning_dos.engine.perfmodel import HardwareRates, RateEstimator, choose_plan, predict
 from lightning_dos.engine.plan import FractionSpec, Plan, all_host
 from lightning_dos.engine.report import StepReport
+from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
 
 #: How often "auto" re-plans even without drift, so slowly changing rates are followed.
 REPLAN_EVERY = 50
@@ -68,12 +69,18 @@ class PlacementScheduler:
         return self.engine.device.type != "cpu"
 
     @property
+    def footprint(self) -> Footprint:
+        """The engine's rule and dtypes, whose bytes and rates the model counts (Adam in fp32 for an engine that
+        does not say)."""
+        return getattr(self.engine, "footprint", ADAM_FP32)
+
+    @property
     def rates(self) -> HardwareRates | None:
         return self.estimator.rates if self.estimator is not None else None
 
     def _ensure_rates(self) -> HardwareRates:
         if self.estimator is None:
-            self.estimator = RateEstimator(self._calibrate(self.engine.device))
+            self.estimator = RateEstimator(self._calibrate(self.engine.device), footprint=self.footprint)
         # The engine reports peaks from the calibration itself; the live estimate follows contention.
         self.engine.rates = self.estimator.calibrated
         return self.estimator.rates
@@ -92,7 +99,10 @@ class PlacementScheduler:
             self._replan(step)
         rates = self._ensure_rates()
         engine = self.engine
-        return self._plan, predict(engine.sizes, self._plan, rates, engine.lp_bytes, engine.lp_downloads).time_s
+        prediction = predict(
+            engine.sizes, self._plan, rates, engine.lp_bytes, engine.lp_downloads, footprint=self.footprint
+        )
+        return self._plan, prediction.time_s
 
     def _any_rank_drifted(self, step: int) -> bool:
         if self._reduce_min is None or step % DRIFT_CHECK_EVERY:
@@ -117,6 +127,7 @@ class PlacementScheduler:
             self.engine.lp_bytes,
             allow_resident=resident_ok,
             lp_on_host=self.engine.lp_downloads,
+            footprint=self.footprint,
         )
         self._planned_at = step
 

@@ -1,4 +1,9 @@
-"""Hardware profiles: per-rank rates for the performance model, measured (``lightning-dos calibrate``) or named."""
+"""Hardware profiles: per-rank rates for the performance model, measured (``lightning-dos calibrate``) or named.
+
+The update rates (``host_adam_eps``, ``device_adam_eps``) are Adam's with fp32 master weights and moments,
+whatever optimizer a profile was calibrated with; the model scales them to each optimizer and dtype
+(:func:`~lightning_dos.engine.perfmodel.rates_for`).
+"""
 
 from __future__ import annotations
 

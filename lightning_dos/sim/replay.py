@@ -12,8 +12,12 @@ The model:
 - one **copy engine per direction** (uploads on ``h2d`` and ``lp_h2d`` share one, downloads use the other)
   serves one copy at a time, at the profile's solo rate, or its duplex rate while the other direction is
   busy too (rates change as copies start and end);
-- the **compute stream** runs device Adam at ``device_adam_eps``; other device kernels (the 16-bit cast,
-  gradient scaling) are memory-bound and run at that rate scaled by the bytes each element moves.
+- the **compute stream** runs the device update at ``device_adam_eps`` (scaled to the optimizer's rule and
+  dtypes, :func:`~lightning_dos.engine.perfmodel.rates_for`); other device kernels (the 16-bit cast, gradient
+  scaling) are memory-bound and run at the bandwidth device Adam implies, by the bytes each element moves;
+- each sub-group's update is charged once per side, at the rule's rate, however many kernels the engine ran
+  it in (:func:`one_update_per_sub_group`): the compiled host pass is one, torch's path for a rule or dtype
+  is several (conversions, one kernel per term), and the calibrated rate is that of the whole update.
 
 Sizes scale: every logged amount is multiplied by ``scale``, so a test-sized run replays as the real model.
 The figures are simulated, not measured.
@@ -22,19 +26,16 @@ The figures are simulated, not measured.
 from __future__ import annotations
 
 import json
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from lightning_dos.engine.perfmodel import HardwareRates
+from lightning_dos.engine.perfmodel import HardwareRates, rates_for, update_bytes
+from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
 from lightning_dos.sim.sanitizer import HOST, LoggedOp
 
-#: Bytes one element of device Adam moves (fp32 param, grad, two moments read; param and moments written).
-DEVICE_ADAM_BYTES = 28
-#: Bytes per element of other device kernels: the cast reads fp32 and writes 16 bits; scaling reads and writes fp32.
-DEVICE_KERNEL_BYTES = {"cast": 6, "device_elementwise": 8}
 COPY_LANES = {"upload": "h2d", "lp_upload": "h2d", "download": "d2h"}
 _EPS = 1e-15
 
@@ -83,6 +84,17 @@ class _Item:
     remaining: float = 0.0
     started: float = -1.0
     sub_group: int = -1
+
+
+def device_kernel_bytes(lane: str, footprint: Footprint = ADAM_FP32, lp_bytes: int = 2) -> int:
+    """Bytes per element a device kernel of ``lane`` moves for ``footprint``: the update reads the gradient and
+    reads and writes master weights and states (28 for Adam in fp32: ``perfmodel.update_bytes``), the cast reads
+    master weights and writes ``lp_bytes``, any other kernel (gradient scaling) reads and writes the gradient."""
+    if lane == "device_adam":
+        return update_bytes(footprint)
+    if lane == "cast":
+        return footprint.master + lp_bytes
+    return 2 * footprint.master
 
 
 class _Device:
@@ -175,16 +187,18 @@ class _Device:
         return all(not q for q in queues)
 
 
-def _kernel_seconds(lane: str, elements: float, rates: HardwareRates) -> float:
+def _kernel_seconds(lane: str, elements: float, rates: HardwareRates, footprint: Footprint) -> float:
+    """Seconds of a device kernel; ``rates`` in the unit profiles keep (Adam with fp32 state)."""
     if lane == "device_adam":
-        return elements / rates.device_adam_eps
-    per_element = DEVICE_KERNEL_BYTES.get(lane, DEVICE_KERNEL_BYTES["device_elementwise"])
-    return elements / (rates.device_adam_eps * DEVICE_ADAM_BYTES / per_element)
+        return elements / rates_for(rates, footprint).device_adam_eps
+    # Device Adam's elements/s times its bytes per element: the device's memory bandwidth.
+    bandwidth = rates.device_adam_eps * update_bytes(ADAM_FP32)
+    return elements * device_kernel_bytes(lane, footprint) / bandwidth
 
 
-def _host_seconds(lane: str, elements: float, rates: HardwareRates) -> float:
+def _host_seconds(lane: str, elements: float, rates: HardwareRates, footprint: Footprint) -> float:
     if lane == "host_adam":
-        return elements / rates.host_adam_eps
+        return elements / rates_for(rates, footprint).host_adam_eps
     if lane == "host_cast":
         return elements / rates.host_cast_eps
     # The gradient's unscale is part of the one-pass host update whose rate host_adam_eps is (calibrate
@@ -192,8 +206,54 @@ def _host_seconds(lane: str, elements: float, rates: HardwareRates) -> float:
     return 0.0
 
 
-def replay(log: Sequence[LoggedOp], rates: HardwareRates, scale: float = 1.0) -> ReplayResult:
-    """Replay ``log`` on the node ``rates`` describes, every amount multiplied by ``scale``."""
+#: Lanes of a sub-group's update computation, per side: (the update, its 16-bit cast, the rest of its kernels).
+UPDATE_LANES = {
+    True: ("host_adam", "host_cast", "host_elementwise"),
+    False: ("device_adam", "cast", "device_elementwise"),
+}
+
+
+def one_update_per_sub_group(log: Sequence[LoggedOp]) -> list[LoggedOp]:
+    """``log`` with each sub-group's update computation on each side (host, device) as one update and one cast
+    of its elements, where its first update and first cast operation were; its other kernels are dropped.
+
+    The performance model and calibration time the engine's update of a sub-group as a whole (the compiled host
+    pass unscales, updates and casts in one; torch's path for a rule or dtype runs conversions and one kernel per
+    term, and a gradient-scaling kernel on the device), so the replay charges it so too. The sub-group's elements:
+    the largest operation's, or the sum of its update operations' where the update ran in tiles. Operations of no
+    sub-group are left as they are."""
+    elements: dict[tuple[bool, int], int] = defaultdict(int)
+    updates: dict[tuple[bool, int], int] = defaultdict(int)
+    for entry in log:
+        host = entry.stream == HOST
+        if entry.kind == "op" and entry.sub_group >= 0 and entry.lane in UPDATE_LANES[host]:
+            key = (host, entry.sub_group)
+            elements[key] = max(elements[key], entry.elements)
+            if entry.lane == UPDATE_LANES[host][0]:
+                updates[key] += entry.elements
+    out: list[LoggedOp] = []
+    seen: set[tuple[bool, int, str]] = set()
+    for entry in log:
+        host = entry.stream == HOST
+        if entry.kind != "op" or entry.sub_group < 0 or entry.lane not in UPDATE_LANES[host]:
+            out.append(entry)
+            continue
+        key = (host, entry.sub_group)
+        update, cast, _ = UPDATE_LANES[host]
+        lane = cast if entry.lane == cast else update
+        if (*key, lane) in seen:
+            continue
+        seen.add((*key, lane))
+        out.append(replace(entry, lane=lane, elements=max(elements[key], updates[key])))
+    return out
+
+
+def replay(
+    log: Sequence[LoggedOp], rates: HardwareRates, scale: float = 1.0, *, footprint: Footprint = ADAM_FP32
+) -> ReplayResult:
+    """Replay ``log`` on the node ``rates`` describes, every amount multiplied by ``scale``; ``footprint`` is the
+    optimizer's rule and dtypes the logged engine ran (its update rates and kernel bytes; copies move the bytes
+    logged)."""
     if rates.device_adam_eps <= 0:
         raise ValueError("replay needs a profile with an accelerator (device_adam_eps > 0)")
     device = _Device(rates)
@@ -201,9 +261,9 @@ def replay(log: Sequence[LoggedOp], rates: HardwareRates, scale: float = 1.0) ->
     host_busy = 0.0
     host_spans: list[ReplaySpan] = []
     h2d_bytes = d2h_bytes = 0.0
-    for entry in log:
+    for entry in one_update_per_sub_group(log):
         if entry.kind == "op" and entry.stream == HOST:
-            seconds = _host_seconds(entry.lane, entry.elements * scale, rates)
+            seconds = _host_seconds(entry.lane, entry.elements * scale, rates, footprint)
             if seconds > 0:
                 span = ReplaySpan(entry.lane, "host", host_t, host_t + seconds, entry.elements * scale, entry.sub_group)
                 host_spans.append(span)
@@ -221,7 +281,7 @@ def replay(log: Sequence[LoggedOp], rates: HardwareRates, scale: float = 1.0) ->
                 continue
             else:
                 amount = entry.elements * scale
-                work = _kernel_seconds(entry.lane, amount, rates)
+                work = _kernel_seconds(entry.lane, amount, rates, footprint)
             item = _Item("op", host_t, entry.lane, amount, remaining=work, sub_group=entry.sub_group)
             device.submit(entry.stream, item)
         elif entry.kind in ("record", "wait"):

@@ -7,6 +7,7 @@ The figures are simulated, not measured.
 
 lightning-dos simulate --params 20e9 --profile paper-h100x4
 lightning-dos simulate --recipe recipes/gpt-13b.yaml --gpu-fraction stride:2 --trace sim.json
+lightning-dos simulate --params 20e9 --master-dtype bf16 --state-dtype bf16
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import functools
 import json
 import sys
 import textwrap
+from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,6 @@ import torch
 from lightning_dos.engine.kernels import AdamHyper
 from lightning_dos.engine.loop import InterleavedAdam, StepInputs
 from lightning_dos.engine.perfmodel import (
-    DEVICE_BYTES,
     HardwareRates,
     Prediction,
     choose_plan,
@@ -34,8 +35,9 @@ from lightning_dos.engine.perfmodel import (
     predict,
 )
 from lightning_dos.engine.plan import Plan, parse_gpu_fraction, split_into_sub_groups
+from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
 from lightning_dos.sim.replay import ReplayResult, replay, write_perfetto
-from lightning_dos.sim.sanitizer import StreamSanitizer
+from lightning_dos.sim.sanitizer import LoggedOp, StreamSanitizer
 
 #: Elements per sub-group in the test-sized run that is logged (the replay scales it to the real size).
 SIM_ELEMENTS = 64
@@ -51,6 +53,7 @@ class Simulation:
         replayed: the virtual node's account of the engine's logged schedule.
         predicted: :func:`~lightning_dos.engine.perfmodel.predict` for the same plan.
         races: stream races the checker found while the schedule was logged (should be none).
+        footprint: the optimizer's rule and dtypes simulated.
     """
 
     plan: Plan
@@ -58,6 +61,7 @@ class Simulation:
     replayed: ReplayResult
     predicted: Prediction
     races: int
+    footprint: Footprint = ADAM_FP32
 
     @property
     def ratio(self) -> float:
@@ -65,11 +69,61 @@ class Simulation:
         return self.replayed.time_s / self.predicted.time_s
 
 
+def copy_bytes(plan: Plan, sizes: Sequence[int], footprint: Footprint, lp_bytes: int, lp_downloads: bool) -> dict:
+    """Bytes the engine copies per ``(sub-group, lane)`` in a steady-state step of ``plan`` for ``footprint``, for the
+    copies whose bytes depend on the optimizer: a streamed sub-group's upload (master weights, states, gradient)
+    and download (master weights and states, and its 16-bit result when ``lp_downloads``), a resident one's
+    upload (its gradient)."""
+    expected = {}
+    for i in plan.streamed_indices:
+        expected[i, "upload"] = footprint.streamed_up * sizes[i]
+        expected[i, "download"] = (footprint.streamed_down + (lp_bytes if lp_downloads else 0)) * sizes[i]
+    for i in plan.resident_indices:
+        expected[i, "upload"] = footprint.resident_up * sizes[i]
+    return expected
+
+
+def rescale_copies(log: Sequence[LoggedOp], expected: dict) -> tuple[list[LoggedOp], dict]:
+    """``log`` with the copies of each ``(sub-group, lane)`` in ``expected`` scaled to carry those bytes in all,
+    and the factor applied to each (1.0 where the engine already moved them).
+
+    Copies of one lane run one after another on one copy engine, so only their sum shapes the replay: scaling
+    each in proportion keeps the engine's order, waits and overlap and gives every transfer its real size.
+    That is how an engine that runs one rule and dtype is replayed as another (the figures are then the
+    schedule of the engine as it is, with the other's bytes)."""
+    logged: dict = defaultdict(int)
+    for entry in log:
+        if entry.kind == "op" and (entry.sub_group, entry.lane) in expected:
+            logged[entry.sub_group, entry.lane] += entry.nbytes
+    factors = {key: expected[key] / logged[key] for key in expected if logged.get(key)}
+    done: dict = defaultdict(int)  # logged bytes of each group seen so far
+    out = []
+    for entry in log:
+        key = (entry.sub_group, entry.lane)
+        if entry.kind != "op" or key not in factors:
+            out.append(entry)
+            continue
+        # Rounded on the running sum, so that the group's copies add up to exactly the expected bytes.
+        before = round(done[key] * factors[key])
+        done[key] += entry.nbytes
+        out.append(replace(entry, nbytes=round(done[key] * factors[key]) - before))
+    return out, factors
+
+
 def engine_log(
-    sizes: Sequence[int], plan: Plan, lp_bytes: int, sim_elements: int = SIM_ELEMENTS
+    sizes: Sequence[int],
+    plan: Plan,
+    lp_bytes: int,
+    sim_elements: int = SIM_ELEMENTS,
+    *,
+    footprint: Footprint = ADAM_FP32,
 ) -> tuple[list, float, int]:
     """Run ``plan`` at test size under the checker; return the log of a steady-state step, the scale from
-    test size to ``sizes``, and the number of races found."""
+    test size to ``sizes``, and the number of races found.
+
+    ``footprint``: the optimizer's rule and dtypes. The engine built here runs its own (Adam in fp32 until it
+    takes a rule; then it is given this one); the optimizer-dependent copies are scaled to ``footprint``'s
+    bytes (:func:`rescale_copies`: a factor of 1 when the engine ran it)."""
     scale = max(sizes) / sim_elements
     small = [max(1, round(n / scale)) for n in sizes]
     checker = StreamSanitizer()
@@ -88,13 +142,20 @@ def engine_log(
     for step in (1, 2):  # the first step brings resident state up; the second is the steady state replayed
         checker.log.clear()
         engine.step(plan, StepInputs(grads, lp, hyper * len(small), [step] * len(small)))
-    return list(checker.log), scale, len(checker.races)
+    expected = copy_bytes(plan, small, footprint, engine.lp_bytes, engine.lp_downloads)
+    log, _ = rescale_copies(checker.log, expected)
+    return log, scale, len(checker.races)
 
 
-def simulate(sizes: Sequence[int], plan: Plan, rates: HardwareRates, lp_bytes: int) -> Simulation:
-    """Replay the engine's schedule for ``plan`` over sub-groups of ``sizes`` on the node ``rates`` describes."""
-    log, scale, races = engine_log(sizes, plan, lp_bytes)
-    return Simulation(plan, list(sizes), replay(log, rates, scale), predict(sizes, plan, rates, lp_bytes), races)
+def simulate(
+    sizes: Sequence[int], plan: Plan, rates: HardwareRates, lp_bytes: int, *, footprint: Footprint = ADAM_FP32
+) -> Simulation:
+    """Replay the engine's schedule for ``plan`` over sub-groups of ``sizes`` on the node ``rates`` describes,
+    for the optimizer rule and dtypes of ``footprint``."""
+    log, scale, races = engine_log(sizes, plan, lp_bytes, footprint=footprint)
+    replayed = replay(log, rates, scale, footprint=footprint)
+    predicted = predict(sizes, plan, rates, lp_bytes, footprint=footprint)
+    return Simulation(plan, list(sizes), replayed, predicted, races, footprint)
 
 
 def sub_group_sizes(params: int, gpus: int, sub_group_size: int) -> list[int]:
@@ -104,21 +165,32 @@ def sub_group_sizes(params: int, gpus: int, sub_group_size: int) -> list[int]:
 
 
 def auto_plan(
-    sizes: Sequence[int], rates: HardwareRates, lp_bytes: int, budget: int | None, allow_resident: bool = False
+    sizes: Sequence[int],
+    rates: HardwareRates,
+    lp_bytes: int,
+    budget: int | None,
+    allow_resident: bool = False,
+    *,
+    footprint: Footprint = ADAM_FP32,
 ) -> Plan:
     """The plan ``gpu_fraction="auto"`` chooses within ``budget`` device bytes (None: no limit), as the strategy
     and ``lightning-dos plan`` choose it: streaming only by default (``budget`` then being the memory free after
     backward, less 10%), resident sub-groups too with ``allow_resident`` (``budget`` then being an explicit
-    ``gpu_memory_budget``, memory spare at the forward/backward peak)."""
-    return _auto_plan(tuple(sizes), rates, lp_bytes, budget, allow_resident)
+    ``gpu_memory_budget``, memory spare at the forward/backward peak), for ``footprint``'s rule and dtypes."""
+    return _auto_plan(tuple(sizes), rates, lp_bytes, budget, allow_resident, footprint)
 
 
 @functools.lru_cache(maxsize=16)
 def _auto_plan(
-    sizes: tuple[int, ...], rates: HardwareRates, lp_bytes: int, budget: int | None, allow_resident: bool
+    sizes: tuple[int, ...],
+    rates: HardwareRates,
+    lp_bytes: int,
+    budget: int | None,
+    allow_resident: bool,
+    footprint: Footprint,
 ) -> Plan:
     # The search takes seconds at 50 sub-groups; the same question is asked again by tests and repeated runs.
-    return choose_plan(sizes, rates, budget, lp_bytes, allow_resident=allow_resident)[0]
+    return choose_plan(sizes, rates, budget, lp_bytes, allow_resident=allow_resident, footprint=footprint)[0]
 
 
 def _description() -> str:
@@ -134,6 +206,8 @@ def _description() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from lightning_dos.planner import add_footprint_options
+
     parser = argparse.ArgumentParser(
         prog="lightning-dos simulate", description=_description(), formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -147,6 +221,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--sub-group-size", type=float, default=1e8, help="elements per sub-group")
     parser.add_argument("--lp-bytes", type=int, default=2, choices=(2, 4), help="bytes per model parameter")
+    add_footprint_options(parser)
     parser.add_argument(
         "--budget",
         type=float,
@@ -168,11 +243,12 @@ def _fail(message: str) -> int:
 
 def main(argv: list[str]) -> int:
     """Run ``lightning-dos simulate`` (``argv`` without the subcommand); returns the exit status."""
-    from lightning_dos.planner import recipe_parameters
+    from lightning_dos.planner import footprint_label, footprint_of, footprint_summary, recipe_parameters
     from lightning_dos.profiles import load_profile
 
     args = _parser().parse_args(argv)
     try:
+        footprint = footprint_of(args.optimizer, args.master_dtype, args.state_dtype)
         rates, meta = load_profile(args.profile)
         spec = parse_gpu_fraction(args.gpu_fraction)
     except (FileNotFoundError, ValueError) as error:
@@ -190,12 +266,13 @@ def main(argv: list[str]) -> int:
     )
     sizes = sub_group_sizes(params, gpus, int(args.sub_group_size))
     if spec.mode == "auto":
-        plan = auto_plan(sizes, rates, args.lp_bytes, budget, allow_resident=resident_ok)
+        plan = auto_plan(sizes, rates, args.lp_bytes, budget, allow_resident=resident_ok, footprint=footprint)
     else:
         plan = spec.plan(len(sizes))
-    result = simulate(sizes, plan, rates, args.lp_bytes)
+    result = simulate(sizes, plan, rates, args.lp_bytes, footprint=footprint)
     trace = write_perfetto(args.trace, result.replayed, f"{params / 1e9:.1f}B on {args.profile}")
     summary = _summary(result, params, gpus, args.profile, trace)
+    summary.update(footprint_summary(args, footprint), precision=footprint_label(args))
     summary["budget_gb"] = None if budget is None else budget / 1e9
     summary["budget_kind"] = "forward/backward peak" if resident_ok else "update only"
     if args.json:
@@ -221,7 +298,8 @@ def _summary(result: Simulation, params: int, gpus: int, profile: str, trace: Pa
         },
         # Device bytes during the update (predicted), and of them those held through forward and backward.
         "update_device_bytes": p.peak_device_bytes,
-        "held_between_updates_bytes": DEVICE_BYTES * sum(result.sizes[i] for i in result.plan.resident_indices),
+        "held_between_updates_bytes": result.footprint.device
+        * sum(result.sizes[i] for i in result.plan.resident_indices),
         "update_s": r.time_s,
         "predicted_s": p.time_s,
         "replay_over_prediction": result.ratio,
@@ -251,6 +329,7 @@ def _print(s: dict[str, Any]) -> None:
         memory = "no device memory limit"
     console.print(
         f"SIMULATED (not measured): {s['params'] / 1e9:.1f}B params on {s['gpus']} rank(s), profile {s['profile']}\n"
+        f"optimizer: {s.get('precision', 'Adam, fp32 master and states')}\n"
         f"per rank: {s['sub_groups_per_rank']} sub-groups, {plan['streamed']} streamed through "
         f"{plan['device_buffers']} buffer(s), {plan['resident']} resident, {plan['host']} on the host\n"
         f"device memory: {memory}",
