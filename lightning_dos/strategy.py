@@ -41,11 +41,13 @@ from lightning_dos.engine.plan import (
 )
 from lightning_dos.engine.scheduler import PlacementScheduler
 from lightning_dos.engine.streams import Streams
+from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
 from lightning_dos.errors import DOSConfigError
 from lightning_dos.host_threads import apply_host_threads
-from lightning_dos.optimizers import SUPPORTED, check_optimizer
+from lightning_dos.optimizers import SUPPORTED, check_optimizer, rule_of
 from lightning_dos.preflight import (
     HostFigure,
+    config_footprint,
     figure_for,
     least_rounded_sub_group_size,
     partition_numels,
@@ -472,8 +474,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             self._calibration_numel = calibration_numel(-(-elements // max(1, self.world_size)))
             # Every rank at once, as they share the node during the update; all then use the slowest rates.
             device, numel = self.root_device, self._calibration_numel
+            footprint = config_footprint(self.config, rule_of(optimizer))
             self.dos_calibration = calibrate_together(
-                lambda: _calibrated_rates(device, numel), reduce_min_over_ranks(device)
+                lambda: _calibrated_rates(device, numel, footprint), reduce_min_over_ranks(device)
             )
         return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
 
@@ -487,12 +490,15 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         total = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if p.requires_grad)
         per_rank = -(-total // max(1, self.world_size))
         on_cuda = isinstance(self.accelerator, CUDAAccelerator)
+        footprint = config_footprint(self.config, rule_of(optimizer))
         if self.engine_sub_group_size == "auto" and pin_backend(on_cuda) == "torch":
             # DeepSpeed's sub-groups are ours to size here: sized so that their pinned fp32 gradient buffers land
             # at or just under a power of two, which torch's pinned allocator rounds every block up to.
             zero = self.config["zero_optimization"]
             zero["sub_group_size"] = least_rounded_sub_group_size(
-                partition_numels(model, optimizer.param_groups, self.world_size), int(zero["sub_group_size"])
+                partition_numels(model, optimizer.param_groups, self.world_size),
+                int(zero["sub_group_size"]),
+                grad_bytes=footprint.master,
             )
         figure = self.dos_host_figure = figure_for(
             model,
@@ -501,6 +507,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             world_size=self.world_size,
             on_accelerator=on_cuda,
             engine_sub_group_size=self.engine_sub_group_size,
+            footprint=footprint,
         )
         local_ranks = max(1, len(self.parallel_devices or [None]))
         check_host_memory(
@@ -642,10 +649,10 @@ class _DeliverHeldSignals(Callback):
 
 
 @functools.lru_cache(maxsize=8)
-def _calibrated_rates(device: torch.device, numel: int) -> HardwareRates:
-    """This machine's rates for ``device`` on host buffers of ``numel`` elements, measured once per process and
-    size (they do not change between fits)."""
-    return calibrate(device, numel)
+def _calibrated_rates(device: torch.device, numel: int, footprint: Footprint = ADAM_FP32) -> HardwareRates:
+    """This machine's rates for ``device`` on host buffers of ``numel`` elements, for the engine's rule and dtypes,
+    measured once per process, size and footprint (they do not change between fits)."""
+    return calibrate(device, numel, footprint=footprint)
 
 
 def _validated_fraction(value: float | str) -> FractionSpec:

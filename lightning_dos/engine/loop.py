@@ -196,7 +196,7 @@ class InterleavedUpdate:
         return plan
 
     def _predicted_s(self, plan: Plan) -> float:
-        return predict(self.sizes, plan, self.rates, self.lp_bytes, self.lp_downloads).time_s
+        return predict(self.sizes, plan, self.rates, self.lp_bytes, self.lp_downloads, footprint=self.footprint).time_s
 
     def _trims(self, plan: Plan) -> list[Plan]:
         """The ways to shrink ``plan``'s device memory by one step; each needs strictly less."""

@@ -39,6 +39,8 @@ from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
 from lightning_dos.sim.replay import ReplayResult, replay, write_perfetto
 from lightning_dos.sim.sanitizer import LoggedOp, StreamSanitizer
 
+#: Bytes per element of the master weights and states, and their dtypes.
+DTYPES = {4: torch.float32, 2: torch.bfloat16}
 #: Elements per sub-group in the test-sized run that is logged (the replay scales it to the real size).
 SIM_ELEMENTS = 64
 
@@ -134,10 +136,13 @@ def engine_log(
         torch.device("cpu"),
         torch.bfloat16 if lp_bytes == 2 else torch.float32,
         streams=checker.streams(),
+        rule=footprint.rule,
+        master_dtype=DTYPES[footprint.master],
+        state_dtype=DTYPES[footprint.state],
     )
     checker.watch(engine)
     hyper = [AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)]
-    grads = [torch.zeros(n) for n in small]
+    grads = [torch.zeros(n, dtype=DTYPES[footprint.master]) for n in small]
     lp = [torch.zeros(n, dtype=engine.lp_dtype) for n in small]
     for step in (1, 2):  # the first step brings resident state up; the second is the steady state replayed
         checker.log.clear()
