@@ -17,6 +17,10 @@ handed back. The rest of "fit adds" is the device side, which on CPU is host mem
 partitions, gathered parameters, gradients, buckets, activations, and freed heap glibc keeps).
 
     python bench/memory.py                                    # 8x512 GPT (25M params), both precisions
+    python bench/memory.py --precisions bf16-states          # bf16 master weights + bf16 Adam moments
+
+``bf16-states`` is ``bf16-mixed`` with DeepSpeed's ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``
+and ``DeepSpeedCPUAdam(fp32_optimizer_states=False)``, for both systems (stock runs that optimizer anyway).
     python bench/memory.py --n-layer 4 --n-embd 256 --steps 2 --precisions 32-true
 """
 
@@ -80,15 +84,21 @@ def child(args: argparse.Namespace) -> None:
     _record_before_optimizer_state(marks)
 
     strategy, ours = make_strategy(args.system, args.sub_group_size)
+    shape = dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.seq, vocab_size=256)
+    precision = args.precision
     L.seed_everything(0, verbose=False)
-    model_cls = GPT if ours else StockGPT
-    model = model_cls(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.seq, vocab_size=256)
+    if precision == BF16_STATES:
+        precision = "bf16-mixed"
+        strategy, ours = _bf16_states_strategy(args.system, args.sub_group_size)
+        model = GPT(**shape, optimizer="deepspeed_adamw", fp32_optimizer_states=False)
+    else:
+        model = (GPT if ours else StockGPT)(**shape)
     data = ByteCorpusDataModule(seq_len=args.seq, batch_size=1, max_bytes=200_000)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=1,
-        precision=args.precision,
+        precision=precision,
         max_steps=args.steps,
         limit_val_batches=0,
         logger=False,
@@ -125,6 +135,24 @@ def child(args: argparse.Namespace) -> None:
     row.update(preflight=figure.total, state_held=marks["held"] - marks["before_state"])
     del torch
     print("RESULT " + json.dumps(row), flush=True)
+
+
+#: The ``--precisions`` value for bf16-mixed with bf16 master weights and bf16 optimizer states.
+BF16_STATES = "bf16-states"
+_BF16_SECTION = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+
+
+def _bf16_states_strategy(system: str, sub_group_size: int) -> tuple[object, bool]:
+    """``make_strategy`` with DeepSpeed's bf16 master weights and optimizer states configured."""
+    from bench.run import stock_config
+    from lightning_dos import DeepOptimizerStatesStrategy
+    from lightning_dos.strategy import DeepSpeedCPUStrategy
+
+    if system == "stock":
+        return DeepSpeedCPUStrategy(config={**stock_config(sub_group_size), "bf16": dict(_BF16_SECTION)}), False
+    fraction = system if system == "auto" or system.startswith("stride:") else float(system)
+    config = {"bf16": dict(_BF16_SECTION)}
+    return DeepOptimizerStatesStrategy(gpu_fraction=fraction, sub_group_size=sub_group_size, config=config), True
 
 
 def _per_param(row: dict) -> float:
