@@ -25,8 +25,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch only where an update runs: the planner's CLI counts bytes without importing it
+    import torch
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,8 @@ class UpdateRule:
 
 def _adam(param, grad, states, step, hyper: Hyper) -> None:  # noqa: ANN001
     exp_avg, exp_avg_sq = states
+    import torch
+
     kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
     kernel(
         [param], [grad], [exp_avg], [exp_avg_sq], [], [step],
@@ -136,7 +140,7 @@ def _lion(param, grad, states, step, hyper: Hyper) -> None:  # noqa: ANN001, ARG
     (exp_avg,) = states
     # DeepSpeed's scalar path: every product rounded on its own (no fused multiply-add), the sign by copysign.
     direction = exp_avg.mul(hyper.beta1).add_(grad.mul(1 - hyper.beta1))
-    step_size = torch.full_like(direction, hyper.lr).copysign_(direction)
+    step_size = direction.new_full(direction.shape, hyper.lr).copysign_(direction)
     if hyper.weight_decay > 0:
         param.mul_(1 - hyper.lr * hyper.weight_decay)
     param.sub_(step_size)
@@ -154,7 +158,7 @@ RULES = {rule.name: rule for rule in (ADAM, ADAGRAD, LION)}
 
 def dtype_bytes(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 @dataclass(frozen=True)
