@@ -569,14 +569,15 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         self.dos_adapter.planner = self.dos_scheduler
 
     def _log_overlap(self) -> None:
+        """Say once what the update overlaps (each line fits 80 columns with Lightning's ``INFO: `` prefix)."""
         if self.overlap == "off":
-            rank_zero_info("lightning-dos: overlap='off': each optimizer step returns once its update is over")
+            rank_zero_info("lightning-dos: overlap='off': each step waits for its update")
         elif self.overlap == "forward":
-            rank_zero_info("lightning-dos: overlap='forward': the optimizer update runs on during the next forward")
+            rank_zero_info("lightning-dos: overlap='forward': the update overlaps the next forward")
         else:
             rank_zero_info(
-                "lightning-dos: overlap='auto' runs as 'forward' (the update runs on during the next forward); "
-                "starting sub-groups' updates during backward is not built yet, so nothing overlaps backward"
+                "lightning-dos: overlap='auto' runs as 'forward' (the update overlaps the\n"
+                "next forward); overlapping backward too is not built yet"
             )
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
