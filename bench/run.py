@@ -10,6 +10,7 @@ from the calibrated rates. Writes the same as JSON.
     python bench/run.py --preset tiny --steps 4 --warmup 1 --systems stock,stride:2,auto
     python bench/run.py --n-layer 24 --n-embd 2048 --n-head 16 --seq 2048 --precision bf16-mixed
     python bench/run.py --preset medium --precision bf16-mixed --clip 0.05 --systems stock,auto
+    python bench/run.py --preset medium --systems auto,auto@forward   # overlap="off" vs "forward"
 """
 
 from __future__ import annotations
@@ -107,14 +108,16 @@ def stock_config(sub_group_size: int, ratio: float = 1.0) -> dict[str, Any]:
 
 
 def make_strategy(system: str, sub_group_size: int) -> tuple[L.pytorch.strategies.Strategy, bool]:
-    """The strategy for a system name, and whether it is ours."""
+    """The strategy for a system name, and whether it is ours. Ours take an ``@overlap`` suffix (``auto@forward``)."""
+    system, _, overlap = system.partition("@")
     if system == "stock":
         return DeepSpeedCPUStrategy(config=stock_config(sub_group_size)), False
     if system.startswith("twinflow:"):
         gpu_share = float(system.split(":")[1])
         return DeepSpeedCPUStrategy(config=stock_config(sub_group_size, ratio=1.0 - gpu_share)), False
     fraction = system if system in ("auto",) or system.startswith("stride:") else float(system)
-    return DeepOptimizerStatesStrategy(gpu_fraction=fraction, sub_group_size=sub_group_size), True
+    overlap = overlap or "off"
+    return DeepOptimizerStatesStrategy(gpu_fraction=fraction, sub_group_size=sub_group_size, overlap=overlap), True
 
 
 def _median(rows: list[dict[str, float]], key: str) -> float | None:
@@ -235,7 +238,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="measured steps per system")
     parser.add_argument("--warmup", type=int, default=3, help="steps per system before measuring")
     parser.add_argument(
-        "--systems", default=DEFAULT_SYSTEMS, help="comma-separated: stock, twinflow:R, stride:K, a fraction, auto"
+        "--systems",
+        default=DEFAULT_SYSTEMS,
+        help="comma-separated: stock, twinflow:R, stride:K, a fraction, auto; ours take @off, @forward or @auto "
+        "(overlap; default off), e.g. auto@forward",
     )
     parser.add_argument("--sub-group-size", type=int, help="elements per sub-group (default: ~1/16 of the model)")
     parser.add_argument("--precision", help="default: bf16-mixed on a GPU, 32-true on CPU")

@@ -14,6 +14,7 @@ error naming the version, before the first step.
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -180,6 +181,10 @@ class ZeRO3Adapter:
         optimizer: the optimizer ``configure_optimizers`` returned, whose param groups hold the hyperparameters
             (LR schedules change them there). None: DeepSpeed's inner optimizer, which is that same object except
             for ``torch.optim.Adagrad``, which DeepSpeed rebuilds over its flat partitions from the defaults alone.
+        overlap: ``"forward"``: :meth:`step` returns while the engine's update runs on a background thread; each
+            all-gather of the next forward first waits for the sub-groups holding its parameters, and
+            :meth:`finish_update` (called by the framework before backward, evaluation, checkpoints, teardown)
+            waits for the whole update. ``"off"``: the step returns once the update is over.
     """
 
     def __init__(
@@ -190,8 +195,10 @@ class ZeRO3Adapter:
         pin: bool = True,
         streams_factory: Callable[[torch.device], Streams] | None = None,
         optimizer: object | None = None,
+        overlap: str = "off",
     ) -> None:
         check_zero3_optimizer(zero_optimizer)
+        self.overlap = overlap
         self.zero = z = zero_optimizer
         if optimizer is not None:
             _regroup_rebuilt_adagrad(z, optimizer)
@@ -242,6 +249,61 @@ class ZeRO3Adapter:
         # checkpointing calls state_dict / load_state_dict / refresh_fp32_params.
         z.step = self.step
         self._wrap_state_access(z)
+        #: Sub-groups of each parameter (by ZeRO-3's parameter id), filled as parameters are first gathered.
+        self._param_sub_groups: dict[int, list[int]] = {}
+        self._persistent: list[int] | None = None
+        if overlap == "forward":
+            self._wait_before_gathers(z)
+
+    # -- overlapping the update with the next forward ---------------------------------------------
+
+    def _sub_groups_of_params(self, params: object) -> list[int]:
+        """The engine's sub-groups holding ``params``' partitions (parameters without a gradient hold none)."""
+        z, engine, found = self.zero, self.engine, set()
+        for param in params:
+            key = id(param)
+            if key not in self._param_sub_groups:
+                position = z.grad_position.get(z.get_param_id(param)) if param.requires_grad else None
+                self._param_sub_groups[key] = engine.sub_groups_of(*position) if position is not None else []
+            found.update(self._param_sub_groups[key])
+        return sorted(found)
+
+    def _wait_before_gathers(self, z: object) -> None:
+        """Make every all-gather of ZeRO-3's parameter coordinator wait for the sub-groups it reads.
+
+        The wait sits in the coordinator's all-gather rather than in a module pre-hook so that the parameters it
+        prefetches for the modules after the current one are covered too."""
+        coordinator = z.parameter_offload.get_param_coordinator()
+        name = "_PartitionedParameterCoordinator__all_gather_params"
+        gather = getattr(coordinator, name)
+        engine = self.engine
+
+        def all_gather_params(params: object, forward: bool) -> None:
+            if engine.in_flight:
+                engine.wait_sub_groups(self._sub_groups_of_params(params))
+            return gather(params, forward)
+
+        setattr(coordinator, name, all_gather_params)
+
+    def finish_update(self) -> None:
+        """Wait for the update in flight (overlap) and raise, here, what interrupted it before any state
+        changed (pre-step) or tore it; a post-step interruption is raised by :meth:`deliver`. Main thread only."""
+        try:
+            self.engine.wait_all()
+        except BaseException:
+            self.release_signals()
+            raise
+
+    def settle(self) -> None:
+        """Wait for the update in flight, then deliver what its hold kept (the next backward, evaluation, the
+        end of training call this)."""
+        self.finish_update()
+        self.deliver()
+
+    def _wait_if_main(self) -> None:
+        """A reader on the main thread waits for the update in flight here (other threads wait on the guard)."""
+        if threading.current_thread() is threading.main_thread():
+            self.finish_update()
 
     def _wrap_state_access(self, z: object) -> None:
         """Keep host slabs and resident device state consistent around DeepSpeed's checkpoint code."""
@@ -255,6 +317,7 @@ class ZeRO3Adapter:
                 return save()
 
         def load_state_dict(*args: object, **kwargs: object) -> None:
+            self._wait_if_main()
             with engine.guard.reading("loading the optimizer's state"):
                 load(*args, **kwargs)
                 engine.drop_resident()  # the host slabs now hold the loaded state
@@ -262,6 +325,7 @@ class ZeRO3Adapter:
                 self._copy_group_settings(self.inner, self.hyper_source)  # the next step runs the loaded ones
 
         def refresh_fp32_params() -> None:
+            self._wait_if_main()
             with engine.guard.reading("refreshing the fp32 parameters"):
                 refresh()
                 engine.drop_resident()
@@ -305,6 +369,7 @@ class ZeRO3Adapter:
 
         def writing(method: Callable) -> Callable:
             def write(value: torch.Tensor, param: torch.Tensor, *args: object, **kwargs: object) -> object:
+                self._wait_if_main()
                 with engine.guard.reading("writing a parameter's fp32 or optimizer state"):
                     touched = sub_groups(param) if engine.resident and param.requires_grad else []
                     # The rest of each touched sub-group must be current on the host before its copy is dropped.
@@ -324,6 +389,7 @@ class ZeRO3Adapter:
     def reading_state(self, what: str) -> Iterator[None]:
         """Read the optimizer state whole: wait for an update in flight on another thread; refuse from
         inside the update itself, or when an interrupted update left the state torn."""
+        self._wait_if_main()
         with self.engine.guard.reading(what):
             if self.engine.torn is not None:
                 raise TornStateError(f"{what} refused: {self.engine.torn}")
@@ -332,8 +398,13 @@ class ZeRO3Adapter:
     def deliver(self) -> None:
         """Deliver the signals held since the last update began, then raise what interrupted it, if anything.
 
-        Call once the step is fully recorded; the state is then post-step everywhere.
+        Call once the step is fully recorded; the state is then post-step everywhere. With an update still in
+        flight (overlap) and no signal held, nothing is delivered yet: the hold lasts until :meth:`settle`.
         """
+        if self.engine.in_flight:
+            if not self.signals.pending:
+                return
+            self.finish_update()
         failure, self._interrupted = self._interrupted, None
         try:
             self.signals.release()
@@ -411,7 +482,8 @@ class ZeRO3Adapter:
         from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
 
         # Signals held by the previous step and not yet delivered by the framework go now: that step
-        # is fully recorded by the time the next one begins.
+        # is fully recorded by the time the next one begins (and the previous update, if it overlapped, is over).
+        self.finish_update()
         self.deliver()
         z = self.zero
         z._pre_step()
@@ -437,7 +509,14 @@ class ZeRO3Adapter:
         self.signals.hold()
         try:
             with self.engine.guard.updating():
-                self._update(plan, predicted, scaled_norm)
+                # Read on this thread: the LR schedule changes the hyperparameters right after the step returns.
+                steps, inputs = self._inputs(predicted, scaled_norm)
+                if self.overlap != "forward":
+                    self._apply(plan, inputs, steps)
+            if self.overlap == "forward":
+                self.engine.start(lambda: self._apply(plan, inputs, steps))
+                # DeepSpeed's _post_step all-gathers the persistent parameters: their sub-groups come first.
+                self.engine.wait_sub_groups(self._persistent_sub_groups())
         except BaseException:
             # Pre-step (nothing changed) or torn: the step did not complete, so raise now.
             z.timers(OPTIMIZER_STEP_TIMER).stop()
@@ -449,9 +528,13 @@ class ZeRO3Adapter:
         if self.deliver_after_step:
             self.deliver()
 
-    def _update(self, plan: Plan, predicted: float | None, scaled_norm: torch.Tensor) -> None:
-        """The engine's step and the step counts stored with it; an interruption after the first
-        change is finished and kept for :meth:`deliver`."""
+    def _persistent_sub_groups(self) -> list[int]:
+        if self._persistent is None:
+            self._persistent = self._sub_groups_of_params(self.zero.persistent_parameters)
+        return self._persistent
+
+    def _inputs(self, predicted: float | None, scaled_norm: torch.Tensor) -> tuple[list[int], StepInputs]:
+        """This step's step counts and the engine's inputs (the inner optimizer's state adopted into the slabs)."""
         z = self.zero
         steps = [self._adopt_state(i) + 1 for i in range(len(self.flats))]
         inputs = StepInputs(
@@ -462,6 +545,11 @@ class ZeRO3Adapter:
             inv_grad_scale=self._inverse_grad_scale(scaled_norm),
             predicted_s=predicted,
         )
+        return steps, inputs
+
+    def _apply(self, plan: Plan, inputs: StepInputs, steps: list[int]) -> None:
+        """The engine's step and the step counts stored with it; an interruption after the first
+        change is finished and kept for :meth:`deliver`."""
         try:
             self.engine.step(plan, inputs)
         except UpdateInterrupted as failure:

@@ -160,6 +160,11 @@ class SignalHold:
     def holding(self) -> bool:
         return self._since is not None
 
+    @property
+    def pending(self) -> bool:
+        """A signal arrived while holding and waits for :meth:`release`."""
+        return bool(self._pending)
+
     def _record(self, signum: int, frame: FrameType | None) -> None:
         self._pending.append(signum)
         self._stop_signal_seen(signum)

@@ -9,6 +9,7 @@ runs on the CPU device, slower but computing exactly the same thing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import logging
@@ -65,6 +66,8 @@ if TYPE_CHECKING:
 #: DeepSpeed's own ``sub_group_size`` (how it packs parameters into flat partitions) under ``"auto"``; the
 #: engine then cuts those flats into sub-groups sized from the rank's partition.
 DEEPSPEED_SUB_GROUP_SIZE = MAX_AUTO_SUB_GROUP
+#: The values of ``overlap``.
+OVERLAP_MODES = ("off", "forward", "auto")
 
 
 def _refuse(setting: str, value: Any, valid: str) -> DOSConfigError:
@@ -313,6 +316,12 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         streams_factory: builds the engine's streams for the model's device; None (the default) uses the
             real ones. Tests and tools pass ``lightning_dos.sim``'s simulated accelerator here to check the
             engine's stream ordering on CPU; it is never chosen automatically.
+        overlap: whether the optimizer update overlaps what follows it. ``"off"`` (the default): the step returns
+            once the update is over. ``"forward"``: the step returns while the update runs (host sub-groups on a
+            background thread, device work on the engine's streams), and every all-gather of the next forward
+            first waits for exactly the sub-groups holding the parameters it gathers; the next backward,
+            evaluation, checkpoints, DeepSpeed's accessors and teardown wait for the whole update. The result is
+            bit-identical to ``"off"``. ``"auto"``: ``"forward"`` for now (overlap with backward is not built yet).
         host_threads: torch threads of each rank for host Adam and casts. ``"auto"``: the CPUs the local
             ranks may use are split into disjoint sets, one per rank (its accelerator's NUMA node first, where
             sysfs tells), each rank is bound to its set and runs one thread per physical core of it; a binding
@@ -344,6 +353,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         gpu_memory_budget: int | None = None,
         streams_factory: Callable[[torch.device], Streams] | None = None,
         host_threads: int | str = "auto",
+        overlap: str = "off",
         accelerator: Accelerator | None = None,
         stage: int = 3,
         offload_optimizer: bool = True,
@@ -373,6 +383,10 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             isinstance(host_threads, bool) or not isinstance(host_threads, int) or host_threads < 1
         ):
             raise _refuse("host_threads", host_threads, "use 'auto' or a positive integer number of threads")
+        if overlap not in OVERLAP_MODES:
+            raise _refuse("overlap", overlap, f"use one of {', '.join(map(repr, OVERLAP_MODES))}")
+        #: What the update overlaps: "off", "forward" or "auto" (as asked; "auto" runs "forward" for now).
+        self.overlap = overlap
         if stage != 3:
             raise _refuse("stage", stage, "the engine works on ZeRO stage 3 only: use 3")
         if not offload_optimizer:
@@ -537,7 +551,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             gpu_memory_budget=self.gpu_memory_budget,
             streams_factory=self.streams_factory,
             optimizer=getattr(self, "_dos_user_optimizer", None),
+            overlap="off" if self.overlap == "off" else "forward",
         )
+        self._log_overlap()
         sizes = adapter.engine.sizes
         if self.engine_sub_group_size == "auto":
             rank_zero_info(
@@ -558,6 +574,18 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             reduce_min=reduce_min_over_ranks(self.root_device),
         )
         self.dos_adapter.planner = self.dos_scheduler
+
+    def _log_overlap(self) -> None:
+        """Say once what the update overlaps (each line fits 80 columns with Lightning's ``INFO: `` prefix)."""
+        if self.overlap == "off":
+            rank_zero_info("lightning-dos: overlap='off': each step waits for its update")
+        elif self.overlap == "forward":
+            rank_zero_info("lightning-dos: overlap='forward': the update overlaps the next forward")
+        else:
+            rank_zero_info(
+                "lightning-dos: overlap='auto' runs as 'forward' (the update overlaps the\n"
+                "next forward); overlapping backward too is not built yet"
+            )
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint; for ``validate``/``test``/``predict`` read the weights without an optimizer.
@@ -599,6 +627,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         # eps would weigh k times more. Scale once, as plain Lightning does. (Manual optimization allows no
         # accumulation, so there the flag changes nothing.)
         kwargs.setdefault("scale_wrt_gas", False)
+        if self.dos_adapter is not None:
+            # Backward writes the host gradient buffers the update in flight reads (overlap): it waits first.
+            self.dos_adapter.settle()
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any | None = None) -> None:
@@ -611,12 +642,17 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
 
     def on_exception(self, exception: BaseException) -> None:
         if self.dos_adapter is not None:
+            # An update in flight ends before anything (OnExceptionCheckpoint) reads the state; what interrupted
+            # it was raised at a wait point already, or is superseded by the exception being handled.
+            with contextlib.suppress(BaseException):
+                self.dos_adapter.finish_update()
             self.dos_adapter.release_signals()
         super().on_exception(exception)
 
     def teardown(self) -> None:
         adapter = self.dos_adapter
         if adapter is not None:
+            adapter.finish_update()  # nothing may run on the state while it is given back
             adapter.release_signals()
             adapter.deliver_after_step = True
             # Resident optimizer state comes home (the host slabs are the state of record after fit) and any
@@ -645,7 +681,16 @@ class _DeliverHeldSignals(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         adapter = getattr(trainer.strategy, "dos_adapter", None)
         if adapter is not None:
-            adapter.deliver()
+            adapter.deliver()  # with an update still in flight (overlap), only if a signal is held
+
+    def _settle(self, trainer: pl.Trainer, *args: Any) -> None:
+        """An update still in flight (overlap) ends here, and what it held is delivered."""
+        adapter = getattr(trainer.strategy, "dos_adapter", None)
+        if adapter is not None:
+            adapter.settle()
+
+    # Evaluation reads the weights; the end of an epoch or of training may checkpoint them.
+    on_validation_start = on_train_epoch_end = on_train_end = _settle
 
 
 @functools.lru_cache(maxsize=8)

@@ -138,11 +138,28 @@ class RandomPlacement(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         adapter = trainer.strategy.dos_adapter
         self.engine = adapter.engine
+        self._unrecorded = False
         n = len(adapter.engine.sub_groups)
-        adapter.planner = lambda step: (random_plan(n, self.rng, places=self.places), None)
+
+        def planner(step: int) -> tuple:
+            self._record()  # the previous update is over by the time the next step plans
+            return random_plan(n, self.rng, places=self.places), None
+
+        adapter.planner = planner
+
+    def _record(self) -> None:
+        if self._unrecorded:
+            self.plans.append(self.engine.last_report.plan)
+            self._unrecorded = False
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-        self.plans.append(trainer.strategy.dos_engine.last_report.plan)
+        # With overlap="forward" the update may still run: its report is recorded once it is over.
+        self._unrecorded = trainer.strategy.dos_adapter.last_report is not None or self._unrecorded
+        if not self.engine.in_flight:
+            self._record()
+
+    def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self._record()
 
 
 def trainer(

@@ -104,10 +104,15 @@ CASES = {
 
 
 def run(
-    scenario: Scenario, engine_class: type | None = None, backward_sync: bool = True, case: str = "adam-fp32"
+    scenario: Scenario,
+    engine_class: type | None = None,
+    backward_sync: bool = True,
+    case: str = "adam-fp32",
+    overlap: bool = False,
 ) -> tuple[StreamSanitizer, list[torch.Tensor], object]:
     """Run ``scenario`` on an engine of ``case`` under the checker, next to plain AdamW; return the checker, the
-    reference flats (plain AdamW's: only meaningful for the Adam fp32 case) and the engine."""
+    reference flats (plain AdamW's: only meaningful for the Adam fp32 case) and the engine. ``overlap``: the next
+    forward is modelled as under ``overlap="forward"`` (each all-gather after the engine's per-sub-group wait)."""
     engine_class = engine_class or loop_module.InterleavedUpdate
     rule, master_dtype, state_dtype = CASES[case]
     checker = StreamSanitizer(memory_limit=scenario.memory_limit)
@@ -132,7 +137,7 @@ def run(
         pool_module.LP_STAGING_SLOTS = default_slots
     if scenario.lp_staging_slots is not None:
         assert engine.pool.lp_staging.slots == scenario.lp_staging_slots
-    checker.watch(engine, backward_sync=backward_sync)
+    checker.watch(engine, backward_sync=backward_sync, overlap=overlap)
     gen = torch.Generator().manual_seed(0)
     reference = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in NUMELS]
     for i, flat in enumerate(reference):
@@ -199,9 +204,10 @@ def _fail_once(point: str, sub_group: int, error: BaseException, fired: list[boo
     return on_point
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["off", "forward"])
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
-def test_targeted_plans_are_race_free_and_equal_plain_adamw(scenario: Scenario) -> None:
-    checker, reference, engine = run(scenario)
+def test_targeted_plans_are_race_free_and_equal_plain_adamw(scenario: Scenario, overlap: bool) -> None:
+    checker, reference, engine = run(scenario, overlap=overlap)
     checker.check()
     # The simulated accelerator takes the 16-bit staging path, unless the 16-bit parameters are on the host.
     assert (engine.pool.lp_staging is None) == scenario.lp_on_host
@@ -410,10 +416,13 @@ def mutant_engine(line: int) -> type:
 
 
 def races_of(engine_class: type, backward_sync: bool, case: str = "adam-fp32") -> list[str]:
-    for scenario in SCENARIOS:
-        checker, _, _ = run(scenario, engine_class, backward_sync, case)
-        if checker.races:
-            return [f"{scenario.name}: {r}" for r in checker.races]
+    """The races of every scenario, with the next forward modelled as under ``overlap="off"``, then as under
+    ``"forward"`` (where the engine's per-sub-group waits are what orders the all-gathers)."""
+    for overlap in (False, True):
+        for scenario in SCENARIOS:
+            checker, _, _ = run(scenario, engine_class, backward_sync, case, overlap)
+            if checker.races:
+                return [f"{scenario.name} (overlap={overlap}): {r}" for r in checker.races]
     return []
 
 

@@ -12,6 +12,11 @@ One optimizer step, given a :class:`~lightning_dos.engine.plan.Plan`:
 3. The step ends when every download and upload has landed, so the host slabs are consistent
    (checkpoints read them) and all 16-bit parameters are in place before the next forward.
 
+A caller may run the step on a background thread (:meth:`InterleavedUpdate.start`) and go on: each sub-group
+is marked landed, with the event its 16-bit result lands at, as soon as that result is issued, so a reader
+waits for just the sub-groups it needs (:meth:`InterleavedUpdate.wait_sub_groups`), and
+:meth:`InterleavedUpdate.wait_all` waits for the rest and raises, on the caller's thread, what interrupted it.
+
 The optimizer is an :class:`~lightning_dos.engine.update_rules.UpdateRule` (Adam, Adagrad, Lion): the loop
 moves the master weights and whichever state tensors the rule names, in their dtypes, and never branches
 on which optimizer it runs. This module knows nothing of Lightning or DeepSpeed: the adapter hands it flat
@@ -20,6 +25,7 @@ tensors.
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -138,6 +144,86 @@ class InterleavedUpdate:
         #: counts). Tests fire signals and inject failures there. None costs nothing.
         self.on_point: Callable[[str, int], None] | None = None
         self._progress: UpdateProgress | None = None
+        #: Sub-groups of the update in flight whose 16-bit result has been issued, with the event it lands at
+        #: (None on a synchronous device); None when no update is in flight. Guarded by :attr:`_landing`.
+        self._landed: dict[int, object] | None = None
+        #: The last update's landing events, kept once it is over (a race checker's model of the forward reads them).
+        self._last_landed: dict[int, object] = {}
+        self._landing = threading.Condition()
+        self._background: threading.Thread | None = None
+        self._background_error: BaseException | None = None
+
+    # -- overlapping the update with what follows it ----------------------------------------------
+
+    def start(self, work: Callable[[], None]) -> None:
+        """Run ``work`` (an update: :meth:`step` and what its caller stores with it) on a background thread and
+        return at once; :meth:`wait_sub_groups` and :meth:`wait_all` are the points that wait for it.
+
+        The thread holds :attr:`guard` for the whole of ``work``, so readers on other threads wait for it; the
+        call returns only once the thread holds it. An exception ``work`` raises is raised by :meth:`wait_all`.
+        """
+        self.wait_all()
+        with self._landing:
+            self._landed = {}
+        # Released once the thread holds the guard (a semaphore: a thread's start, not a stream's order).
+        holding = threading.Semaphore(0)
+
+        def run() -> None:
+            try:
+                with self.guard.updating():
+                    holding.release()
+                    work()
+            except BaseException as error:  # noqa: BLE001 - raised on the caller's thread by wait_all
+                self._background_error = error
+            finally:
+                self._end_landing()
+
+        self._background = threading.Thread(target=run, name="lightning-dos-update", daemon=True)
+        self._background.start()
+        holding.acquire()
+
+    @property
+    def in_flight(self) -> bool:
+        """An update started by :meth:`start` has not been waited for by :meth:`wait_all` yet."""
+        return self._background is not None
+
+    def wait_sub_groups(self, indices: Sequence[int]) -> None:
+        """Block until the 16-bit parameters of sub-groups ``indices`` hold the update in flight's result (at
+        once when none is in flight); an update that fails is finished or undone before this returns."""
+        with self._landing:
+            self._landing.wait_for(lambda: self._landed is None or all(i in self._landed for i in indices))
+            landed = self._landed if self._landed is not None else self._last_landed
+            events = [landed.get(i) for i in indices]
+        for event in events:
+            # Issued on the update's thread; the host waits for it to land before the 16-bit result is read.
+            self.streams.host_wait(event)
+
+    def wait_all(self) -> None:
+        """Block until the update in flight (and what its caller stores with it) is over; raise what
+        interrupted it, here, on the caller's thread."""
+        thread, self._background = self._background, None
+        if thread is None:
+            return
+        thread.join()
+        error, self._background_error = self._background_error, None
+        if error is not None:
+            raise error
+
+    def _land(self, index: int, event: object) -> None:
+        """Sub-group ``index``'s 16-bit result is issued and lands at ``event``: readers of it may go on."""
+        with self._landing:
+            if self._landed is not None:
+                self._landed[index] = event
+                self.streams.landed(index)
+                self._landing.notify_all()
+
+    def _end_landing(self) -> None:
+        """The update is over (finished, or settled after an interruption): every sub-group is readable."""
+        with self._landing:
+            if self._landed is not None:
+                self._last_landed = self._landed
+            self._landed = None
+            self._landing.notify_all()
 
     # Views into the slabs, one per DeepSpeed flat partition: the adapter points DeepSpeed's master
     # partitions and the inner optimizer's state at these, so DeepSpeed's checkpoints see our state.
@@ -232,12 +318,15 @@ class InterleavedUpdate:
         with self.guard.updating():
             self.steps_taken += 1
             self._progress = progress = UpdateProgress()
+            with self._landing:
+                self._landed = {} if self._landed is None else self._landed
             try:
                 return self._update(plan, inputs, progress)
             except BaseException as error:  # noqa: BLE001 - every interruption is finished, then re-raised
                 return settle_interrupted_update(self, error, inputs, progress)
             finally:
                 self._progress = None
+                self._end_landing()
 
     def _reached_together(self, points: tuple[str, ...], index: int) -> None:
         """Record several points one operation passed at once, then call the test seam for each."""
@@ -389,6 +478,7 @@ class InterleavedUpdate:
             self._reached("done", index)
             if buf.lp is not None:
                 last_download = self._download_lp(index, buf.lp, lp, report)
+            self._land(index, last_download if buf.lp is not None else streams.record(streams.compute))
             report.h2d_bytes += self.footprint.resident_up * sg.numel
             report.device_elements += sg.numel
         return [last_download] if last_download is not None else []
@@ -505,6 +595,7 @@ class InterleavedUpdate:
                     dst.copy_(src, non_blocking=True)
                 self._reached("done", index)
             slot_free[slot] = streams.record(streams.d2h)
+            self._land(index, slot_free[slot])
             report.h2d_bytes += self.footprint.streamed_up * n
             report.d2h_bytes += down
             report.device_elements += n
@@ -535,12 +626,14 @@ class InterleavedUpdate:
             # hook runs, so an interruption at any of them finds the sub-group's true progress.
             self._reached_together(("unscaled", "updated", "done") if staging is lp else ("unscaled", "updated"), index)
             if staging is lp:
+                self._land(index, None)
                 continue
             with streams.lane("lp_upload", index, self.lp_bytes * sg.numel, streams.lp_h2d):
                 lp.copy_(staging, non_blocking=True)
             last_upload = streams.record(streams.lp_h2d)
             self.pool.lp_staging.release(slot, last_upload)
             self._reached("done", index)
+            self._land(index, last_upload)
             report.h2d_bytes += self.lp_bytes * sg.numel
         return [last_upload] if last_upload is not None else []
 

@@ -104,6 +104,10 @@ class Streams:
     def device_synchronize(self) -> None:
         """Wait for all work on the device, DeepSpeed's side streams included."""
 
+    def landed(self, sub_group: int) -> None:
+        """The host thread running the update has issued ``sub_group``'s 16-bit result and lets other threads
+        read it (after waiting for its event); nothing to do on a real device, a race checker notes the moment."""
+
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Allocate ``numel`` elements of device memory (staging and resident blocks come from here)."""
         return torch.empty(numel, dtype=dtype, device=self.device)

@@ -48,8 +48,16 @@ from lightning_dos.sim.simstreams import COMPUTE, D2H, H2D, LP_H2D, STREAM_NAMES
 TESTED_TORCH = "2.13"
 
 #: Pseudo-streams: the host thread, and DeepSpeed's streams as modelled.
-HOST, DS_REDUCE, DS_ALLGATHER = 100, 101, 102
-NAMES = {**STREAM_NAMES, HOST: "host", DS_REDUCE: "deepspeed.reduce", DS_ALLGATHER: "deepspeed.allgather"}
+#: TRAINING is the training thread while the update runs on a thread of its own (``overlap="forward"``), HOST
+#: the thread running the update.
+HOST, DS_REDUCE, DS_ALLGATHER, TRAINING = 100, 101, 102, 103
+NAMES = {
+    **STREAM_NAMES,
+    HOST: "host",
+    DS_REDUCE: "deepspeed.reduce",
+    DS_ALLGATHER: "deepspeed.allgather",
+    TRAINING: "training thread",
+}
 
 
 #: The compiled one-pass host update (``native``): the rule's step and, when ``lp_out`` is given, the 16-bit cast.
@@ -201,8 +209,13 @@ class StreamSanitizer:
         csan = _torch_sanitizer()
         self._zip_arguments = csan.zip_arguments
         self.syncs = csan.StreamSynchronizations()
-        for stream in (H2D, LP_H2D, D2H, HOST, DS_REDUCE, DS_ALLGATHER):
+        for stream in (H2D, LP_H2D, D2H, HOST, DS_REDUCE, DS_ALLGATHER, TRAINING):
             self.syncs.create_stream(stream)
+        #: The host thread whose waits and issues are being recorded (HOST, or TRAINING in the modelled forward).
+        self.host = HOST
+        #: Pseudo-events marking the update thread's program order when it let each sub-group be read.
+        self._landings: dict[int, int] = {}
+        self._landing_ids = -1
         self.memory_limit = memory_limit
         self.raise_on_race = raise_on_race
         self.seq = 0
@@ -244,7 +257,15 @@ class StreamSanitizer:
     def _issue(self, stream: int) -> None:
         """Work issued on ``stream`` is ordered after everything the host has done or waited for."""
         states = self.syncs.current_sync_states
-        self.syncs._state_wait_for_other(states[stream], states[HOST])
+        self.syncs._state_wait_for_other(states[stream], states[self.host])
+
+    def on_landed(self, sub_group: int) -> None:
+        """The update thread lets ``sub_group`` be read: a thread that sees it (the engine's condition variable)
+        is ordered after everything the update thread did so far."""
+        self._landing_ids -= 1
+        self.syncs.create_event(self._landing_ids)
+        self.syncs.record_state(self._landing_ids, HOST)
+        self._landings[sub_group] = self._landing_ids
 
     def on_record(self, event: SimEvent) -> None:
         self._issue(event.stream.id)
@@ -258,7 +279,7 @@ class StreamSanitizer:
         self.log.append(LoggedOp("wait", stream.id, event=event.id))
 
     def on_host_wait(self, event: SimEvent) -> None:
-        self.syncs.stream_wait_for_event(HOST, event.id)
+        self.syncs.stream_wait_for_event(self.host, event.id)
         self.log.append(LoggedOp("host_wait", event=event.id))
 
     def on_device_synchronize(self) -> None:
@@ -450,13 +471,15 @@ class StreamSanitizer:
 
     # -- DeepSpeed's side around the engine's calls -------------------------------------------------
 
-    def watch(self, engine: Any, backward_sync: bool = True) -> None:
+    def watch(self, engine: Any, backward_sync: bool = True, overlap: bool = False) -> None:
         """Run ``engine``'s step, flush and drop under the checker, with DeepSpeed's accesses modelled.
 
         Args:
             engine: an :class:`~lightning_dos.engine.loop.InterleavedUpdate` built on :meth:`streams`.
             backward_sync: DeepSpeed's ``reduce_and_partition_stream.synchronize()`` at the end of backward,
                 which it skips on accelerators that resolve data dependencies themselves.
+            overlap: model the next forward of ``overlap="forward"`` (each all-gather after the engine's wait for
+                its sub-groups, while the update may still run) instead of ``"off"``'s (after the step returned).
         """
         pool = engine.pool
         slabs = [pool.param, *pool.states]
@@ -467,6 +490,11 @@ class StreamSanitizer:
         step, flush, drop = engine.step, engine.flush_resident, engine.drop_resident
 
         def watched_step(plan: Any, inputs: Any) -> Any:
+            # The training thread starts the update (on a thread of its own under overlap) after waiting for the
+            # previous one (its backward does), so both threads are in step here.
+            states = self.syncs.current_sync_states
+            self.syncs._state_wait_for_other(states[HOST], states[TRAINING])
+            self.syncs._state_wait_for_other(states[TRAINING], states[HOST])
             for i, (grad, lp) in enumerate(zip(inputs.grads, inputs.lp_targets, strict=True)):
                 self.name(grad, f"gradient buffer {i}")
                 # In device memory, unless DeepSpeed offloads parameters (then the engine downloads 16-bit results).
@@ -480,11 +508,18 @@ class StreamSanitizer:
             self.model_access(DS_REDUCE, "deepspeed.partition_grads", writes=inputs.grads)
             if backward_sync:
                 self.stream_synchronize(DS_REDUCE)
+            self._landings.clear()
             with self.active():
                 report = step(plan, inputs)
-            # The next forward: DeepSpeed all-gathers each whole 16-bit partition on its own stream, waiting
-            # for nothing of ours (it relies on the step having ended with everything landed).
-            self.model_access(DS_ALLGATHER, "deepspeed.allgather", reads=inputs.lp_targets)
+            if overlap:
+                self._overlapped_forward(engine, inputs)
+                # The training thread's backward, checkpoints and evaluation come after it joined the update.
+                states = self.syncs.current_sync_states
+                self.syncs._state_wait_for_other(states[TRAINING], states[HOST])
+            else:
+                # The next forward: DeepSpeed all-gathers each whole 16-bit partition on its own stream, waiting
+                # for nothing of ours (it relies on the step having ended with everything landed).
+                self.model_access(DS_ALLGATHER, "deepspeed.allgather", reads=inputs.lp_targets)
             return report
 
         def watched_flush() -> None:
@@ -500,6 +535,26 @@ class StreamSanitizer:
                 drop()
 
         engine.step, engine.flush_resident, engine.drop_resident = watched_step, watched_flush, watched_drop
+
+    def _overlapped_forward(self, engine: Any, inputs: Any) -> None:
+        """The next forward under ``overlap="forward"``: on the training thread, while the update may still run,
+        each all-gather first waits for its sub-groups (``engine.wait_sub_groups``) and then reads their 16-bit
+        partitions on the all-gather stream. Modelled one sub-group at a time, in order, as the forward reaches
+        them; only what the engine's wait orders is ordered, not the update's own final waits."""
+        self.host = TRAINING
+        try:
+            for sg in engine.sub_groups:
+                landing = self._landings.get(sg.index)
+                states = self.syncs.current_sync_states
+                if landing is not None:  # the condition variable the engine's wait blocks on
+                    self.syncs.stream_wait_for_event(TRAINING, landing)
+                else:  # finished by recovery after an interruption: readable once the update is over
+                    self.syncs._state_wait_for_other(states[TRAINING], states[HOST])
+                engine.wait_sub_groups([sg.index])
+                partition = inputs.lp_targets[sg.ds_group][sg.ds_offset : sg.ds_offset + sg.numel]
+                self.model_access(DS_ALLGATHER, "deepspeed.allgather (overlapped forward)", reads=[partition])
+        finally:
+            self.host = HOST
 
     def check(self) -> None:
         """Raise :class:`StreamRaceError` if any race was found."""

@@ -199,6 +199,11 @@ class SimStreams(Streams):
         if self.listener is not None:
             self.listener.on_device_synchronize()
 
+    def landed(self, sub_group: int) -> None:
+        on_landed = getattr(self.listener, "on_landed", None)
+        if on_landed is not None:
+            on_landed(sub_group)
+
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Device memory: a CPU tensor the listener knows as device memory, freed when it is dropped."""
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
