@@ -84,15 +84,18 @@ def test_auto_runs_as_forward_and_resuming_from_a_checkpoint_saved_mid_run_is_ex
         assert torch.equal(ours, theirs)
 
 
-class ForwardDuringUpdate(L.Callback):
-    """Holds the update of step 2 at its last sub-group until the next forward's first module has started.
+class NextBatchDuringUpdate(L.Callback):
+    """Holds the update of step 2 at its last sub-group until the next training batch has started.
 
-    With the overlap, the step has returned, so the forward starts and releases the update; without it, the
-    forward cannot start while the update is held, and the wait times out."""
+    With the overlap, the step has returned, so Lightning goes on to the next batch (and its forward) and releases
+    the update; without it, the next batch cannot start while the update is held, and the wait times out. The
+    next batch's start is the probe, not a module's forward: ZeRO-3 may prefetch the first modules' parameters
+    from the last sub-groups (two param groups), and that all-gather rightly waits for them."""
 
     def __init__(self) -> None:
-        self.forward_started = threading.Event()
+        self.next_batch = threading.Event()
         self.held = False
+        self.held_ok = False
         self.order: list[str] = []
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -103,33 +106,28 @@ class ForwardDuringUpdate(L.Callback):
             if point == "done" and index == last and engine.steps_taken == 2 and not self.held:
                 self.held = True
                 self.order.append("update: last sub-group reached")
-                self.held_ok = self.forward_started.wait(timeout=10)
+                self.held_ok = self.next_batch.wait(timeout=10)
                 self.order.append("update: last sub-group done")
 
         engine.on_point = on_point
-        first = next(m for m in pl_module.modules() if list(m.parameters(recurse=False)))
 
-        def started(module: torch.nn.Module, args: object) -> None:
-            if self.held and not self.forward_started.is_set():
-                self.order.append("forward: first module starts")
-                self.forward_started.set()
-
-        first.register_forward_pre_hook(started, prepend=True)
+    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+        # The batch after step 2's optimizer step (which may have returned before the update reached its last
+        # sub-group: then this comes first in the order).
+        if trainer.global_step == 2 and not self.next_batch.is_set():
+            self.order.append("next batch starts")
+            self.next_batch.set()
 
 
 @pytest.mark.parametrize("overlap", ["forward", "off"])
-def test_the_next_forward_starts_before_the_updates_last_sub_group_finishes(overlap: str) -> None:
-    probe = ForwardDuringUpdate()
+def test_the_next_batch_starts_before_the_updates_last_sub_group_finishes(overlap: str) -> None:
+    probe = NextBatchDuringUpdate()
     model, _ = fit(overlap, steps=3, callbacks=[probe])
     assert probe.held
     if overlap == "forward":
-        assert probe.held_ok, "the forward never started while the update ran"
-        assert probe.order == [
-            "update: last sub-group reached",
-            "forward: first module starts",
-            "update: last sub-group done",
-        ]
-    else:  # the control: without the overlap the forward cannot start before the update is over
+        assert probe.held_ok, "the next batch never started while the update ran"
+        assert probe.order.index("next batch starts") < probe.order.index("update: last sub-group done")
+    else:  # the control: without the overlap the next batch cannot start before the update is over
         assert not probe.held_ok
 
 
