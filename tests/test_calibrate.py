@@ -58,29 +58,24 @@ def test_calibration_buffers_never_outgrow_a_small_model_nor_fall_into_cache() -
 
 def test_calibration_of_another_rule_reports_rates_in_adam_fp32_units() -> None:
     """An engine of any rule and dtype can be calibrated; the rates come back in the unit profiles hold (Adam
-    with fp32 state), so a profile from any engine plans any other. Without a generic kernel (issue 21) the
-    update timed is Adam's with fp32 state, and any other is refused by name rather than mistimed."""
+    with fp32 state), so a profile from any engine plans any other."""
     from lightning_dos.engine.perfmodel import rates_for
-    from lightning_dos.engine.update_rules import ADAM, ADAM_FP32, LION, Footprint
+    from lightning_dos.engine.update_rules import ADAM, LION, Footprint
 
     bf16 = Footprint(ADAM, 2, 2)
-    timed = calibration.measured_footprint(bf16)
-    assert timed == (bf16 if calibration.APPLY_UPDATE is not None else ADAM_FP32)
+    timed = bf16
     rates = calibration.calibrate(torch.device("cpu"), numel=1 << 16, footprint=bf16)
     assert rates.shared_cpu and rates.host_adam_eps > 0 and rates.device_adam_eps == rates.host_adam_eps
     assert rates_for(rates, timed).host_adam_eps > 0
     # The timed update touches the footprint's own buffers, in its dtypes.
     buffers = calibration._buffers(Footprint(LION, 2, 2), 8, torch.device("cpu"))
     assert [b.dtype for b in buffers] == [torch.bfloat16] * 3
-    if calibration.APPLY_UPDATE is None:
-        with pytest.raises(NotImplementedError, match="Adam with fp32 state only"):
-            calibration._update(Footprint(LION), calibration._buffers(Footprint(LION), 8, torch.device("cpu")))
 
 
 def test_with_a_generic_kernel_calibration_times_the_engines_own_rule_and_dtypes(monkeypatch) -> None:  # noqa: ANN001
-    """Once the kernels run every rule (``APPLY_UPDATE``), calibration times the engine's rule on buffers of its
-    dtypes, and converts the rate to Adam fp32 units, so the model gives the measured rate back for that rule.
-    The kernel here is the rule's torch formula in fp32, stored back in the buffers' dtypes."""
+    """Calibration times the engine's rule on buffers of its dtypes (through ``kernels.apply_update``), and
+    converts the rate to Adam fp32 units, so the model gives the measured rate back for that rule. The kernel is
+    watched here: the rule's torch formula in fp32, stored back in the buffers' dtypes."""
     from lightning_dos.engine.perfmodel import adam_equivalent, rates_for
     from lightning_dos.engine.update_rules import LION, Footprint
 
@@ -96,9 +91,8 @@ def test_with_a_generic_kernel_calibration_times_the_engines_own_rule_and_dtypes
         if lp_out is not None:
             lp_out.copy_(p)
 
-    monkeypatch.setattr(calibration, "APPLY_UPDATE", apply_update)
+    monkeypatch.setattr(calibration, "apply_update", apply_update)
     lion = Footprint(LION, 2, 2)
-    assert calibration.measured_footprint(lion) == lion
     measured = {}
     real_host_rates = calibration.host_rates
 

@@ -21,8 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_dos.engine import kernels
-from lightning_dos.engine.kernels import AdamHyper, adam_update, fused_host_update, step_tensor
+from lightning_dos.engine.kernels import AdamHyper, apply_update, step_tensor
 from lightning_dos.engine.perfmodel import HardwareRates, adam_equivalent
 from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
 
@@ -72,20 +71,6 @@ HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, d
 _DTYPES = {4: torch.float32, 2: torch.bfloat16}
 
 
-#: The engine's update for any rule and dtypes, ``kernels.apply_update(rule, param, grad, states, step, hyper,
-#: inv_grad_scale=1.0, lp_out=None)``. Where the kernels do not have it (before issue 21's generic kernels),
-#: None: calibration then times Adam with fp32 state, which the model scales to other rules.
-#: TODO(issue 21): once merged with the generic kernels, ``from lightning_dos.engine.kernels import apply_update``.
-APPLY_UPDATE: Callable[..., None] | None = getattr(kernels, "apply_update", None)
-
-
-def measured_footprint(footprint: Footprint) -> Footprint:
-    """The rule and dtypes calibration times for an engine running ``footprint``: its own where the kernels run
-    every rule (:data:`APPLY_UPDATE`); Adam with fp32 state otherwise, which the performance model scales to
-    ``footprint`` by bytes per element (:func:`~lightning_dos.engine.perfmodel.rates_for`)."""
-    return footprint if APPLY_UPDATE is not None else ADAM_FP32
-
-
 def _buffers(footprint: Footprint, numel: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Master weights, gradient and state tensors of ``footprint`` on ``device``, in its dtypes."""
     master, state = _DTYPES[footprint.master], _DTYPES[footprint.state]
@@ -105,21 +90,14 @@ def _update(
     param, grad, *states = buffers
     step = step_tensor(1, param.device)
     factor = [2.0]
-    if APPLY_UPDATE is None and footprint != ADAM_FP32:  # see measured_footprint
-        raise NotImplementedError(f"calibration times Adam with fp32 state only, not {footprint}")
 
     def run() -> None:
         # The unscale factor alternates so repeated samples neither shrink the gradient towards denormals nor grow it.
         factor[0] = 1.0 / factor[0]
-        if APPLY_UPDATE is not None:
-            if host:
-                APPLY_UPDATE(footprint.rule, param, grad, states, step, HYPER, factor[0], lp)
-            else:
-                APPLY_UPDATE(footprint.rule, param, grad, states, step, HYPER)
-        elif host:
-            fused_host_update(param, grad, *states, step, HYPER, factor[0], lp)
+        if host:
+            apply_update(footprint.rule, param, grad, states, step, HYPER, factor[0], lp)
         else:
-            adam_update(param, grad, *states, step, HYPER)
+            apply_update(footprint.rule, param, grad, states, step, HYPER)
 
     return run
 
@@ -170,10 +148,10 @@ def calibrate(
         device: the engine's device; on CUDA, transfers and device Adam are measured too.
         numel: elements of each buffer host rates are timed on.
         lp_dtype: the 16-bit type of the host cast.
-        footprint: the engine's optimizer rule and dtypes; its update is the one timed where the kernels run
-            it (:func:`measured_footprint`), and the rates come back in Adam-with-fp32-state units.
+        footprint: the engine's optimizer rule and dtypes: its update is the one timed, and the rates come back in
+            Adam-with-fp32-state units (the unit profiles hold; the model scales them back per rule and dtype).
     """
-    timed = measured_footprint(footprint)
+    timed = footprint
     if device.type != "cuda":
         adam, cast, memcpy = host_rates(numel, lp_dtype, footprint=timed)
         rates = HardwareRates(adam, cast, adam, memcpy, memcpy, memcpy / 2, memcpy / 2, shared_cpu=True)
