@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from lightning_dos.engine.arrivals import GradientArrivals
 from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, TornStateError, UpdateInterrupted
 from lightning_dos.engine.hostmem import return_freed_memory
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
@@ -168,6 +169,25 @@ def _accelerator_device() -> str:
     return get_accelerator().current_device_name()
 
 
+def backward_overlap_blocker(zero_optimizer: object) -> str | None:
+    """Why the step cannot begin during backward with this ZeRO-3 optimizer (None: it can, exactly).
+
+    A sub-group's update may start once its own gradient is final only when it needs nothing global: gradient
+    clipping scales every gradient by the global norm, and fp16 loss scaling may skip the step on any overflow.
+    (A non-finite norm in fp32 or bf16 makes DeepSpeed skip the step too: the engine stops at the first non-finite
+    gradient it meets, and says so if it had updated anything by then.)"""
+    z = zero_optimizer
+    if z.clip_grad > 0.0:
+        return f"gradient clipping (gradient_clip_val={z.clip_grad:g}) needs the global gradient norm"
+    if z.dtype == torch.float16:
+        return "fp16 loss scaling may skip the step on an overflow anywhere"
+    if getattr(z, "swap_optimizer", False):
+        return "the optimizer state is swapped to NVMe"
+    if not hasattr(z, "_offload_grad_partition_at_boundary"):
+        return f"DeepSpeed {_deepspeed_version()} has no _offload_grad_partition_at_boundary to watch"
+    return None
+
+
 class ZeRO3Adapter:
     """Hands DeepSpeed's ZeRO-3 update phase to an :class:`InterleavedUpdate` engine.
 
@@ -184,7 +204,9 @@ class ZeRO3Adapter:
         overlap: ``"forward"``: :meth:`step` returns while the engine's update runs on a background thread; each
             all-gather of the next forward first waits for the sub-groups holding its parameters, and
             :meth:`finish_update` (called by the framework before backward, evaluation, checkpoints, teardown)
-            waits for the whole update. ``"off"``: the step returns once the update is over.
+            waits for the whole update. ``"backward"``: ``"forward"``, and the step begins during backward: each
+            host sub-group is updated once backward has made its gradient final (only valid when
+            :func:`backward_overlap_blocker` finds nothing). ``"off"``: the step returns once the update is over.
     """
 
     def __init__(
@@ -252,8 +274,12 @@ class ZeRO3Adapter:
         #: Sub-groups of each parameter (by ZeRO-3's parameter id), filled as parameters are first gathered.
         self._param_sub_groups: dict[int, list[int]] = {}
         self._persistent: list[int] | None = None
-        if overlap == "forward":
+        if overlap in ("forward", "backward"):
             self._wait_before_gathers(z)
+        #: The step begun during this backward (plan, inputs, step counts); None when none was.
+        self._early: tuple[Plan, StepInputs, list[int]] | None = None
+        if overlap == "backward":
+            self._watch_gradients(z)
 
     # -- overlapping the update with the next forward ---------------------------------------------
 
@@ -279,11 +305,72 @@ class ZeRO3Adapter:
         engine = self.engine
 
         def all_gather_params(params: object, forward: bool) -> None:
-            if engine.in_flight:
+            # During backward (arrivals open) the sub-groups updated early are those whose gradients are final:
+            # backward has used their parameters already and gathers only the others, which nothing writes yet.
+            if engine.in_flight and engine.arrivals is None:
                 engine.wait_sub_groups(self._sub_groups_of_params(params))
             return gather(params, forward)
 
         setattr(coordinator, name, all_gather_params)
+
+    # -- beginning the step during backward ------------------------------------------------------
+
+    def _watch_gradients(self, z: object) -> None:
+        """Learn, from DeepSpeed's copies of each reduced gradient partition into the host gradient buffers at the
+        accumulation boundary, when every element of an engine sub-group is final, and hand it to the engine."""
+        engine = self.engine
+        #: Elements of each sub-group that backward has yet to make final this step (parameters without a gradient
+        #: hold none; padding is never written).
+        self._expected = [0] * len(engine.sub_groups)
+        for flat, offset, numel in z.grad_position.values():
+            for index, count in self._overlaps(flat, offset, numel):
+                self._expected[index] += count
+        self._missing: list[int] = []
+        offload = z._offload_grad_partition_at_boundary
+
+        def offload_at_boundary(param: object, grad_buffer: torch.Tensor, *args: object) -> None:
+            offload(param, grad_buffer, *args)
+            # The copy was issued on DeepSpeed's current (reduce) stream: its event is when the gradient lands.
+            landed = engine.streams.record(engine.streams.compute)
+            if self._early is None:
+                self._begin_early()
+            flat, offset, _ = z.grad_position[z.get_param_id(param)]
+            for index, count in self._overlaps(flat, offset, grad_buffer.numel()):
+                self._missing[index] -= count
+                if self._missing[index] == 0:
+                    engine.grads_final(index, landed)
+
+        z._offload_grad_partition_at_boundary = offload_at_boundary
+
+    def _overlaps(self, flat: int, offset: int, numel: int) -> Iterator[tuple[int, int]]:
+        """(sub-group, elements) of flat partition ``flat``'s elements ``[offset, offset + numel)`` in each."""
+        engine = self.engine
+        for index in engine.sub_groups_of(flat, offset, numel):
+            sg = engine.sub_groups[index]
+            yield index, min(offset + numel, sg.ds_offset + sg.numel) - max(offset, sg.ds_offset)
+
+    def _begin_early(self) -> None:
+        """The first gradient of the step is final: choose the plan, read the inputs, start the engine's step."""
+        self._missing = list(self._expected)
+        plan, predicted = self.next_plan()
+        # No clipping and no fp16 loss scaling (backward_overlap_blocker): the unscale factor needs no norm.
+        steps, inputs = self._inputs(predicted, 0.0)
+        self._early = (plan, inputs, steps)
+        self.signals.hold()  # the update has begun (a no-op off the main thread: see before_backward)
+        self.engine.begin_early(lambda arrivals: self._apply(plan, inputs, steps, arrivals))
+
+    def before_backward(self) -> None:
+        """Called on the main thread before each backward: the step may begin during it, so signals are held from
+        here (on an accelerator backward's hooks run on other threads, and the main thread runs Python handlers
+        only once backward returns, inside DeepSpeed's backward, where they would cut the begun step short)."""
+        if self.overlap == "backward":
+            self.signals.hold()
+
+    def after_backward(self) -> None:
+        """Called after each backward that returned: with no step begun (not an accumulation boundary), the
+        signals held since :meth:`before_backward` are delivered now."""
+        if self.overlap == "backward" and not self.engine.in_flight:
+            self.deliver()
 
     def finish_update(self) -> None:
         """Wait for the update in flight (overlap) and raise, here, what interrupted it before any state
@@ -481,10 +568,12 @@ class ZeRO3Adapter:
         from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
         from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
 
-        # Signals held by the previous step and not yet delivered by the framework go now: that step
-        # is fully recorded by the time the next one begins (and the previous update, if it overlapped, is over).
-        self.finish_update()
-        self.deliver()
+        early, self._early = self._early, None
+        if early is None:
+            # Signals held by the previous step and not yet delivered by the framework go now: that step is fully
+            # recorded by the time the next one begins (and the previous update, if it overlapped, is over).
+            self.finish_update()
+            self.deliver()
         z = self.zero
         z._pre_step()
         z._partition_all_parameters()
@@ -494,10 +583,15 @@ class ZeRO3Adapter:
             scaled_norm = combine_grad_norm_groups(z._get_norm_groups())
             if is_invalid_grad_norm(scaled_norm):
                 z.overflow = True
-        plan, predicted = self.next_plan()
+        plan, predicted = self.next_plan() if early is None else (early[0], early[1].predicted_s)
         if z._loss_scale_update_and_overflow_cleanup():
-            # fp16 overflow: the step is skipped on every sub-group and no state is touched.
-            self.engine.skip(plan)
+            # fp16 overflow, or a gradient norm that is not finite: the step is skipped on every sub-group.
+            if early is None:
+                self.engine.skip(plan)
+                return
+            # The step begun during backward stops; it raises (torn state) if it had updated anything already.
+            self.engine.end_backward(False)
+            self.finish_update()
             return
         z._global_grad_norm = scaled_norm / z.loss_scale
 
@@ -508,13 +602,17 @@ class ZeRO3Adapter:
         _run_step_hooks(self.inner, "pre")  # the engine's update is the inner optimizer's step
         self.signals.hold()
         try:
-            with self.engine.guard.updating():
-                # Read on this thread: the LR schedule changes the hyperparameters right after the step returns.
-                steps, inputs = self._inputs(predicted, scaled_norm)
-                if self.overlap != "forward":
-                    self._apply(plan, inputs, steps)
-            if self.overlap == "forward":
-                self.engine.start(lambda: self._apply(plan, inputs, steps))
+            if early is not None:
+                self.engine.end_backward(True)  # the rest of the step begun during backward runs now
+            else:
+                with self.engine.guard.updating():
+                    # Read on this thread: the LR schedule changes the hyperparameters right after the step returns.
+                    steps, inputs = self._inputs(predicted, scaled_norm)
+                    if self.overlap == "off":
+                        self._apply(plan, inputs, steps)
+                if self.overlap != "off":
+                    self.engine.start(lambda: self._apply(plan, inputs, steps))
+            if self.overlap != "off":
                 # DeepSpeed's _post_step all-gathers the persistent parameters: their sub-groups come first.
                 self.engine.wait_sub_groups(self._persistent_sub_groups())
         except BaseException:
@@ -547,11 +645,14 @@ class ZeRO3Adapter:
         )
         return steps, inputs
 
-    def _apply(self, plan: Plan, inputs: StepInputs, steps: list[int]) -> None:
+    def _apply(
+        self, plan: Plan, inputs: StepInputs, steps: list[int], arrivals: GradientArrivals | None = None
+    ) -> None:
         """The engine's step and the step counts stored with it; an interruption after the first
         change is finished and kept for :meth:`deliver`."""
         try:
-            self.engine.step(plan, inputs)
+            if self.engine.step(plan, inputs, arrivals).skipped:
+                return  # begun during backward, then skipped (the norm is not finite) before anything changed
         except UpdateInterrupted as failure:
             if failure.state == PRE_STEP:
                 raise

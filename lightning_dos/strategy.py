@@ -29,7 +29,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, Strateg
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_dos import quiet
-from lightning_dos.adapter import ZeRO3Adapter, load_zero3_weights_for_evaluation
+from lightning_dos.adapter import ZeRO3Adapter, backward_overlap_blocker, load_zero3_weights_for_evaluation
 from lightning_dos.engine.calibrate import HOST_BUFFER_BYTES, calibrate, calibration_numel
 from lightning_dos.engine.cores import HostPlacement
 from lightning_dos.engine.hostmem import LIMIT_ENV, check_host_memory
@@ -316,12 +316,15 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         streams_factory: builds the engine's streams for the model's device; None (the default) uses the
             real ones. Tests and tools pass ``lightning_dos.sim``'s simulated accelerator here to check the
             engine's stream ordering on CPU; it is never chosen automatically.
-        overlap: whether the optimizer update overlaps what follows it. ``"off"`` (the default): the step returns
-            once the update is over. ``"forward"``: the step returns while the update runs (host sub-groups on a
-            background thread, device work on the engine's streams), and every all-gather of the next forward
-            first waits for exactly the sub-groups holding the parameters it gathers; the next backward,
-            evaluation, checkpoints, DeepSpeed's accessors and teardown wait for the whole update. The result is
-            bit-identical to ``"off"``. ``"auto"``: ``"forward"`` for now (overlap with backward is not built yet).
+        overlap: what the optimizer update overlaps; every mode gives bit-identical results. ``"auto"`` (the
+            default): ``"forward"``, and, when no step needs global information (no gradient clipping, no fp16
+            loss scaling), the step begins during backward: each host sub-group is updated on a background
+            thread as soon as backward has made its gradient final (the last layers' first); otherwise it runs as
+            ``"forward"`` and says why once. ``"forward"``: the step returns while the update runs (host
+            sub-groups on a background thread, device work on the engine's streams), and every all-gather of the
+            next forward first waits for exactly the sub-groups holding the parameters it gathers; the next
+            backward, evaluation, checkpoints, DeepSpeed's accessors and teardown wait for the whole update.
+            ``"off"``: the step returns once the update is over.
         host_threads: torch threads of each rank for host Adam and casts. ``"auto"``: the CPUs the local
             ranks may use are split into disjoint sets, one per rank (its accelerator's NUMA node first, where
             sysfs tells), each rank is bound to its set and runs one thread per physical core of it; a binding
@@ -353,7 +356,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         gpu_memory_budget: int | None = None,
         streams_factory: Callable[[torch.device], Streams] | None = None,
         host_threads: int | str = "auto",
-        overlap: str = "off",
+        overlap: str = "auto",
         accelerator: Accelerator | None = None,
         stage: int = 3,
         offload_optimizer: bool = True,
@@ -385,7 +388,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             raise _refuse("host_threads", host_threads, "use 'auto' or a positive integer number of threads")
         if overlap not in OVERLAP_MODES:
             raise _refuse("overlap", overlap, f"use one of {', '.join(map(repr, OVERLAP_MODES))}")
-        #: What the update overlaps: "off", "forward" or "auto" (as asked; "auto" runs "forward" for now).
+        #: What the update overlaps: "off", "forward" or "auto" (as asked; see ``dos_adapter.overlap`` for what runs).
         self.overlap = overlap
         if stage != 3:
             raise _refuse("stage", stage, "the engine works on ZeRO stage 3 only: use 3")
@@ -551,9 +554,8 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             gpu_memory_budget=self.gpu_memory_budget,
             streams_factory=self.streams_factory,
             optimizer=getattr(self, "_dos_user_optimizer", None),
-            overlap="off" if self.overlap == "off" else "forward",
+            overlap=self._overlap_mode(ds_optimizer),
         )
-        self._log_overlap()
         sizes = adapter.engine.sizes
         if self.engine_sub_group_size == "auto":
             rank_zero_info(
@@ -575,17 +577,27 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         )
         self.dos_adapter.planner = self.dos_scheduler
 
-    def _log_overlap(self) -> None:
-        """Say once what the update overlaps (each line fits 80 columns with Lightning's ``INFO: `` prefix)."""
+    def _overlap_mode(self, ds_optimizer: Any) -> str:
+        """The adapter's overlap for ``self.overlap``, said once (each line fits 80 columns after Lightning's
+        ``INFO: `` prefix)."""
         if self.overlap == "off":
             rank_zero_info("lightning-dos: overlap='off': each step waits for its update")
-        elif self.overlap == "forward":
+            return "off"
+        if self.overlap == "forward":
             rank_zero_info("lightning-dos: overlap='forward': the update overlaps the next forward")
-        else:
+            return "forward"
+        blocker = backward_overlap_blocker(ds_optimizer)
+        if blocker is None:
             rank_zero_info(
-                "lightning-dos: overlap='auto' runs as 'forward' (the update overlaps the\n"
-                "next forward); overlapping backward too is not built yet"
+                "lightning-dos: overlap='auto': host sub-groups are updated during backward\n"
+                "as their gradients become final; the rest overlaps the next forward"
             )
+            return "backward"
+        rank_zero_info(
+            "lightning-dos: overlap='auto' runs as 'forward' (the update overlaps\n"
+            f"the next forward, not backward):\n{blocker}"
+        )
+        return "forward"
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint; for ``validate``/``test``/``predict`` read the weights without an optimizer.
@@ -630,7 +642,11 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         if self.dos_adapter is not None:
             # Backward writes the host gradient buffers the update in flight reads (overlap): it waits first.
             self.dos_adapter.settle()
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+            self.dos_adapter.before_backward()
+        result = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self.dos_adapter is not None:
+            self.dos_adapter.after_backward()
+        return result
 
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any | None = None) -> None:
         # From another thread, wait for an update in flight; from inside it, refuse clearly.

@@ -1,14 +1,17 @@
-"""``overlap="forward"``: the optimizer update runs on while the next forward starts, and nothing changes.
+"""``overlap="forward"`` and ``"auto"``: the optimizer update runs on while the next forward starts (and, with
+``"auto"`` and no clipping, begins during backward), and nothing changes.
 
 Real Lightning Trainer, real DeepSpeed ZeRO-3 with CPU optimizer offload, on CPU: the engine's update runs on a
 background thread, every all-gather of the next forward first waits for the sub-groups it reads, and the next
-backward, checkpoints and the end of training wait for the whole update. Parameters, optimizer state (the
-engine's slabs) and losses must equal ``overlap="off"`` bit for bit.
+backward, checkpoints and the end of training wait for the whole update. Under ``"auto"`` each host sub-group is
+updated as soon as DeepSpeed has copied its last gradient partition at the accumulation boundary. Parameters,
+optimizer state (the engine's slabs) and losses must equal ``overlap="off"`` bit for bit.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import lightning as L
@@ -17,6 +20,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dos import DeepOptimizerStatesStrategy
+from lightning_dos.engine.atomic import TornStateError
 from lightning_dos.engine.plan import Place
 from lightning_dos.errors import DOSConfigError
 from tests.helpers import RandomPlacement, TinyLM, full_parameters, loader, trainer
@@ -26,15 +30,23 @@ STEPS = 8
 PLACES = (Place.HOST, Place.DEVICE, Place.RESIDENT)
 
 
-def strategy(overlap: str) -> DeepOptimizerStatesStrategy:
+def strategy(overlap: str, **zero: object) -> DeepOptimizerStatesStrategy:
     # No persistent parameters: otherwise DeepSpeed all-gathers every small parameter right after the step, and
     # TinyLM's parameters are all small, so the step would wait for the whole update.
-    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
     return DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=SUB_GROUP, overlap=overlap, config=config)
 
 
 class KeepState(L.Callback):
-    """The engine's slabs (master weights and every state tensor) at the end of training, before teardown."""
+    """The engine's slabs (master weights and every state tensor) at the end of training, before teardown, and
+    the sub-groups updated during backward in each step."""
+
+    def __init__(self) -> None:
+        self.early: list[list[int]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        # Complete once the step has returned: backward's phase is over by then.
+        self.early.append(list(trainer.strategy.dos_engine.updated_early))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         engine = trainer.strategy.dos_engine
@@ -64,20 +76,39 @@ def assert_identical(a: tuple[TinyLM, KeepState], b: tuple[TinyLM, KeepState]) -
 @pytest.mark.parametrize("accumulate", [1, 2])
 @pytest.mark.parametrize("clip", [0.5, None])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_overlap_forward_is_bit_identical_to_off(precision: str, clip: float | None, accumulate: int) -> None:
+def test_overlap_forward_and_auto_are_bit_identical_to_off(precision: str, clip: float | None, accumulate: int) -> None:
     settings = dict(precision=precision, gradient_clip_val=clip, accumulate_grad_batches=accumulate)
-    assert_identical(fit("forward", **settings), fit("off", **settings))
+    off = fit("off", **settings)
+    assert_identical(fit("forward", **settings), off)
+    auto = fit("auto", **settings)
+    assert_identical(auto, off)
+    early = [index for step in auto[1].early for index in step]
+    if clip is None:  # host sub-groups were updated during backward, in most steps
+        assert sum(1 for step in auto[1].early if step) >= STEPS // 2, auto[1].early
+    else:  # clipping needs the global norm: "auto" runs as "forward"
+        assert early == []
 
 
-def test_auto_runs_as_forward_and_resuming_from_a_checkpoint_saved_mid_run_is_exact(tmp_path: Path) -> None:
+def test_auto_with_clipping_runs_as_forward_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO"):
+        model, _ = fit("auto", steps=1, gradient_clip_val=0.5)
+    assert model.trainer.strategy.dos_adapter.overlap == "forward"
+    said = [r.getMessage() for r in caplog.records if "overlap='auto'" in r.getMessage()]
+    assert len(said) == 1 and "gradient clipping" in said[0] and "gradient_clip_val=0.5" in said[0], said
+    first, *rest = said[0].splitlines()  # Lightning prefixes the first line with "INFO: "
+    assert len("INFO: " + first) <= 80 and all(len(line) <= 80 for line in rest), said
+
+
+def test_auto_resuming_from_a_checkpoint_saved_mid_run_is_exact(tmp_path: Path) -> None:
     # Two epochs of 4 steps; checkpoints after steps 4 and 8 (the first at the epoch boundary, where a resume
     # starts from the next epoch's first batch, as the uninterrupted run does).
     every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="{step}")
-    whole = fit("auto", callbacks=[every], limit_train_batches=4, enable_checkpointing=True)
-    assert_identical(whole, fit("off", limit_train_batches=4))
+    settings = dict(limit_train_batches=4, gradient_clip_val=None)
+    whole = fit("auto", callbacks=[every], enable_checkpointing=True, **settings)
+    assert_identical(whole, fit("off", **settings))
     saved = tmp_path / "step=4.ckpt"
     assert saved.exists(), sorted(p.name for p in tmp_path.iterdir())
-    resumed = fit("forward", ckpt_path=str(saved), limit_train_batches=4, default_root_dir=tmp_path / "resumed")
+    resumed = fit("auto", ckpt_path=str(saved), default_root_dir=tmp_path / "resumed", **settings)
     for name, value in full_parameters(resumed[0]).items():
         assert torch.equal(value, full_parameters(whole[0])[name]), name
     for ours, theirs in zip(resumed[1].slabs, whole[1].slabs, strict=True):
@@ -119,12 +150,12 @@ class NextBatchDuringUpdate(L.Callback):
             self.next_batch.set()
 
 
-@pytest.mark.parametrize("overlap", ["forward", "off"])
+@pytest.mark.parametrize("overlap", ["auto", "forward", "off"])
 def test_the_next_batch_starts_before_the_updates_last_sub_group_finishes(overlap: str) -> None:
     probe = NextBatchDuringUpdate()
     model, _ = fit(overlap, steps=3, callbacks=[probe])
     assert probe.held
-    if overlap == "forward":
+    if overlap != "off":
         assert probe.held_ok, "the next batch never started while the update ran"
         assert probe.order.index("next batch starts") < probe.order.index("update: last sub-group done")
     else:  # the control: without the overlap the next batch cannot start before the update is over
@@ -134,3 +165,87 @@ def test_the_next_batch_starts_before_the_updates_last_sub_group_finishes(overla
 def test_overlap_is_validated_before_any_work() -> None:
     with pytest.raises(DOSConfigError, match=r"overlap='backward'.*'off', 'forward', 'auto'"):
         DeepOptimizerStatesStrategy(overlap="backward")
+
+
+class UpdatedDuringBackward(L.Callback):
+    """After each backward, before Lightning calls the optimizer step: waits (up to 10 s) until the update thread
+    has updated a host sub-group, and records which; the step has not been called, so that update began during
+    backward."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[int]] = []
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        engine = trainer.strategy.dos_engine
+        deadline = time.monotonic() + 10
+        while not engine.updated_early and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert engine.arrivals is not None, "the step must not have ended backward's phase yet"
+        self.seen.append(list(engine.updated_early))
+
+
+def test_auto_updates_host_sub_groups_before_the_optimizer_step_is_called() -> None:
+    probe = UpdatedDuringBackward()
+    auto = fit("auto", steps=3, callbacks=[probe], gradient_clip_val=None)
+    assert len(probe.seen) == 3 and all(probe.seen), probe.seen
+    assert_identical(auto, fit("off", steps=3, gradient_clip_val=None))
+
+
+class NonFiniteAt(TinyLM):
+    """Makes step ``at``'s gradient not finite: everywhere (``where="loss"``: a NaN loss, as divergence gives), or
+    only in the embedding's gradient (``where="embedding"``), which backward makes final last."""
+
+    def __init__(self, at: int, where: str) -> None:
+        super().__init__()
+        self.at, self.where = at, where
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        if self.where == "embedding" and self.trainer.global_step == self.at:
+            h = _InfGradient.apply(h)
+        h = h + self.mlp(self.norm(h))
+        return self.head(h)
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.where == "loss" and self.trainer.global_step == self.at else loss
+
+
+class _InfGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return grad * float("inf")
+
+
+def fit_non_finite(overlap: str, where: str, callbacks=()) -> tuple[TinyLM, KeepState]:  # noqa: ANN001
+    L.seed_everything(0, verbose=False)
+    model, keep = NonFiniteAt(at=2, where=where), KeepState()
+    callbacks = [RandomPlacement(seed=5, places=PLACES), keep, *callbacks]
+    # Small reduce buckets: DeepSpeed reduces gradients as backward produces them, the embedding's last (as on a
+    # real model); TinyLM's gradients would otherwise all fit one bucket, reduced at the end in parameter order.
+    zero = {"reduce_bucket_size": 600}
+    trainer(strategy(overlap, **zero), steps=5, callbacks=callbacks, gradient_clip_val=None).fit(model, loader())
+    return model, keep
+
+
+def test_auto_skips_a_step_with_a_nan_loss_exactly_as_deepspeed_does() -> None:
+    auto, off = fit_non_finite("auto", "loss"), fit_non_finite("off", "loss")
+    assert auto[1].early[2] == []  # the first gradient backward made final was not finite: nothing was updated
+    assert_identical(auto, off)
+
+
+def test_auto_refuses_to_go_on_when_a_late_gradient_is_not_finite_after_earlier_updates() -> None:
+    off = fit_non_finite("off", "embedding")  # DeepSpeed skips step 3 and training goes on
+    assert off[1].early == [[]] * 5
+
+    class WaitForAnEarlyUpdate(UpdatedDuringBackward):
+        def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            if trainer.global_step == 2:
+                super().on_after_backward(trainer, pl_module)
+
+    with pytest.raises(TornStateError, match=r"gradient norm is not finite after overlap='auto'.*overlap='forward'"):
+        fit_non_finite("auto", "embedding", callbacks=[WaitForAnEarlyUpdate()])

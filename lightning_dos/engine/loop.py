@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from lightning_dos.engine import native
+from lightning_dos.engine.arrivals import GradientArrivals
 from lightning_dos.engine.atomic import TornStateError, UpdateGuard, UpdateProgress
 from lightning_dos.engine.inputs import StepInputs
 from lightning_dos.engine.kernels import apply_update, host_update, step_tensor
@@ -152,6 +153,11 @@ class InterleavedUpdate:
         self._landing = threading.Condition()
         self._background: threading.Thread | None = None
         self._background_error: BaseException | None = None
+        #: Backward's hand-over to a step begun during backward (:meth:`begin_early`); None otherwise.
+        self.arrivals: GradientArrivals | None = None
+        #: Sub-groups the last step updated during backward, in the order their gradients became final.
+        self.updated_early: list[int] = []
+        self._early_tail: object = None
 
     # -- overlapping the update with what follows it ----------------------------------------------
 
@@ -182,6 +188,28 @@ class InterleavedUpdate:
         self._background.start()
         holding.acquire()
 
+    def begin_early(self, work: Callable[[GradientArrivals], None]) -> None:
+        """Start a step during backward: ``work(arrivals)`` runs on the background thread (as :meth:`start`) and
+        passes ``arrivals`` to :meth:`step`, which updates host sub-groups as :meth:`grads_final` reports their
+        gradients final, then waits for :meth:`end_backward` to run (or skip) the rest of the step."""
+        arrivals = GradientArrivals()
+        self.start(lambda: work(arrivals))
+        self.arrivals = arrivals
+
+    def grads_final(self, index: int, event: object = None) -> None:
+        """Sub-group ``index``'s gradient is final (``event``: when its copy lands; None once it has)."""
+        if self.arrivals is not None:
+            self.arrivals.arrive(index, event)
+
+    def end_backward(self, proceed: bool, abandoned: bool = False) -> None:
+        """Backward is over: ``proceed`` runs the rest of the step begun by :meth:`begin_early`; False skips it (the
+        step's gradient norm is not finite); ``abandoned``: backward never finished, so the step is not taken. No-op
+        when no step was begun."""
+        arrivals, self.arrivals = self.arrivals, None
+        if arrivals is not None:
+            ended = GradientArrivals.RUN if proceed else GradientArrivals.SKIP
+            arrivals.end(GradientArrivals.ABANDON if abandoned else ended)
+
     @property
     def in_flight(self) -> bool:
         """An update started by :meth:`start` has not been waited for by :meth:`wait_all` yet."""
@@ -201,6 +229,8 @@ class InterleavedUpdate:
     def wait_all(self) -> None:
         """Block until the update in flight (and what its caller stores with it) is over; raise what
         interrupted it, here, on the caller's thread."""
+        # A step begun during backward that backward never ended (it failed): nothing more is updated.
+        self.end_backward(False, abandoned=True)
         thread, self._background = self._background, None
         if thread is None:
             return
@@ -303,8 +333,12 @@ class InterleavedUpdate:
         self.last_report = StepReport(self.steps_taken, plan, self.sizes, skipped=True)
         return self.last_report
 
-    def step(self, plan: Plan, inputs: StepInputs) -> StepReport:
+    def step(self, plan: Plan, inputs: StepInputs, arrivals: GradientArrivals | None = None) -> StepReport:
         """Update every sub-group once, placed as ``plan`` says, and return what happened.
+
+        With ``arrivals`` (a step begun during backward, :meth:`begin_early`), host sub-groups are updated as their
+        gradients become final, before the rest; when backward ends with ``proceed`` False the step is skipped,
+        which is exact only if nothing was updated yet (otherwise the state is torn, and said so).
 
         The update is atomic: readers of the state wait for it (:attr:`guard`), and an exception inside
         it leaves the state pre-step (nothing had changed yet) or post-step (the remaining sub-groups are
@@ -321,7 +355,15 @@ class InterleavedUpdate:
             with self._landing:
                 self._landed = {} if self._landed is None else self._landed
             try:
-                return self._update(plan, inputs, progress)
+                early = None
+                if arrivals is not None:
+                    early = self._update_as_gradients_arrive(plan, inputs, progress, arrivals)
+                    if early.skipped:
+                        self.last_report = early
+                        return early
+                return self._update(plan, inputs, progress, early)
+            except TornStateError:
+                raise  # backward's phase changed state and the step cannot complete: nothing to finish or undo
             except BaseException as error:  # noqa: BLE001 - every interruption is finished, then re-raised
                 return settle_interrupted_update(self, error, inputs, progress)
             finally:
@@ -344,13 +386,68 @@ class InterleavedUpdate:
         if self.on_point is not None:
             self.on_point(point, index)
 
-    def _update(self, plan: Plan, inputs: StepInputs, progress: UpdateProgress) -> StepReport:
+    def _update_as_gradients_arrive(
+        self, plan: Plan, inputs: StepInputs, progress: UpdateProgress, arrivals: GradientArrivals
+    ) -> StepReport:
+        """Update the plan's host sub-groups as backward reports their gradients final, until backward ends; return
+        what was done (``skipped`` when the step is skipped or abandoned, which must find nothing changed)."""
+        self.streams.start_timeline(self.timing)
+        report = StepReport(self.steps_taken, plan, self.sizes, predicted_s=inputs.predicted_s)
+        report.update_s = -time.perf_counter()  # the wall time of this phase counts in the step's
+        self.updated_early = early = []
+        self._early_tail = None
+        step_tensors: dict[int, torch.Tensor] = {}
+        taking, error = True, None
+        while (arrival := arrivals.next()) is not None:
+            index, landed = arrival
+            # A sub-group whose state is resident on the device (the plan moves it home this step) is current only
+            # there: the rest of the step brings it home first, then updates it.
+            if not taking or plan.places[index] != Place.HOST or index in self.resident:
+                continue
+            # DeepSpeed copied the gradient on its own stream: the host reads it once that copy has landed.
+            self.streams.host_wait(landed)
+            try:
+                if not bool(torch.isfinite(self._slices(self.sub_groups[index], inputs)[2]).all()):
+                    # The global norm will not be finite either: DeepSpeed skips the step, so update nothing more.
+                    taking = False
+                    continue
+                landed = self._update_host_sub_group(index, inputs, report, step_tensors)
+                self._land(index, landed)
+                early.append(index)
+                self._early_tail = landed if landed is not None else self._early_tail
+            except BaseException as failure:  # noqa: BLE001 - raised once backward is over (see below)
+                # Finishing the step (recovery) needs every gradient final: wait for the end of backward first.
+                taking, error = False, failure
+        report.update_s += time.perf_counter()
+        if arrivals.proceed == GradientArrivals.RUN:
+            if error is not None:
+                raise error
+            return report
+        if progress.touched:
+            abandoned = arrivals.proceed == GradientArrivals.ABANDON
+            why = "backward failed" if abandoned else "the gradient norm is not finite"
+            self.torn = (
+                f"lightning-dos: {why} after overlap='auto' had updated sub-groups {sorted(early)} of optimizer step "
+                f"{self.steps_taken} during backward (DeepSpeed skips such a step), so the optimizer state in this "
+                "process mixes two steps; it refuses to step or to be checkpointed. Resume from the last checkpoint "
+                "with overlap='forward', which starts the update only once the norm is known."
+            )
+            raise TornStateError(self.torn) from error
+        if arrivals.proceed == GradientArrivals.ABANDON:
+            self.steps_taken -= 1  # backward never ended: the step was not taken
+        report.skipped = True
+        return report
+
+    def _update(
+        self, plan: Plan, inputs: StepInputs, progress: UpdateProgress, early: StepReport | None = None
+    ) -> StepReport:
         streams = self.streams
         # DeepSpeed copies gradients to the host buffers with non-blocking copies on its own side
         # streams during backward. We cannot name those streams' events, so one device-wide wait marks
         # them complete before any host Adam reads a gradient or any upload re-reads one.
         streams.device_synchronize()
-        streams.start_timeline(self.timing)
+        if early is None:
+            streams.start_timeline(self.timing)
         wall_start = time.perf_counter()
 
         requested = plan
@@ -366,6 +463,9 @@ class InterleavedUpdate:
         plan = self._make_resident(plan, streams)
         progress.places = plan.places
         report = StepReport(self.steps_taken, plan, self.sizes, predicted_s=inputs.predicted_s)
+        if early is not None:  # what backward's phase did counts in this step's report
+            report.host_elements, report.h2d_bytes = early.host_elements, early.h2d_bytes
+            report.update_s = early.update_s
         report.fallback_host = [i for i in requested.device_indices if plan.places[i] == Place.HOST]
         if report.fallback_host:
             self._warn_fallback(f"{len(report.fallback_host)} sub-group(s) did not fit the device memory budget")
@@ -374,7 +474,10 @@ class InterleavedUpdate:
 
         tails = self._run_resident(plan, inputs, streams, report)
         tails += self._launch_device_side(plan, buffers, inputs, streams, report)
-        tails += self._run_host_side(plan, inputs, streams, report)
+        skip = set(self.updated_early) if early is not None else set()
+        tails += self._run_host_side(plan, inputs, streams, report, skip=skip)
+        if early is not None and self._early_tail is not None:
+            tails.append(self._early_tail)  # the 16-bit uploads of backward's phase land before the step ends
         # Resident sub-groups end on the compute stream (their cast); with parameter offload their 16-bit
         # downloads are among the tails already.
         tails.append(streams.record(streams.compute))
@@ -387,7 +490,7 @@ class InterleavedUpdate:
         # forward's activations can have that memory (the engine holds no device memory between updates
         # beyond resident state, which only an explicit budget plans).
         self.pool.release_staging()
-        report.update_s = time.perf_counter() - wall_start
+        report.update_s += time.perf_counter() - wall_start
         report.spans = streams.spans() if self.timing else []
         self.last_report = report
         return report
@@ -601,41 +704,53 @@ class InterleavedUpdate:
             report.device_elements += n
         return [e for e in slot_free if e is not None]
 
-    def _run_host_side(self, plan: Plan, inputs: StepInputs, streams: Streams, report: StepReport) -> list:
-        """The update on the CPU for every host sub-group, each followed by an asynchronous 16-bit upload."""
+    def _run_host_side(
+        self, plan: Plan, inputs: StepInputs, streams: Streams, report: StepReport, skip: set[int] = frozenset()
+    ) -> list:
+        """The update on the CPU for every host sub-group not in ``skip`` (updated during backward already), each
+        followed by an asynchronous 16-bit upload."""
         step_tensors: dict[int, torch.Tensor] = {}
         last_upload = None
         for index in plan.host_indices:
-            sg = self.sub_groups[index]
-            param, states, grad, lp = self._slices(sg, inputs)
-            if sg.ds_group not in step_tensors:
-                step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], torch.device("cpu"))
-            # The 16-bit partition is in host memory already (CPU device, parameter offload): cast straight into
-            # it; otherwise into a slot of the pinned staging ring the upload reads, free once the upload that
-            # last read it has landed. Unscale, update and cast in one pass over memory.
-            staging, slot = lp, 0
-            if self.pool.lp_staging is not None:
-                slot, staging, last_read = self.pool.lp_staging.acquire(sg.numel)
-                # The host is about to overwrite what the slot's previous upload reads.
-                streams.host_wait(last_read)
-            hyper, step = inputs.hypers[sg.param_group], step_tensors[sg.ds_group]
-            with streams.lane("host_adam", index, self.footprint.master * sg.numel):
-                host_update(self.rule, param, grad, states, step, hyper, inputs.inv_grad_scale, staging)
-            report.host_elements += sg.numel
-            # One pass unscaled, updated and (on a CPU device) cast it: every point is recorded before any
-            # hook runs, so an interruption at any of them finds the sub-group's true progress.
-            self._reached_together(("unscaled", "updated", "done") if staging is lp else ("unscaled", "updated"), index)
-            if staging is lp:
-                self._land(index, None)
-                continue
-            with streams.lane("lp_upload", index, self.lp_bytes * sg.numel, streams.lp_h2d):
-                lp.copy_(staging, non_blocking=True)
-            last_upload = streams.record(streams.lp_h2d)
-            self.pool.lp_staging.release(slot, last_upload)
-            self._reached("done", index)
-            self._land(index, last_upload)
-            report.h2d_bytes += self.lp_bytes * sg.numel
+            if index not in skip:
+                landed = self._update_host_sub_group(index, inputs, report, step_tensors)
+                self._land(index, landed)
+                last_upload = landed if landed is not None else last_upload
         return [last_upload] if last_upload is not None else []
+
+    def _update_host_sub_group(
+        self, index: int, inputs: StepInputs, report: StepReport, step_tensors: dict[int, torch.Tensor]
+    ) -> object:
+        """Host sub-group ``index``'s update, 16-bit cast and upload; return when its 16-bit result lands."""
+        streams = self.streams
+        sg = self.sub_groups[index]
+        param, states, grad, lp = self._slices(sg, inputs)
+        if sg.ds_group not in step_tensors:
+            step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], torch.device("cpu"))
+        # The 16-bit partition is in host memory already (CPU device, parameter offload): cast straight into
+        # it; otherwise into a slot of the pinned staging ring the upload reads, free once the upload that
+        # last read it has landed. Unscale, update and cast in one pass over memory.
+        staging, slot = lp, 0
+        if self.pool.lp_staging is not None:
+            slot, staging, last_read = self.pool.lp_staging.acquire(sg.numel)
+            # The host is about to overwrite what the slot's previous upload reads.
+            streams.host_wait(last_read)
+        hyper, step = inputs.hypers[sg.param_group], step_tensors[sg.ds_group]
+        with streams.lane("host_adam", index, self.footprint.master * sg.numel):
+            host_update(self.rule, param, grad, states, step, hyper, inputs.inv_grad_scale, staging)
+        report.host_elements += sg.numel
+        # One pass unscaled, updated and (on a CPU device) cast it: every point is recorded before any
+        # hook runs, so an interruption at any of them finds the sub-group's true progress.
+        self._reached_together(("unscaled", "updated", "done") if staging is lp else ("unscaled", "updated"), index)
+        if staging is lp:
+            return None
+        with streams.lane("lp_upload", index, self.lp_bytes * sg.numel, streams.lp_h2d):
+            lp.copy_(staging, non_blocking=True)
+        uploaded = streams.record(streams.lp_h2d)
+        self.pool.lp_staging.release(slot, uploaded)
+        self._reached("done", index)
+        report.h2d_bytes += self.lp_bytes * sg.numel
+        return uploaded
 
 
 #: The engine's former name, from when Adam was its only optimizer.
