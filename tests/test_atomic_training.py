@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -66,6 +67,8 @@ class At(L.Callback):
     def __init__(self, point: str, index: int, action, during_update: bool = True) -> None:  # noqa: ANN001
         self.where, self.action, self.fired = (point, index), action, False
         self.during_update = during_update
+        #: Whether it fired while backward was still on (overlap="auto": a host sub-group updated early).
+        self.in_backward = False
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         engine = trainer.strategy.dos_engine
@@ -75,10 +78,16 @@ class At(L.Callback):
             # has returned, which under overlap="forward" is before the update ends).
             if not self.fired and (point, index) == self.where and engine.steps_taken == STEP:
                 if engine.guard.in_update == self.during_update:
-                    self.fired = True
+                    self.fired, self.in_backward = True, engine.arrivals is not None
                     self.action(trainer)
 
         engine.on_point = on_point
+
+
+def clip_for(overlap: str) -> float | None:
+    """Gradient clipping for runs under ``overlap``: "auto" begins the step during backward only without it, so
+    its runs (and their reference) clip nothing; the others clip, so an unscale applied twice would show."""
+    return None if overlap == "auto" else 0.5
 
 
 def fit(
@@ -87,6 +96,7 @@ def fit(
     L.seed_everything(0, verbose=False)
     model = StepIndexedLM()
     strategy = DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=SUB_GROUP, overlap=overlap)
+    kw.setdefault("clip", clip_for(overlap))
     t = trainer(strategy, steps=steps, callbacks=[RotatingPlan(), *callbacks], default_root_dir=tmp, **kw)
     t.fit(model, loader(), ckpt_path=str(ckpt_path) if ckpt_path else None)
     return t, model
@@ -128,16 +138,29 @@ class SaveEveryStep(L.Callback):
         trainer.save_checkpoint(self.folder / f"step{trainer.global_step}")
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, dict], dict[str, torch.Tensor]]:
-    """Checkpoint contents after every step of the uninterrupted run, and its final parameters."""
-    tmp = tmp_path_factory.mktemp("uninterrupted")
-    _, model = fit(tmp, callbacks=[SaveEveryStep(tmp)])
+def _uninterrupted(tmp: Path, clip: float | None) -> tuple[dict[int, dict], dict[str, torch.Tensor]]:
+    _, model = fit(tmp, callbacks=[SaveEveryStep(tmp)], clip=clip)
     return {k: contents(tmp / f"step{k}") for k in range(1, STEPS + 1)}, full_parameters(model)
 
 
-def assert_resumes_exactly(tmp: Path, checkpoint: Path, final: dict[str, torch.Tensor]) -> None:
-    _, model = fit(tmp / "resumed", ckpt_path=checkpoint)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, dict], dict[str, torch.Tensor]]:
+    """Checkpoint contents after every step of the uninterrupted run (clipped), and its final parameters."""
+    return _uninterrupted(tmp_path_factory.mktemp("uninterrupted"), clip_for("off"))
+
+
+@pytest.fixture(scope="module")
+def unclipped(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, dict], dict[str, torch.Tensor]]:
+    """The same without clipping: the reference of overlap="auto"'s runs."""
+    return _uninterrupted(tmp_path_factory.mktemp("unclipped"), clip_for("auto"))
+
+
+def reference_for(request: pytest.FixtureRequest, overlap: str) -> tuple[dict[int, dict], dict[str, torch.Tensor]]:
+    return request.getfixturevalue("unclipped" if overlap == "auto" else "uninterrupted")
+
+
+def assert_resumes_exactly(tmp: Path, checkpoint: Path, final: dict[str, torch.Tensor], overlap: str = "off") -> None:
+    _, model = fit(tmp / "resumed", ckpt_path=checkpoint, clip=clip_for(overlap))
     for name, value in full_parameters(model).items():
         assert torch.equal(value, final[name]), name
 
@@ -169,12 +192,12 @@ class SaveAfter(L.Callback):
 
 
 @pytest.mark.usefixtures("restore_signal_handlers")
-@pytest.mark.parametrize("overlap", ["off", "forward"])
+@pytest.mark.parametrize("overlap", ["off", "forward", "auto"])
 def test_a_signal_handler_that_saves_a_checkpoint_mid_update_saves_a_whole_step_that_resumes(
-    tmp_path: Path, uninterrupted, overlap: str
-) -> None:  # noqa: ANN001
+    tmp_path: Path, request: pytest.FixtureRequest, overlap: str
+) -> None:
     """Like Lightning's SLURM auto-requeue handler: SIGUSR1's handler calls trainer.save_checkpoint."""
-    reference, final = uninterrupted
+    reference, final = reference_for(request, overlap)
     saved: list[tuple[Path, bool]] = []
     t: L.Trainer | None = None
 
@@ -190,25 +213,25 @@ def test_a_signal_handler_that_saves_a_checkpoint_mid_update_saves_a_whole_step_
         strategy = DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=SUB_GROUP, overlap=overlap)
         fire = At(point, index, lambda trainer: os.kill(os.getpid(), signal.SIGUSR1), during_update)
         callbacks = [RotatingPlan(), fire] + ([] if during_update else [SaveAfter(tmp_path)])
-        t = trainer(strategy, steps=STEP, callbacks=callbacks, default_root_dir=tmp_path)
+        t = trainer(strategy, steps=STEP, callbacks=callbacks, default_root_dir=tmp_path, clip=clip_for(overlap))
         t.fit(model, loader())
         assert fire.fired, point
     assert len(saved) == len(SIGNAL_POINTS)
-    assert same(contents(tmp_path / "after"), uninterrupted[0][STEP])  # the checkpoint the signal interrupted
+    assert same(contents(tmp_path / "after"), reference[STEP])  # the checkpoint the signal interrupted
     for (path, in_update), (point, *_) in zip(saved, SIGNAL_POINTS):
         assert not in_update, f"the handler ran inside the update ({point})"
         got = contents(path)
         assert same(got, reference[STEP]) or same(got, reference[STEP - 1]), f"torn checkpoint at {point}"
     for path, _ in saved:
-        assert_resumes_exactly(tmp_path / path.name, path, final)
+        assert_resumes_exactly(tmp_path / path.name, path, final, overlap)
 
 
 @pytest.mark.usefixtures("restore_signal_handlers")
-@pytest.mark.parametrize("overlap", ["off", "forward"])
+@pytest.mark.parametrize("overlap", ["off", "forward", "auto"])
 def test_ctrl_c_mid_update_with_on_exception_checkpoint_saves_a_whole_step_that_resumes(
-    tmp_path: Path, uninterrupted, overlap: str
-) -> None:  # noqa: ANN001
-    reference, final = uninterrupted
+    tmp_path: Path, request: pytest.FixtureRequest, overlap: str
+) -> None:
+    reference, final = reference_for(request, overlap)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     ctrl_c = At("downloading", 7, lambda trainer: os.kill(os.getpid(), signal.SIGINT))
     on_exception = OnExceptionCheckpoint(dirpath=tmp_path, filename="interrupted")
@@ -217,7 +240,7 @@ def test_ctrl_c_mid_update_with_on_exception_checkpoint_saves_a_whole_step_that_
     assert ctrl_c.fired
     saved = tmp_path / "interrupted.ckpt"
     assert same(contents(saved), reference[STEP]), "the checkpoint must hold the whole interrupted step"
-    assert_resumes_exactly(tmp_path, saved, final)
+    assert_resumes_exactly(tmp_path, saved, final, overlap)
 
 
 # A training run (in a child process, which is to die) that sends itself SIGTERM twice in the middle of an
@@ -257,6 +280,20 @@ class Injected(RuntimeError):
     pass
 
 
+class BackwardWaitsFor(L.Callback):
+    """After ``STEP``'s backward, before its optimizer step: gives ``at`` up to 10 s to fire, so that an ``At`` on a
+    host sub-group fires while backward's phase of overlap="auto" is still on (elsewhere it just waits)."""
+
+    def __init__(self, at: At) -> None:
+        self.at = at
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step == STEP - 1 and trainer.strategy.dos_adapter.overlap == "backward":
+            deadline = time.monotonic() + 10
+            while not self.at.fired and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+
 def raise_injected(trainer: L.Trainer) -> None:
     raise Injected("injected failure")
 
@@ -273,24 +310,31 @@ def raise_injected(trainer: L.Trainer) -> None:
         ("updated", 3, POST_STEP, "forward"),
         ("computed", 4, POST_STEP, "forward"),
         ("step_count", 0, POST_STEP, "forward"),
+        # Under "auto" a failure while backward is still on (a host sub-group updated early) waits for backward's
+        # end, when every gradient is final: the step is then finished on the host.
+        ("updated", 3, POST_STEP, "auto"),
+        ("computed", 4, POST_STEP, "auto"),
     ],
 )
 def test_an_exception_mid_update_leaves_a_whole_step_as_reported_and_resumes(
-    tmp_path: Path, uninterrupted, point: str, index: int, state: str, overlap: str
-) -> None:  # noqa: ANN001
-    reference, final = uninterrupted
+    tmp_path: Path, request: pytest.FixtureRequest, point: str, index: int, state: str, overlap: str
+) -> None:
+    reference, final = reference_for(request, overlap)
     on_exception = OnExceptionCheckpoint(dirpath=tmp_path, filename="failed")
+    fail = At(point, index, raise_injected)
     with pytest.raises(UpdateInterrupted, match=state) as raised:
         fit(
             tmp_path,
-            callbacks=[At(point, index, raise_injected), on_exception],
+            callbacks=[fail, BackwardWaitsFor(fail), on_exception],
             enable_checkpointing=True,
             overlap=overlap,
         )
     assert raised.value.state == state and isinstance(raised.value.error, Injected)
+    # Under "auto" sub-group 3 is a host sub-group, updated (and failing) while backward is still on.
+    assert fail.in_backward == (overlap == "auto" and point == "updated")
     saved = tmp_path / "failed.ckpt"
     assert same(contents(saved), reference[STEP if state == POST_STEP else STEP - 1])
-    assert_resumes_exactly(tmp_path, saved, final)
+    assert_resumes_exactly(tmp_path, saved, final, overlap)
 
 
 def test_a_device_out_of_memory_mid_stream_completes_the_step_on_the_host_and_training_goes_on(

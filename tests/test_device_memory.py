@@ -40,10 +40,12 @@ class FixedPlan(L.Callback):
         adapter.planner = lambda step: (Plan(places, 2), None)
 
 
-def test_default_settings_hold_no_device_memory_between_updates() -> None:
+def test_without_overlap_no_device_memory_is_held_between_updates() -> None:
     """No ``gpu_memory_budget``: streaming buffers are allocated for each update and freed at its end, so
     forward, backward and the time between steps see none of the engine's device memory."""
-    strategy = DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=SUB_GROUP, streams_factory=SimStreams)
+    strategy = DeepOptimizerStatesStrategy(
+        gpu_fraction=0.5, sub_group_size=SUB_GROUP, streams_factory=SimStreams, overlap="off"
+    )
     model, memory = fit(strategy)
     updates = memory.phases(UPDATE)
     assert len(updates) == STEPS and len(memory.phases(FORWARD)) == len(memory.phases(BACKWARD)) == STEPS
@@ -53,6 +55,23 @@ def test_default_settings_hold_no_device_memory_between_updates() -> None:
     assert memory.held_outside_updates() == 0, [(p.name, p.peak_bytes) for p in memory.phases()]
     assert strategy.dos_engine.pool.staging_allocations == STEPS, "staging is allocated for every update"
     assert not strategy.dos_engine.resident
+
+
+@pytest.mark.parametrize("clip", [0.5, None])  # "auto" overlaps the next forward; without clipping, backward too
+def test_with_the_default_overlap_only_the_update_in_flight_holds_its_streaming_buffers(clip: float | None) -> None:
+    """Under the default ``overlap="auto"`` the update may still run when the next forward starts. Its streaming
+    buffers go back as soon as the device pipeline is over with them (the host side may go on), so forward and
+    backward see at most one update's staging, and nothing once it is over."""
+    strategy = DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=SUB_GROUP, streams_factory=SimStreams)
+    L.seed_everything(0, verbose=False)
+    model, memory = TinyLM(), IterationMemory()
+    trainer(strategy, steps=STEPS, callbacks=[memory], clip=clip).fit(model, loader())
+    assert strategy.dos_adapter.overlap == ("forward" if clip else "backward")
+    staging = max(u.peak_bytes for u in memory.phases(UPDATE))
+    assert staging >= STAGING_BYTES_PER_ELEMENT * max(strategy.dos_engine.sizes), "the updates streamed"
+    assert memory.held_outside_updates() <= staging, [(p.name, p.peak_bytes) for p in memory.phases()]
+    assert strategy.dos_engine.pool.staging_allocations == STEPS and not strategy.dos_engine.resident
+    assert strategy.dos_engine.streams.memory.held_bytes == 0, "nothing is held once training is over"
 
 
 def test_with_a_budget_only_resident_state_is_held_between_updates_and_it_fits() -> None:

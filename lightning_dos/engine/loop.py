@@ -400,13 +400,14 @@ class InterleavedUpdate:
         taking, error = True, None
         while (arrival := arrivals.next()) is not None:
             index, landed = arrival
-            # A sub-group whose state is resident on the device (the plan moves it home this step) is current only
-            # there: the rest of the step brings it home first, then updates it.
-            if not taking or plan.places[index] != Place.HOST or index in self.resident:
+            if not taking or plan.places[index] != Place.HOST:
                 continue
             # DeepSpeed copied the gradient on its own stream: the host reads it once that copy has landed.
             self.streams.host_wait(landed)
             try:
+                if index in self.resident:
+                    # Its state was resident on the device last step (this plan moves it home): current only there.
+                    self._evict([index])
                 if not bool(torch.isfinite(self._slices(self.sub_groups[index], inputs)[2]).all()):
                     # The global norm will not be finite either: DeepSpeed skips the step, so update nothing more.
                     taking = False
@@ -473,9 +474,11 @@ class InterleavedUpdate:
         report.pinned_bytes = self.pool.pinned_bytes
 
         tails = self._run_resident(plan, inputs, streams, report)
-        tails += self._launch_device_side(plan, buffers, inputs, streams, report)
+        streamed = self._launch_device_side(plan, buffers, inputs, streams, report)
+        tails += streamed
         skip = set(self.updated_early) if early is not None else set()
-        tails += self._run_host_side(plan, inputs, streams, report, skip=skip)
+        release = lambda: self._release_staging_if_idle(streamed)  # noqa: E731
+        tails += self._run_host_side(plan, inputs, streams, report, skip, release)
         if early is not None and self._early_tail is not None:
             tails.append(self._early_tail)  # the 16-bit uploads of backward's phase land before the step ends
         # Resident sub-groups end on the compute stream (their cast); with parameter offload their 16-bit
@@ -705,18 +708,35 @@ class InterleavedUpdate:
         return [e for e in slot_free if e is not None]
 
     def _run_host_side(
-        self, plan: Plan, inputs: StepInputs, streams: Streams, report: StepReport, skip: set[int] = frozenset()
+        self,
+        plan: Plan,
+        inputs: StepInputs,
+        streams: Streams,
+        report: StepReport,
+        skip: set[int],
+        between: Callable[[], None],
     ) -> list:
         """The update on the CPU for every host sub-group not in ``skip`` (updated during backward already), each
-        followed by an asynchronous 16-bit upload."""
+        followed by an asynchronous 16-bit upload; ``between`` runs before each and at the end."""
         step_tensors: dict[int, torch.Tensor] = {}
         last_upload = None
         for index in plan.host_indices:
             if index not in skip:
+                between()
                 landed = self._update_host_sub_group(index, inputs, report, step_tensors)
                 self._land(index, landed)
                 last_upload = landed if landed is not None else last_upload
+        between()
         return [last_upload] if last_upload is not None else []
+
+    def _release_staging_if_idle(self, streamed: list) -> None:
+        """Give the streaming buffers back as soon as the device pipeline is over with them, while the host side
+        goes on: when the update overlaps the next forward, that forward may need the memory."""
+        if not self.pool.staging or not all(self.streams.done(event) for event in streamed):
+            return
+        for event in streamed:
+            self.streams.host_wait(event)  # complete already: returns at once (and a race checker sees the order)
+        self.pool.release_staging()
 
     def _update_host_sub_group(
         self, index: int, inputs: StepInputs, report: StepReport, step_tensors: dict[int, torch.Tensor]
