@@ -10,7 +10,7 @@ from the calibrated rates. Writes the same as JSON.
     python bench/run.py --preset tiny --steps 4 --warmup 1 --systems stock,stride:2,auto
     python bench/run.py --n-layer 24 --n-embd 2048 --n-head 16 --seq 2048 --precision bf16-mixed
     python bench/run.py --preset medium --precision bf16-mixed --clip 0.05 --systems stock,auto
-    python bench/run.py --preset medium --systems auto,auto@forward   # overlap="off" vs "forward"
+    python bench/run.py --preset medium --systems auto@off,auto@forward,auto   # overlap "off", "forward", "auto"
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ def stock_config(sub_group_size: int, ratio: float = 1.0) -> dict[str, Any]:
 
 
 def make_strategy(system: str, sub_group_size: int) -> tuple[L.pytorch.strategies.Strategy, bool]:
-    """The strategy for a system name, and whether it is ours. Ours take an ``@overlap`` suffix (``auto@forward``)."""
+    """The strategy for a system name, and whether it is ours. Ours take an ``@overlap`` suffix (``auto@forward``;
+    none: the strategy's default, ``"auto"``)."""
     system, _, overlap = system.partition("@")
     if system == "stock":
         return DeepSpeedCPUStrategy(config=stock_config(sub_group_size)), False
@@ -116,7 +117,7 @@ def make_strategy(system: str, sub_group_size: int) -> tuple[L.pytorch.strategie
         gpu_share = float(system.split(":")[1])
         return DeepSpeedCPUStrategy(config=stock_config(sub_group_size, ratio=1.0 - gpu_share)), False
     fraction = system if system in ("auto",) or system.startswith("stride:") else float(system)
-    overlap = overlap or "off"
+    overlap = overlap or "auto"
     return DeepOptimizerStatesStrategy(gpu_fraction=fraction, sub_group_size=sub_group_size, overlap=overlap), True
 
 
@@ -241,7 +242,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--systems",
         default=DEFAULT_SYSTEMS,
         help="comma-separated: stock, twinflow:R, stride:K, a fraction, auto; ours take @off, @forward or @auto "
-        "(overlap; default off), e.g. auto@forward",
+        "(overlap; default auto), e.g. auto@off",
     )
     parser.add_argument("--sub-group-size", type=int, help="elements per sub-group (default: ~1/16 of the model)")
     parser.add_argument("--precision", help="default: bf16-mixed on a GPU, 32-true on CPU")

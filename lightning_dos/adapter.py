@@ -25,6 +25,7 @@ from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, TornStateError, Upd
 from lightning_dos.engine.hostmem import return_freed_memory
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
 from lightning_dos.engine.plan import Plan, auto_sub_group_size
+from lightning_dos.engine.recovery import take_on_host
 from lightning_dos.engine.report import StepReport
 from lightning_dos.engine.streams import Streams
 from lightning_dos.optimizers import (
@@ -654,9 +655,13 @@ class ZeRO3Adapter:
             if self.engine.step(plan, inputs, arrivals).skipped:
                 return  # begun during backward, then skipped (the norm is not finite) before anything changed
         except UpdateInterrupted as failure:
-            if failure.state == PRE_STEP:
-                raise
-            self._interrupted = failure
+            if failure.state != PRE_STEP:
+                self._interrupted = failure
+            elif self.overlap == "off":
+                raise  # the step has not returned: the framework does not count it
+            else:
+                # Overlapped: the step returned and the framework counted it, so it is taken (on the host).
+                self._interrupted = take_on_host(self.engine, inputs, failure)
         try:
             self._store_steps(steps)
         except BaseException as error:  # noqa: BLE001 - storing is idempotent: finish it, report later

@@ -306,7 +306,8 @@ def raise_injected(trainer: L.Trainer) -> None:
         ("computed", 4, POST_STEP, "off"),
         ("step_count", 0, POST_STEP, "off"),
         # Under overlap the failure surfaces at the next wait (the next backward), on the training thread. A
-        # pre-step failure is not among these: Lightning has counted the step by then (see the README).
+        # failure before anything changed is taken whole on the host: Lightning has counted the step by then.
+        ("flush", 3, POST_STEP, "forward"),
         ("updated", 3, POST_STEP, "forward"),
         ("computed", 4, POST_STEP, "forward"),
         ("step_count", 0, POST_STEP, "forward"),

@@ -474,11 +474,9 @@ class InterleavedUpdate:
         report.pinned_bytes = self.pool.pinned_bytes
 
         tails = self._run_resident(plan, inputs, streams, report)
-        streamed = self._launch_device_side(plan, buffers, inputs, streams, report)
-        tails += streamed
+        tails += self._launch_device_side(plan, buffers, inputs, streams, report)
         skip = set(self.updated_early) if early is not None else set()
-        release = lambda: self._release_staging_if_idle(streamed)  # noqa: E731
-        tails += self._run_host_side(plan, inputs, streams, report, skip, release)
+        tails += self._run_host_side(plan, inputs, streams, report, skip)
         if early is not None and self._early_tail is not None:
             tails.append(self._early_tail)  # the 16-bit uploads of backward's phase land before the step ends
         # Resident sub-groups end on the compute stream (their cast); with parameter offload their 16-bit
@@ -708,35 +706,18 @@ class InterleavedUpdate:
         return [e for e in slot_free if e is not None]
 
     def _run_host_side(
-        self,
-        plan: Plan,
-        inputs: StepInputs,
-        streams: Streams,
-        report: StepReport,
-        skip: set[int],
-        between: Callable[[], None],
+        self, plan: Plan, inputs: StepInputs, streams: Streams, report: StepReport, skip: set[int]
     ) -> list:
         """The update on the CPU for every host sub-group not in ``skip`` (updated during backward already), each
-        followed by an asynchronous 16-bit upload; ``between`` runs before each and at the end."""
+        followed by an asynchronous 16-bit upload."""
         step_tensors: dict[int, torch.Tensor] = {}
         last_upload = None
         for index in plan.host_indices:
             if index not in skip:
-                between()
                 landed = self._update_host_sub_group(index, inputs, report, step_tensors)
                 self._land(index, landed)
                 last_upload = landed if landed is not None else last_upload
-        between()
         return [last_upload] if last_upload is not None else []
-
-    def _release_staging_if_idle(self, streamed: list) -> None:
-        """Give the streaming buffers back as soon as the device pipeline is over with them, while the host side
-        goes on: when the update overlaps the next forward, that forward may need the memory."""
-        if not self.pool.staging or not all(self.streams.done(event) for event in streamed):
-            return
-        for event in streamed:
-            self.streams.host_wait(event)  # complete already: returns at once (and a race checker sees the order)
-        self.pool.release_staging()
 
     def _update_host_sub_group(
         self, index: int, inputs: StepInputs, report: StepReport, step_tensors: dict[int, torch.Tensor]

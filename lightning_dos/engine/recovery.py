@@ -151,3 +151,35 @@ def finish_on_host(engine: InterruptedEngine, inputs: StepInputs, progress: Upda
         finished.append(index)
     engine.streams.device_synchronize()
     return finished
+
+
+def take_on_host(engine: InterruptedEngine, inputs: StepInputs, interrupted: UpdateInterrupted) -> UpdateInterrupted:
+    """Take, whole on the host, a step that ``interrupted`` stopped before it changed anything, when the caller has
+    already counted it (an update overlapping what follows the step: the framework went on as if it were taken).
+    Return the post-step :class:`UpdateInterrupted` to report; raise :class:`TornStateError` if the host fails too
+    (the state is then pre-step while the framework counts the step: it must not be checkpointed)."""
+    engine.steps_taken += 1
+    step = engine.steps_taken
+    try:
+        finished = finish_on_host(engine, inputs, UpdateProgress())
+    except BaseException as second:  # noqa: BLE001 - reported with the first error
+        engine.steps_taken -= 1
+        engine.torn = (
+            f"lightning-dos: {interrupted.error!r} interrupted optimizer step {step} before any state changed, and "
+            f"taking it on the host failed too ({type(second).__name__}: {second}); the training loop has counted "
+            "that step, so the optimizer state in this process is one step behind it and refuses to step or to be "
+            "checkpointed. Resume from the last checkpoint."
+        )
+        raise TornStateError(engine.torn) from interrupted.error
+    all_host = Plan((Place.HOST,) * len(engine.sub_groups))
+    report = StepReport(step, all_host, engine.sizes, predicted_s=inputs.predicted_s)
+    report.fallback_host = finished
+    report.host_elements = sum(engine.sizes)
+    engine.last_report = report
+    engine.pool.release_staging()
+    return UpdateInterrupted(
+        f"{interrupted} The training loop had counted that step (the update overlapped what follows it), so it "
+        "was taken whole on the host instead: the optimizer state is post-step.",
+        POST_STEP,
+        interrupted.error,
+    )

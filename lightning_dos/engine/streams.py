@@ -101,10 +101,6 @@ class Streams:
     def host_wait(self, event: Any) -> None:
         """Block the host until ``event`` has completed."""
 
-    def done(self, event: Any) -> bool:
-        """Whether ``event`` has completed, without waiting (always, when synchronous)."""
-        return True
-
     def device_synchronize(self) -> None:
         """Wait for all work on the device, DeepSpeed's side streams included."""
 
@@ -190,9 +186,6 @@ class CudaStreams(Streams):
     def host_wait(self, event: torch.cuda.Event | None) -> None:
         if event is not None:
             event.synchronize()
-
-    def done(self, event: torch.cuda.Event | None) -> bool:
-        return event is None or event.query()
 
     def device_synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

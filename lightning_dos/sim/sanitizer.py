@@ -489,7 +489,7 @@ class StreamSanitizer:
             self.name(pool.lp_staging.storage, "16-bit staging ring")
         step, flush, drop = engine.step, engine.flush_resident, engine.drop_resident
 
-        def watched_step(plan: Any, inputs: Any) -> Any:
+        def watched_step(plan: Any, inputs: Any, arrivals: Any = None) -> Any:
             # The training thread starts the update (on a thread of its own under overlap) after waiting for the
             # previous one (its backward does), so both threads are in step here.
             states = self.syncs.current_sync_states
@@ -510,7 +510,7 @@ class StreamSanitizer:
                 self.stream_synchronize(DS_REDUCE)
             self._landings.clear()
             with self.active():
-                report = step(plan, inputs)
+                report = step(plan, inputs, arrivals)
             if overlap:
                 self._overlapped_forward(engine, inputs)
                 # The training thread's backward, checkpoints and evaluation come after it joined the update.

@@ -195,9 +195,6 @@ class SimStreams(Streams):
         if event is not None and self.listener is not None:
             self.listener.on_host_wait(event)
 
-    def done(self, event: SimEvent | None) -> bool:
-        return True  # work runs synchronously: recorded means finished
-
     def device_synchronize(self) -> None:
         if self.listener is not None:
             self.listener.on_device_synchronize()
