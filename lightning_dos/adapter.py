@@ -313,6 +313,21 @@ class ZeRO3Adapter:
             return gather(params, forward)
 
         setattr(coordinator, name, all_gather_params)
+        # deepspeed.zero.GatheredParameters (users' callbacks, checkpoint helpers) gathers through each parameter's
+        # own all_gather, outside the coordinator: it waits for the update in flight's sub-groups too.
+        for group in z.fp16_groups:
+            for param in group:
+                param.all_gather = self._waiting_all_gather(param, param.all_gather)
+
+    def _waiting_all_gather(self, owner: object, gather: Callable) -> Callable:
+        engine = self.engine
+
+        def all_gather(param_list: object = None, *args: object, **kwargs: object) -> object:
+            if engine.in_flight and engine.arrivals is None:
+                engine.wait_sub_groups(self._sub_groups_of_params(param_list or [owner]))
+            return gather(param_list, *args, **kwargs)
+
+        return all_gather
 
     # -- beginning the step during backward ------------------------------------------------------
 

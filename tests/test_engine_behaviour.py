@@ -50,7 +50,8 @@ class Probe(L.Callback):
         self.scales.append(float(trainer.strategy.deepspeed_engine.optimizer.loss_scale))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-        self.after.append(full_parameters(pl_module))
+        self.after.append(full_parameters(pl_module))  # gathering waits for the sub-groups of an update in flight
+        trainer.strategy.dos_adapter.finish_update()  # the step's report is issued once its update is over
         self.reports.append(trainer.strategy.dos_engine.last_report)
 
 

@@ -46,14 +46,16 @@ def test_the_delayed_stream_harness_reaches_every_synchronisation_of_the_engine(
     """Its plans put each wait, host wait and tail event of engine/loop.py to use: removing any one is a race in
     one of its runs. On a GPU the sleeping stream turns that race into a wrong result (tests/test_gpu.py)."""
     source = inspect.getsource(loop_module)
-    # The harness runs without overlap; the overlap's own wait (the next forward's, in wait_sub_groups) is the race
-    # checker's mutation test's to cover (tests/test_stream_sanitizer.py runs every scenario overlapped too).
+    # The harness runs without overlap; the overlap's own waits (the next forward's, in wait_sub_groups; backward's
+    # gradient copies and 16-bit uploads, in _update_as_gradients_arrive) are the race checker's mutation test's to
+    # cover (tests/test_stream_sanitizer.py runs its scenarios overlapped too).
+    overlap_functions = {"wait_sub_groups", "_update_as_gradients_arrive"}
     overlap_only = [
         range(node.lineno, node.end_lineno + 1)
         for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.FunctionDef) and node.name == "wait_sub_groups"
+        if isinstance(node, ast.FunctionDef) and node.name in overlap_functions
     ]
-    assert overlap_only, "engine/loop.py no longer has wait_sub_groups: update this test"
+    assert len(overlap_only) == len(overlap_functions), "engine/loop.py renamed an overlap function: update this test"
     mutations = [(line, what) for line, what in find_mutations(source) if not any(line in r for r in overlap_only)]
     assert len(mutations) >= 9
     unreached = []

@@ -21,7 +21,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos import report as report_cli
 from lightning_dos.callbacks.monitor import DOSMonitor
-from lightning_dos.engine.plan import Plan, even_plan
+from lightning_dos.engine.plan import Place, Plan, even_plan
 from lightning_dos.engine.report import LANES, Span, StepReport
 from lightning_dos.engine.update_rules import ADAM_FP32
 from lightning_dos.trace import PHASES_LANE, TracedStep, build_trace, lane_overlaps
@@ -93,8 +93,10 @@ def _fit(root: Path, strategy: object, steps: int = STEPS, callbacks: tuple = ()
     return Run(root, monitor, strategy, _rows(root))
 
 
-def _dos(fraction: float) -> DeepOptimizerStatesStrategy:
-    return DeepOptimizerStatesStrategy(gpu_fraction=fraction, sub_group_size=SUB_GROUP)
+def _dos(fraction: float, overlap: str = "off") -> DeepOptimizerStatesStrategy:
+    # "off" by default here: the phases then add up to the step (under overlap the update phase is only the
+    # step's own part, and the engine's loop runs on into the next batch; see the overlap test below).
+    return DeepOptimizerStatesStrategy(gpu_fraction=fraction, sub_group_size=SUB_GROUP, overlap=overlap)
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +119,40 @@ def test_every_metric_is_logged_with_finite_values_at_every_step(half: Run) -> N
         assert row["dos/step_s"] > 0 and row["dos/mem_peak_update_gb"] > 0
         assert 0 < row["dos/pcie_util"] < 1
         assert row["dos/host_threads"] == torch.get_num_threads() >= 1
+
+
+class FirstOnDevice(L.Callback):
+    """Step k (1-based) puts its first k sub-groups on the device and the rest on the host."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        n = len(trainer.strategy.dos_engine.sub_groups)
+        trainer.strategy.dos_adapter.planner = lambda step: (
+            Plan(tuple(Place.DEVICE if i < step else Place.HOST for i in range(n))),
+            None,
+        )
+
+
+@pytest.mark.parametrize("clip", [0.5, None])  # "auto" overlaps the next forward; without clipping, backward too
+def test_under_overlap_each_steps_engine_metrics_are_logged_once_its_update_is_over(
+    tmp_path: Path, clip: float | None
+) -> None:
+    L.seed_everything(0, verbose=False)
+    monitor = DOSMonitor(summary=False)
+    strategy = _dos(0.5, overlap="auto")
+    logger = CSVLogger(tmp_path, name="run")
+    callbacks = [monitor, FirstOnDevice()]
+    fit = trainer(strategy, steps=4, callbacks=callbacks, logger=logger, log_every_n_steps=1, clip=clip)
+    fit.fit(TinyLM(), loader())
+    rows = _rows(tmp_path)
+    assert sorted(rows) == list(range(4)) and strategy.dos_adapter.overlap == ("forward" if clip else "backward")
+    for step, row in rows.items():
+        for key in set(ENGINE_METRICS) - {"dos/update_predicted_s"}:  # this planner predicts nothing
+            assert key in row and math.isfinite(row[key]), f"{key} at step {step}"
+    # Each row carries its own step's report, not a neighbour's: step k (0-based) put its first k + 1 sub-groups
+    # on the device.
+    sizes = strategy.dos_engine.sizes
+    for step, row in rows.items():
+        assert row["dos/gpu_fraction"] == pytest.approx(sum(sizes[: step + 1]) / sum(sizes)), step
 
 
 def test_phases_add_up_to_the_step_time(half: Run) -> None:

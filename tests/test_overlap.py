@@ -249,3 +249,31 @@ def test_auto_refuses_to_go_on_when_a_late_gradient_is_not_finite_after_earlier_
 
     with pytest.raises(TornStateError, match=r"gradient norm is not finite after overlap='auto'.*overlap='forward'"):
         fit_non_finite("auto", "embedding", callbacks=[WaitForAnEarlyUpdate()])
+
+
+class GatherAfterEachStep(L.Callback):
+    """Gathers every parameter with ``deepspeed.zero.GatheredParameters`` right after each optimizer step, while
+    the update is slowed (each sub-group's last point sleeps), so under overlap it is still running then."""
+
+    def __init__(self) -> None:
+        self.gathered: list[dict[str, torch.Tensor]] = []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.strategy.dos_engine.on_point = lambda point, index: time.sleep(0.02) if point == "done" else None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
+        self.in_flight = getattr(self, "in_flight", 0) + int(trainer.strategy.dos_engine.in_flight)
+        self.gathered.append(full_parameters(pl_module))
+
+
+@pytest.mark.parametrize("clip", [0.5, None])
+def test_gathering_parameters_outside_the_coordinator_waits_for_the_update_in_flight(clip: float | None) -> None:
+    runs = {}
+    for overlap in ("auto", "off"):
+        gather = GatherAfterEachStep()
+        fit(overlap, steps=3, callbacks=[gather], gradient_clip_val=clip)
+        runs[overlap] = gather
+    assert runs["auto"].in_flight >= 2, "the update must still run when the callback gathers"
+    for ours, theirs in zip(runs["auto"].gathered, runs["off"].gathered, strict=True):
+        for name, value in ours.items():
+            assert torch.equal(value, theirs[name]), name

@@ -171,6 +171,9 @@ class _Record:
     marks: dict[str, Any] = field(default_factory=dict)
     memory: dict[str, _MemSample] = field(default_factory=dict)
     report: StepReport | None = None
+    #: The engine's number for this batch's step report (None: the batch took no optimizer step); the report may
+    #: come after the batch ends, when the update overlaps what follows the step.
+    report_number: int | None = None
     #: Learning rate of each param group as the batch started (the rates its update used).
     learning_rates: dict[str, float] = field(default_factory=dict)
 
@@ -302,7 +305,6 @@ class DOSMonitor(Callback):
         self._every = 1
         self._open: _Record | None = None
         self._pending: deque[_Record] = deque()
-        self._seen_report: StepReport | None = None
         self._timing_before: bool | None = None
         #: Fallback peak (bytes/s per direction): ``peak_gbps`` or the fit-start micro-benchmark.
         self._peak: tuple[float, float] | None = None
@@ -356,6 +358,10 @@ class DOSMonitor(Callback):
         # Everything after on_after_backward up to here (Lightning's closure bookkeeping) counts as backward.
         if self._open is not None and "backward_end" not in self._open.marks:
             self._boundary(self._open, "backward_end")
+        engine = _engine(trainer)
+        if self._open is not None and engine is not None:
+            # The previous step's report is issued (backward waited for its update); this step's comes next.
+            self._open.report_number = engine.reports_issued + 1
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -367,10 +373,6 @@ class DOSMonitor(Callback):
         engine = _engine(trainer)
         if engine is not None:
             self._engine = engine
-            report = engine.last_report
-            # Under gradient accumulation DeepSpeed steps only at the boundary: a report is new or stale.
-            if report is not None and report is not self._seen_report:
-                record.report = self._seen_report = report
             if self._timing_before is not None:
                 engine.timing, self._timing_before = self._timing_before, None
         self._pending.append(record)
@@ -384,7 +386,7 @@ class DOSMonitor(Callback):
         if engine is not None and self._timing_before is not None:  # a traced batch that never ended
             engine.timing, self._timing_before = self._timing_before, None
         # Loggers are finalised after this hook: read the last step's events now (one sync, at the end).
-        self._drain(trainer, wait=True)
+        self._drain(trainer, wait=True, final=True)
         self._write_trace(trainer)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -405,9 +407,14 @@ class DOSMonitor(Callback):
         return self._every > 0 and (step + 1) % self._every == 0
 
     def _drain(
-        self, trainer: pl.Trainer, wait: bool, current: tuple[_Record, pl.LightningModule] | None = None
+        self,
+        trainer: pl.Trainer,
+        wait: bool,
+        current: tuple[_Record, pl.LightningModule] | None = None,
+        final: bool = False,
     ) -> None:
-        """Resolve, log and trace every pending batch whose last event has completed (all when ``wait``).
+        """Resolve, log and trace every pending batch whose last event has completed (all when ``wait``) and whose
+        step report is in (an overlapped update issues it once over; ``final``: resolve without one if none came).
 
         ``current`` is the batch whose ``on_train_batch_end`` is running and its module: when its row is logged,
         it goes through ``LightningModule.log`` (one row per step with the module's metrics, plus the learning
@@ -417,7 +424,7 @@ class DOSMonitor(Callback):
             self._clock.wait(self._pending[-1].marks["end"])
         while self._pending:
             record = self._pending[0]
-            if not self._clock.ready(record.marks["end"]):
+            if not self._clock.ready(record.marks["end"]) or not (self._has_report(record) or final):
                 break
             self._pending.popleft()
             row = self._resolve(record)
@@ -433,6 +440,12 @@ class DOSMonitor(Callback):
                 self._add_traced(record, row)
                 if {t.step for t in self._traced} >= self.trace_steps:
                     self._write_trace(trainer)
+
+    def _has_report(self, record: _Record) -> bool:
+        """Whether the batch's step report is in (an update overlapping what follows the step issues it later)."""
+        if record.report is None and record.report_number is not None and self._engine is not None:
+            record.report = self._engine.report_number(record.report_number)
+        return record.report is not None or record.report_number is None
 
     def _seconds_since_start(self, record: _Record, boundary: str) -> float:
         return self._clock.seconds(record.marks["start"], record.marks[boundary])

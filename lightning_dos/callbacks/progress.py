@@ -219,7 +219,8 @@ def format_dos_metrics(metrics: Mapping[str, float], show_zero_share: bool = Tru
 
 
 def dos_metrics(trainer: L.Trainer) -> dict[str, float]:
-    """The latest ``dos/*`` values the bar shows: from ``trainer.callback_metrics``, else the monitor's last step."""
+    """The latest ``dos/*`` values the bar shows: from ``trainer.callback_metrics``, else the monitor's last step,
+    else the engine's last finished step."""
     found: dict[str, float] = {}
     for key in DOS_KEYS:
         value = _number(trainer.callback_metrics.get(key))
@@ -232,6 +233,10 @@ def dos_metrics(trainer: L.Trainer) -> dict[str, float]:
         value = _number(row.get(key))
         if value is not None:
             found[key] = value
+    report = getattr(getattr(trainer.strategy, "dos_engine", None), "last_report", None)
+    if "dos/gpu_fraction" not in found and report is not None:
+        # No row yet (an overlapped update's row is logged once it is over): the engine's last finished step.
+        found["dos/gpu_fraction"] = report.device_share
     return found
 
 

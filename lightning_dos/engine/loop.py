@@ -28,6 +28,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -128,6 +129,10 @@ class InterleavedUpdate:
         native.warn_if_unavailable()
         #: Record a span per operation (the monitor turns this on; off costs nothing).
         self.timing = False
+        #: How many step reports the engine has issued, and the most recent ones (an overlapped update issues its
+        #: report after the step returned: a monitor fetches it by number, :meth:`report_number`).
+        self.reports_issued = 0
+        self._recent_reports: deque[StepReport] = deque(maxlen=8)
         self.last_report: StepReport | None = None
         self.steps_taken = 0
         #: This machine's calibrated rates (a ``HardwareRates``), set by the scheduler when it measures them.
@@ -158,6 +163,23 @@ class InterleavedUpdate:
         #: Sub-groups the last step updated during backward, in the order their gradients became final.
         self.updated_early: list[int] = []
         self._early_tail: object = None
+
+    @property
+    def last_report(self) -> StepReport | None:
+        """The report of the last step the engine finished (or skipped)."""
+        return self._last_report
+
+    @last_report.setter
+    def last_report(self, report: StepReport | None) -> None:
+        self._last_report = report
+        if report is not None:
+            self.reports_issued += 1
+            self._recent_reports.append(report)
+
+    def report_number(self, number: int) -> StepReport | None:
+        """The ``number``-th report issued (1-based), while it is among the recent ones; None before it is issued."""
+        back = self.reports_issued - number
+        return self._recent_reports[-1 - back] if 0 <= back < len(self._recent_reports) else None
 
     # -- overlapping the update with what follows it ----------------------------------------------
 
