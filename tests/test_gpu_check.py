@@ -47,8 +47,8 @@ def test_the_delayed_stream_harness_reaches_every_synchronisation_of_the_engine(
     one of its runs. On a GPU the sleeping stream turns that race into a wrong result (tests/test_gpu.py)."""
     source = inspect.getsource(loop_module)
     # The harness runs without overlap; the overlap's own waits (the next forward's, in wait_sub_groups; backward's
-    # gradient copies and 16-bit uploads, in _update_as_gradients_arrive) are the race checker's mutation test's to
-    # cover (tests/test_stream_sanitizer.py runs its scenarios overlapped too).
+    # gradient copies and 16-bit uploads) are the race checker's mutation test's to cover
+    # (tests/test_stream_sanitizer.py runs its scenarios overlapped too).
     overlap_functions = {"wait_sub_groups", "_update_as_gradients_arrive"}
     overlap_only = [
         range(node.lineno, node.end_lineno + 1)

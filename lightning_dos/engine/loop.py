@@ -499,8 +499,6 @@ class InterleavedUpdate:
         tails += self._launch_device_side(plan, buffers, inputs, streams, report)
         skip = set(self.updated_early) if early is not None else set()
         tails += self._run_host_side(plan, inputs, streams, report, skip)
-        if early is not None and self._early_tail is not None:
-            tails.append(self._early_tail)  # the 16-bit uploads of backward's phase land before the step ends
         # Resident sub-groups end on the compute stream (their cast); with parameter offload their 16-bit
         # downloads are among the tails already.
         tails.append(streams.record(streams.compute))
@@ -731,9 +729,10 @@ class InterleavedUpdate:
         self, plan: Plan, inputs: StepInputs, streams: Streams, report: StepReport, skip: set[int]
     ) -> list:
         """The update on the CPU for every host sub-group not in ``skip`` (updated during backward already), each
-        followed by an asynchronous 16-bit upload."""
+        followed by an asynchronous 16-bit upload; return the last upload (backward's phase's included: they all
+        share the ``lp_h2d`` stream)."""
         step_tensors: dict[int, torch.Tensor] = {}
-        last_upload = None
+        last_upload = self._early_tail if skip else None
         for index in plan.host_indices:
             if index not in skip:
                 landed = self._update_host_sub_group(index, inputs, report, step_tensors)
