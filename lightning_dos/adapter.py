@@ -274,7 +274,6 @@ class ZeRO3Adapter:
         self._wrap_state_access(z)
         #: Sub-groups of each parameter (by ZeRO-3's parameter id), filled as parameters are first gathered.
         self._param_sub_groups: dict[int, list[int]] = {}
-        self._persistent: list[int] | None = None
         if overlap in ("forward", "backward"):
             self._wait_before_gathers(z)
         #: The step begun during this backward (plan, inputs, step counts); None when none was.
@@ -318,6 +317,30 @@ class ZeRO3Adapter:
         for group in z.fp16_groups:
             for param in group:
                 param.all_gather = self._waiting_all_gather(param, param.all_gather)
+        self._defer_persistent_gather(z)
+
+    def _defer_persistent_gather(self, z: object) -> None:
+        """Leave DeepSpeed's re-gather of its persistent parameters at the end of the step to the next forward.
+
+        DeepSpeed keeps small parameters (below ``stage3_param_persistence_threshold``: norms, biases) whole on
+        every rank and re-gathers them all at the end of the step (``_post_step``). They sit in nearly every
+        sub-group, so that gather would wait for the whole update in flight. The step's start
+        (``_partition_all_parameters``) released them with every other parameter, so when the step's gather is
+        left out, the coordinator gathers each when the next forward reaches its module, after waiting for just
+        its sub-groups, like any other parameter."""
+        engine, post_step = self.engine, z._post_step
+
+        def deferred_post_step(timer_names: object) -> None:
+            persistent = z.persistent_parameters
+            if not engine.in_flight or not persistent:
+                return post_step(timer_names)
+            z.persistent_parameters = []  # _post_step's own gather is the only use of the list there
+            try:
+                return post_step(timer_names)
+            finally:
+                z.persistent_parameters = persistent
+
+        z._post_step = deferred_post_step
 
     def _waiting_all_gather(self, owner: object, gather: Callable) -> Callable:
         engine = self.engine
@@ -628,9 +651,6 @@ class ZeRO3Adapter:
                         self._apply(plan, inputs, steps)
                 if self.overlap != "off":
                     self.engine.start(lambda: self._apply(plan, inputs, steps))
-            if self.overlap != "off":
-                # DeepSpeed's _post_step all-gathers the persistent parameters: their sub-groups come first.
-                self.engine.wait_sub_groups(self._persistent_sub_groups())
         except BaseException:
             # Pre-step (nothing changed) or torn: the step did not complete, so raise now.
             z.timers(OPTIMIZER_STEP_TIMER).stop()
@@ -641,11 +661,6 @@ class ZeRO3Adapter:
         z._post_step(timer_names)
         if self.deliver_after_step:
             self.deliver()
-
-    def _persistent_sub_groups(self) -> list[int]:
-        if self._persistent is None:
-            self._persistent = self._sub_groups_of_params(self.zero.persistent_parameters)
-        return self._persistent
 
     def _inputs(self, predicted: float | None, scaled_norm: torch.Tensor) -> tuple[list[int], StepInputs]:
         """This step's step counts and the engine's inputs (the inner optimizer's state adopted into the slabs)."""

@@ -31,8 +31,7 @@ PLACES = (Place.HOST, Place.DEVICE, Place.RESIDENT)
 
 
 def strategy(overlap: str, **zero: object) -> DeepOptimizerStatesStrategy:
-    # No persistent parameters: otherwise DeepSpeed all-gathers every small parameter right after the step, and
-    # TinyLM's parameters are all small, so the step would wait for the whole update.
+    # No persistent parameters unless a test asks (DeepSpeed's default threshold keeps all of TinyLM's whole).
     config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
     return DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=SUB_GROUP, overlap=overlap, config=config)
 
@@ -55,11 +54,12 @@ class KeepState(L.Callback):
         self.slabs = [t.clone() for t in (engine.pool.param, *engine.pool.states)]
 
 
-def fit(overlap: str, steps: int = STEPS, callbacks=(), ckpt_path=None, **kw) -> tuple[TinyLM, KeepState]:  # noqa: ANN001
+def fit(overlap: str, steps: int = STEPS, callbacks=(), ckpt_path=None, zero=None, **kw) -> tuple[TinyLM, KeepState]:  # noqa: ANN001
     L.seed_everything(0, verbose=False)
     model, keep = TinyLM(), KeepState()
     callbacks = [RandomPlacement(seed=5, places=PLACES), keep, *callbacks]
-    trainer(strategy(overlap), steps=steps, callbacks=callbacks, **kw).fit(model, loader(), ckpt_path=ckpt_path)
+    run = trainer(strategy(overlap, **(zero or {})), steps=steps, callbacks=callbacks, **kw)
+    run.fit(model, loader(), ckpt_path=ckpt_path)
     return model, keep
 
 
@@ -87,6 +87,15 @@ def test_overlap_forward_and_auto_are_bit_identical_to_off(precision: str, clip:
         assert sum(1 for step in auto[1].early if step) >= STEPS // 2, auto[1].early
     else:  # clipping needs the global norm: "auto" runs as "forward"
         assert early == []
+
+
+@pytest.mark.parametrize("clip", [0.5, None])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_with_persistent_parameters_overlap_is_bit_identical_to_off(precision: str, clip: float | None) -> None:
+    settings = dict(precision=precision, gradient_clip_val=clip, accumulate_grad_batches=2, zero=PERSISTENT)
+    off = fit("off", **settings)
+    assert_identical(fit("forward", **settings), off)
+    assert_identical(fit("auto", **settings), off)
 
 
 def test_auto_with_clipping_runs_as_forward_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
@@ -150,10 +159,17 @@ class NextBatchDuringUpdate(L.Callback):
             self.next_batch.set()
 
 
+#: DeepSpeed's default persistence threshold: every TinyLM parameter is kept whole, in every sub-group.
+PERSISTENT = {"stage3_param_persistence_threshold": 100_000}
+
+
+@pytest.mark.parametrize("zero", [None, PERSISTENT], ids=["partitioned", "persistent"])
 @pytest.mark.parametrize("overlap", ["auto", "forward", "off"])
-def test_the_next_batch_starts_before_the_updates_last_sub_group_finishes(overlap: str) -> None:
+def test_the_next_batch_starts_before_the_updates_last_sub_group_finishes(overlap: str, zero: dict | None) -> None:
+    # With persistent parameters, DeepSpeed would re-gather them all right after the step, which would wait for
+    # the whole update: each is re-gathered when the next forward reaches its module instead.
     probe = NextBatchDuringUpdate()
-    model, _ = fit(overlap, steps=3, callbacks=[probe])
+    model, _ = fit(overlap, steps=3, callbacks=[probe], zero=zero)
     assert probe.held
     if overlap != "off":
         assert probe.held_ok, "the next batch never started while the update ran"

@@ -111,11 +111,12 @@ class RecordPlanning(L.Callback):
         self.out = out
         self.plans: list = []
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:  # noqa: ANN002
-        self.plans.append(_plan(trainer.strategy.dos_engine.last_report.plan))
-
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy, rank = trainer.strategy, trainer.global_rank
+        # Read once every update is over (the strategy's own on_train_end waits for the last): an overlapped
+        # update issues its report after its batch ended.
+        engine = strategy.dos_engine
+        self.plans = [_plan(engine.report_number(n).plan) for n in range(1, engine.reports_issued + 1)]
         calibration = strategy.dos_calibration
         record = {
             "started": calibration.started,
