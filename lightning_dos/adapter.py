@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from lightning_dos.engine.arrivals import GradientArrivals
-from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, TornStateError, UpdateInterrupted
+from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, TornStateError, UpdateInFlightError, UpdateInterrupted
 from lightning_dos.engine.hostmem import return_freed_memory
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
 from lightning_dos.engine.plan import Plan, auto_sub_group_size
@@ -411,9 +411,20 @@ class ZeRO3Adapter:
         if self.overlap == "backward" and not self.engine.in_flight:
             self.deliver()
 
-    def finish_update(self) -> None:
+    def finish_update(self, abandon: bool = False) -> None:
         """Wait for the update in flight (overlap) and raise, here, what interrupted it before any state
-        changed (pre-step) or tore it; a post-step interruption is raised by :meth:`deliver`. Main thread only."""
+        changed (pre-step) or tore it; a post-step interruption is raised by :meth:`deliver`. Main thread only.
+
+        Between a backward that began the step (overlap="backward") and the step itself there is nothing to wait
+        for: the step cannot end before it is called. A reader there is refused (the state is neither pre- nor
+        post-step), unless ``abandon`` (the framework is handling an exception, or tearing down): the begun step
+        then stops, and the state is torn if it had changed anything."""
+        if self.engine.arrivals is not None and not abandon:
+            raise UpdateInFlightError(
+                "lightning-dos: overlap='auto' began this step's update during backward, so between backward and the "
+                "optimizer step the optimizer state is neither pre- nor post-step and cannot be read or written; do "
+                "it after the step (on_train_batch_end) or use overlap='forward'"
+            )
         try:
             self.engine.wait_all()
         except BaseException:

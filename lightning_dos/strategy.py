@@ -661,14 +661,14 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             # An update in flight ends before anything (OnExceptionCheckpoint) reads the state; what interrupted
             # it was raised at a wait point already, or is superseded by the exception being handled.
             with contextlib.suppress(BaseException):
-                self.dos_adapter.finish_update()
+                self.dos_adapter.finish_update(abandon=True)
             self.dos_adapter.release_signals()
         super().on_exception(exception)
 
     def teardown(self) -> None:
         adapter = self.dos_adapter
         if adapter is not None:
-            adapter.finish_update()  # nothing may run on the state while it is given back
+            adapter.finish_update(abandon=True)  # nothing may run on the state while it is given back
             adapter.release_signals()
             adapter.deliver_after_step = True
             # Resident optimizer state comes home (the host slabs are the state of record after fit) and any

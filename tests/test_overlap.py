@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dos import DeepOptimizerStatesStrategy
-from lightning_dos.engine.atomic import TornStateError
+from lightning_dos.engine.atomic import TornStateError, UpdateInFlightError
 from lightning_dos.engine.plan import Place
 from lightning_dos.errors import DOSConfigError
 from tests.helpers import RandomPlacement, TinyLM, full_parameters, loader, trainer
@@ -293,3 +293,20 @@ def test_gathering_parameters_outside_the_coordinator_waits_for_the_update_in_fl
     for ours, theirs in zip(runs["auto"].gathered, runs["off"].gathered, strict=True):
         for name, value in ours.items():
             assert torch.equal(value, theirs[name]), name
+
+
+class ReadStateBeforeTheStep(L.Callback):
+    """Reads a parameter's fp32 master copy (DeepSpeed's accessor) between backward and the optimizer step."""
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: object) -> None:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        self.read = safe_get_full_fp32_param(pl_module.head.weight)
+
+
+def test_auto_refuses_a_state_read_between_backward_and_the_step_and_forward_allows_it() -> None:
+    with pytest.raises(UpdateInFlightError, match=r"between backward and the optimizer step.*overlap='forward'"):
+        fit("auto", steps=2, callbacks=[ReadStateBeforeTheStep()], gradient_clip_val=None)
+    read = ReadStateBeforeTheStep()
+    fit("forward", steps=2, callbacks=[read], gradient_clip_val=None)  # the previous update is over by then
+    assert read.read is not None and torch.isfinite(read.read).all()
