@@ -303,12 +303,16 @@ class ZeRO3Adapter:
         name = "_PartitionedParameterCoordinator__all_gather_params"
         gather = getattr(coordinator, name)
         engine = self.engine
+        # On a GPU the gather's own stream waits for each sub-group's landing event (the host only waits until it
+        # is issued), so the host goes on queueing the forward; elsewhere the host waits.
+        stream = getattr(coordinator, "_PartitionedParameterCoordinator__allgather_stream", None)
+        stream = stream if engine.device.type == "cuda" and isinstance(stream, torch.cuda.Stream) else None
 
         def all_gather_params(params: object, forward: bool) -> None:
             # During backward (arrivals open) the sub-groups updated early are those whose gradients are final:
             # backward has used their parameters already and gathers only the others, which nothing writes yet.
             if engine.in_flight and engine.arrivals is None:
-                engine.wait_sub_groups(self._sub_groups_of_params(params))
+                engine.wait_sub_groups(self._sub_groups_of_params(params), stream)
             return gather(params, forward)
 
         setattr(coordinator, name, all_gather_params)

@@ -237,16 +237,22 @@ class InterleavedUpdate:
         """An update started by :meth:`start` has not been waited for by :meth:`wait_all` yet."""
         return self._background is not None
 
-    def wait_sub_groups(self, indices: Sequence[int]) -> None:
+    def wait_sub_groups(self, indices: Sequence[int], stream: object = None) -> None:
         """Block until the 16-bit parameters of sub-groups ``indices`` hold the update in flight's result (at
-        once when none is in flight); an update that fails is finished or undone before this returns."""
+        once when none is in flight); an update that fails is finished or undone before this returns.
+
+        With ``stream`` (the reader's device stream), the host waits only until each result is issued and that
+        stream waits for it to land; otherwise the host waits for it to land."""
         with self._landing:
             self._landing.wait_for(lambda: self._landed is None or all(i in self._landed for i in indices))
             landed = self._landed if self._landed is not None else self._last_landed
             events = [landed.get(i) for i in indices]
         for event in events:
-            # Issued on the update's thread; the host waits for it to land before the 16-bit result is read.
-            self.streams.host_wait(event)
+            # Issued on the update's thread; the reader waits for it to land before the 16-bit result is read.
+            if stream is not None:
+                self.streams.wait(stream, event)
+            else:
+                self.streams.host_wait(event)
 
     def wait_all(self) -> None:
         """Block until the update in flight (and what its caller stores with it) is over; raise what
