@@ -138,7 +138,7 @@ class RandomPlacement(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         adapter = trainer.strategy.dos_adapter
         self.engine = adapter.engine
-        self._unrecorded = False
+        self._last = None
         n = len(adapter.engine.sub_groups)
 
         def planner(step: int) -> tuple:
@@ -148,18 +148,14 @@ class RandomPlacement(L.Callback):
         adapter.planner = planner
 
     def _record(self) -> None:
-        if self._unrecorded:
-            self.plans.append(self.engine.last_report.plan)
-            self._unrecorded = False
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-        # With overlap="forward" the update may still run: its report is recorded once it is over.
-        self._unrecorded = trainer.strategy.dos_adapter.last_report is not None or self._unrecorded
-        if not self.engine.in_flight:
-            self._record()
+        """The plan of each step's report, once issued (under overlap, after the step's batch has ended)."""
+        report = self.engine.last_report
+        if report is not None and report is not self._last:
+            self.plans.append(report.plan)
+            self._last = report
 
     def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
-        self._record()
+        self._record()  # the strategy's own on_train_end (first) waited for the last update
 
 
 def trainer(

@@ -263,7 +263,7 @@ def test_auto_refuses_to_go_on_when_a_late_gradient_is_not_finite_after_earlier_
             if trainer.global_step == 2:
                 super().on_after_backward(trainer, pl_module)
 
-    with pytest.raises(TornStateError, match=r"gradient norm is not finite after overlap='auto'.*overlap='forward'"):
+    with pytest.raises(TornStateError, match=r"gradient norm is not finite, so DeepSpeed skips.*overlap='forward'"):
         fit_non_finite("auto", "embedding", callbacks=[WaitForAnEarlyUpdate()])
 
 

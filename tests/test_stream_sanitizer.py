@@ -109,10 +109,12 @@ def run(
     backward_sync: bool = True,
     case: str = "adam-fp32",
     overlap: bool = False,
+    early: bool = False,
 ) -> tuple[StreamSanitizer, list[torch.Tensor], object]:
     """Run ``scenario`` on an engine of ``case`` under the checker, next to plain AdamW; return the checker, the
     reference flats (plain AdamW's: only meaningful for the Adam fp32 case) and the engine. ``overlap``: the next
-    forward is modelled as under ``overlap="forward"`` (each all-gather after the engine's per-sub-group wait)."""
+    forward is modelled as under ``overlap="forward"`` (each all-gather after the engine's per-sub-group wait);
+    ``early``: each step begins during the modelled backward, as under ``overlap="auto"``."""
     engine_class = engine_class or loop_module.InterleavedUpdate
     rule, master_dtype, state_dtype = CASES[case]
     checker = StreamSanitizer(memory_limit=scenario.memory_limit)
@@ -137,7 +139,7 @@ def run(
         pool_module.LP_STAGING_SLOTS = default_slots
     if scenario.lp_staging_slots is not None:
         assert engine.pool.lp_staging.slots == scenario.lp_staging_slots
-    checker.watch(engine, backward_sync=backward_sync, overlap=overlap)
+    checker.watch(engine, backward_sync=backward_sync, overlap=overlap, early=early)
     gen = torch.Generator().manual_seed(0)
     reference = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in NUMELS]
     for i, flat in enumerate(reference):
@@ -204,11 +206,17 @@ def _fail_once(point: str, sub_group: int, error: BaseException, fired: list[boo
     return on_point
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["off", "forward"])
+#: The overlaps the scenarios run under: (the next forward overlapped, the step begun during backward).
+OVERLAPS = {"off": (False, False), "forward": (True, False), "auto": (True, True)}
+
+
+@pytest.mark.parametrize("mode", ["off", "forward", "auto"])
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
-def test_targeted_plans_are_race_free_and_equal_plain_adamw(scenario: Scenario, overlap: bool) -> None:
-    checker, reference, engine = run(scenario, overlap=overlap)
+def test_targeted_plans_are_race_free_and_equal_plain_adamw(scenario: Scenario, mode: str) -> None:
+    checker, reference, engine = run(scenario, overlap=OVERLAPS[mode][0], early=OVERLAPS[mode][1])
     checker.check()
+    if mode == "auto" and any(H in step.places for step in scenario.steps if isinstance(step, Plan)):
+        assert engine.updated_early or scenario.fail_at, "host sub-groups are updated during the modelled backward"
     # The simulated accelerator takes the 16-bit staging path, unless the 16-bit parameters are on the host.
     assert (engine.pool.lp_staging is None) == scenario.lp_on_host
     for i, expected in enumerate(reference):
@@ -417,12 +425,13 @@ def mutant_engine(line: int) -> type:
 
 def races_of(engine_class: type, backward_sync: bool, case: str = "adam-fp32") -> list[str]:
     """The races of every scenario, with the next forward modelled as under ``overlap="off"``, then as under
-    ``"forward"`` (where the engine's per-sub-group waits are what orders the all-gathers)."""
-    for overlap in (False, True):
+    ``"forward"`` (where the engine's per-sub-group waits are what orders the all-gathers), then as under ``"auto"``
+    (the step also begun during backward, as each sub-group's gradient copy lands)."""
+    for mode, (overlap, early) in OVERLAPS.items():
         for scenario in SCENARIOS:
-            checker, _, _ = run(scenario, engine_class, backward_sync, case, overlap)
+            checker, _, _ = run(scenario, engine_class, backward_sync, case, overlap, early)
             if checker.races:
-                return [f"{scenario.name} (overlap={overlap}): {r}" for r in checker.races]
+                return [f"{scenario.name} (overlap={mode}): {r}" for r in checker.races]
     return []
 
 

@@ -260,7 +260,9 @@ class DOSMonitor(Callback):
     intra-op threads on this rank. Beside them, the learning rate each param group's update of the step used
     (``lr-AdamW/pg1``, ... as Lightning's ``LearningRateMonitor`` names it). When the monitor logs at the trainer's
     ``log_every_n_steps`` (the default), a step's metrics go through ``LightningModule.log``, so each logged
-    step is one row with the module's own metrics (one row per step in ``metrics.csv``).
+    step is one row with the module's own metrics (one row per step in ``metrics.csv``). When the update overlaps
+    what follows the step (the strategy's ``overlap``), its report comes after the batch ends: a logged step waits
+    for its update (so its row is whole), other steps are resolved once theirs is over (for the summary).
 
     Args:
         trace_dir: folder for a Chrome trace (``dos-trace-rank<R>.json``) of the ``trace_steps``;
@@ -377,6 +379,11 @@ class DOSMonitor(Callback):
                 engine.timing, self._timing_before = self._timing_before, None
         self._pending.append(record)
         logged_step = self._logs(record.step)
+        adapter = getattr(trainer.strategy, "dos_adapter", None)
+        if logged_step and adapter is not None and not self._has_report(record):
+            # An overlapped update issues its report once over: a logged step waits for it, so that its row (one per
+            # step, with the module's own metrics) holds the step's engine metrics. Steps not logged do not wait.
+            adapter.finish_update()
         # A step that is logged is resolved now (on a GPU one wait for its events, at the log interval only), so
         # its metrics go out in the same row as the LightningModule's own (loss, ...) through Lightning's logging.
         self._drain(trainer, wait=logged_step, current=(record, pl_module))

@@ -421,7 +421,6 @@ class InterleavedUpdate:
         what was done (``skipped`` when the step is skipped or abandoned, which must find nothing changed)."""
         self.streams.start_timeline(self.timing)
         report = StepReport(self.steps_taken, plan, self.sizes, predicted_s=inputs.predicted_s)
-        report.update_s = -time.perf_counter()  # the wall time of this phase counts in the step's
         self.updated_early = early = []
         self._early_tail = None
         step_tensors: dict[int, torch.Tensor] = {}
@@ -432,6 +431,7 @@ class InterleavedUpdate:
                 continue
             # DeepSpeed copied the gradient on its own stream: the host reads it once that copy has landed.
             self.streams.host_wait(landed)
+            began = time.perf_counter()  # the step's update time counts this work, not the waits for backward
             try:
                 if index in self.resident:
                     # Its state was resident on the device last step (this plan moves it home): current only there.
@@ -447,19 +447,23 @@ class InterleavedUpdate:
             except BaseException as failure:  # noqa: BLE001 - raised once backward is over (see below)
                 # Finishing the step (recovery) needs every gradient final: wait for the end of backward first.
                 taking, error = False, failure
-        report.update_s += time.perf_counter()
+            report.update_s += time.perf_counter() - began
         if arrivals.proceed == GradientArrivals.RUN:
             if error is not None:
                 raise error
             return report
         if progress.touched:
             abandoned = arrivals.proceed == GradientArrivals.ABANDON
-            why = "backward failed" if abandoned else "the gradient norm is not finite"
+            why = (
+                "backward failed, so the step cannot be completed,"
+                if abandoned
+                else "the gradient norm is not finite, so DeepSpeed skips the step,"
+            )
             self.torn = (
                 f"lightning-dos: {why} after overlap='auto' had updated sub-groups {sorted(early)} of optimizer step "
-                f"{self.steps_taken} during backward (DeepSpeed skips such a step), so the optimizer state in this "
-                "process mixes two steps; it refuses to step or to be checkpointed. Resume from the last checkpoint "
-                "with overlap='forward', which starts the update only once the norm is known."
+                f"{self.steps_taken} during backward; the optimizer state in this process mixes two steps, so it "
+                "refuses to step or to be checkpointed. Resume from the last checkpoint with overlap='forward', "
+                "which starts the update only once backward is over and the norm is known."
             )
             raise TornStateError(self.torn) from error
         if arrivals.proceed == GradientArrivals.ABANDON:

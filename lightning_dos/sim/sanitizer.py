@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import sys
 import weakref
 from collections.abc import Iterable, Sequence
@@ -41,6 +42,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_dos.engine import host_workers
+from lightning_dos.engine.arrivals import GradientArrivals
 from lightning_dos.engine.pool import FP32_BYTES
 from lightning_dos.sim.simstreams import COMPUTE, D2H, H2D, LP_H2D, STREAM_NAMES, SimEvent, SimStream, SimStreams
 
@@ -471,7 +473,7 @@ class StreamSanitizer:
 
     # -- DeepSpeed's side around the engine's calls -------------------------------------------------
 
-    def watch(self, engine: Any, backward_sync: bool = True, overlap: bool = False) -> None:
+    def watch(self, engine: Any, backward_sync: bool = True, overlap: bool = False, early: bool = False) -> None:
         """Run ``engine``'s step, flush and drop under the checker, with DeepSpeed's accesses modelled.
 
         Args:
@@ -480,6 +482,9 @@ class StreamSanitizer:
                 which it skips on accelerators that resolve data dependencies themselves.
             overlap: model the next forward of ``overlap="forward"`` (each all-gather after the engine's wait for
                 its sub-groups, while the update may still run) instead of ``"off"``'s (after the step returned).
+            early: begin each step during backward, as ``overlap="auto"`` does: the step is handed the modelled
+                backward (:class:`ModelledBackward`), which copies one sub-group's gradient at a time on
+                DeepSpeed's reduce stream and reports it final with that copy's event.
         """
         pool = engine.pool
         slabs = [pool.param, *pool.states]
@@ -505,9 +510,12 @@ class StreamSanitizer:
             # Backward: the reduce stream waits for the default stream (stage3: wait_stream(current_stream()))
             # and copies each gradient partition into the host buffers.
             self.stream_wait_stream(DS_REDUCE, COMPUTE)
-            self.model_access(DS_REDUCE, "deepspeed.partition_grads", writes=inputs.grads)
-            if backward_sync:
-                self.stream_synchronize(DS_REDUCE)
+            if early and arrivals is None:
+                arrivals = ModelledBackward(self, engine, inputs, backward_sync)
+            elif arrivals is None:
+                self.model_access(DS_REDUCE, "deepspeed.partition_grads", writes=inputs.grads)
+                if backward_sync:
+                    self.stream_synchronize(DS_REDUCE)
             self._landings.clear()
             with self.active():
                 report = step(plan, inputs, arrivals)
@@ -538,10 +546,12 @@ class StreamSanitizer:
 
     def _overlapped_forward(self, engine: Any, inputs: Any) -> None:
         """The next forward under ``overlap="forward"``: on the training thread, while the update may still run,
-        each all-gather first waits for its sub-groups (``engine.wait_sub_groups``) and then reads their 16-bit
-        partitions on the all-gather stream. Modelled one sub-group at a time, in order, as the forward reaches
+        each all-gather first waits for its sub-groups (``engine.wait_sub_groups``, its stream waiting as on a GPU)
+        and then reads their 16-bit partitions on the all-gather stream; a host read (``GatheredParameters``) after
+        the host waited follows. Modelled one sub-group at a time, in order, as the forward reaches
         them; only what the engine's wait orders is ordered, not the update's own final waits."""
         self.host = TRAINING
+        gather_stream = SimStream(DS_ALLGATHER, NAMES[DS_ALLGATHER])
         try:
             for sg in engine.sub_groups:
                 landing = self._landings.get(sg.index)
@@ -550,9 +560,13 @@ class StreamSanitizer:
                     self.syncs.stream_wait_for_event(TRAINING, landing)
                 else:  # finished by recovery after an interruption: readable once the update is over
                     self.syncs._state_wait_for_other(states[TRAINING], states[HOST])
-                engine.wait_sub_groups([sg.index])
                 partition = inputs.lp_targets[sg.ds_group][sg.ds_offset : sg.ds_offset + sg.numel]
+                # The coordinator's all-gather, as on a GPU: its stream waits for the sub-group's landing event.
+                engine.wait_sub_groups([sg.index], gather_stream)
                 self.model_access(DS_ALLGATHER, "deepspeed.allgather (overlapped forward)", reads=[partition])
+                # deepspeed.zero.GatheredParameters (a callback's read): the host waits, then reads.
+                engine.wait_sub_groups([sg.index])
+                self.model_access(TRAINING, "GatheredParameters (overlapped forward)", reads=[partition])
         finally:
             self.host = HOST
 
@@ -560,6 +574,35 @@ class StreamSanitizer:
         """Raise :class:`StreamRaceError` if any race was found."""
         if self.races:
             raise StreamRaceError(self.races)
+
+
+class ModelledBackward(GradientArrivals):
+    """Backward as ``overlap="auto"`` meets it, in the update's own thread of control: each time the engine asks for
+    the next final gradient, DeepSpeed's reduce stream copies one sub-group's gradient into the host buffers (the
+    last sub-groups first, as backward visits the last layers first) and the sub-group is reported final with that
+    copy's event; after the last one, backward ends (with DeepSpeed's end-of-backward synchronisation when
+    ``backward_sync``) and the step proceeds."""
+
+    def __init__(self, checker: StreamSanitizer, engine: Any, inputs: Any, backward_sync: bool) -> None:
+        super().__init__()
+        self.checker, self.inputs, self.backward_sync = checker, inputs, backward_sync
+        self.order = [sg for sg in reversed(engine.sub_groups)]
+        self.reduce = SimStream(DS_REDUCE, NAMES[DS_REDUCE])
+        self.events = itertools.count(-1_000_000, -1)
+
+    def next(self) -> tuple[int, object] | None:
+        checker = self.checker
+        if not self.order:
+            if self.backward_sync:
+                checker.stream_synchronize(DS_REDUCE)
+            self.end(GradientArrivals.RUN)
+            return None
+        sg = self.order.pop(0)
+        grad = self.inputs.grads[sg.ds_group][sg.ds_offset : sg.ds_offset + sg.numel]
+        checker.model_access(DS_REDUCE, "deepspeed.partition_grads (one sub-group)", writes=[grad])
+        event = SimEvent(next(self.events), self.reduce)
+        checker.on_record(event)
+        return sg.index, event
 
 
 class _Active:
@@ -597,6 +640,7 @@ class StreamRaceError(AssertionError):
 
 __all__ = [
     "DS_ALLGATHER",
+    "ModelledBackward",
     "DS_REDUCE",
     "HOST",
     "Access",
