@@ -8,6 +8,13 @@ The figures are simulated, not measured.
 lightning-dos simulate --params 20e9 --profile paper-h100x4
 lightning-dos simulate --recipe recipes/gpt-13b.yaml --gpu-fraction stride:2 --trace sim.json
 lightning-dos simulate --params 20e9 --master-dtype bf16 --state-dtype bf16
+lightning-dos simulate --params 20e9 --forward-s 0.5 --backward-s 1.0
+
+With --forward-s and --backward-s (seconds per iteration and rank) the whole iteration is timed too, for each
+overlap mode: "off" (forward, backward, then the update), "forward" (the next forward beside the update, each
+layer after its sub-groups landed), "auto" (the same, and host sub-groups updated during backward as their
+gradients become final), and stock ZeRO-3 offload; "forward" and "auto" with the placement that minimises their
+own iteration; each from the replayed schedule and from the performance model.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import sys
 import textwrap
 from collections import defaultdict
@@ -25,6 +33,7 @@ from typing import Any
 
 import torch
 
+from lightning_dos.engine.iteration import MODES, UpdateTimeline, iteration_plan, iteration_s, predicted_timeline
 from lightning_dos.engine.kernels import AdamHyper
 from lightning_dos.engine.loop import InterleavedAdam, StepInputs
 from lightning_dos.engine.perfmodel import (
@@ -34,7 +43,7 @@ from lightning_dos.engine.perfmodel import (
     planning_budget,
     predict,
 )
-from lightning_dos.engine.plan import Plan, parse_gpu_fraction, split_into_sub_groups
+from lightning_dos.engine.plan import Place, Plan, parse_gpu_fraction, split_into_sub_groups
 from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
 from lightning_dos.sim.replay import ReplayResult, replay, write_perfetto
 from lightning_dos.sim.sanitizer import LoggedOp, StreamSanitizer
@@ -163,6 +172,69 @@ def simulate(
     return Simulation(plan, list(sizes), replayed, predicted, races, footprint)
 
 
+def replayed_timeline(result: Simulation) -> UpdateTimeline:
+    """The replayed update's :class:`~lightning_dos.engine.iteration.UpdateTimeline`: each sub-group lands with its
+    last operation (its 16-bit upload, or its download home), its host work is its spans on the host."""
+    n, plan = len(result.sizes), result.plan
+    land, host, host_end = [0.0] * n, [0.0] * n, [0.0] * n
+    device_end = 0.0
+    for span in result.replayed.spans:
+        i = span.sub_group
+        if i < 0:
+            continue
+        land[i] = max(land[i], span.end_s)
+        if span.stream == "host":
+            host[i] += span.end_s - span.start_s
+            host_end[i] = max(host_end[i], span.end_s)
+        elif plan.places[i] != Place.HOST:
+            device_end = max(device_end, span.end_s)
+    upload = [land[i] - host_end[i] if plan.places[i] == Place.HOST else 0.0 for i in range(n)]
+    return UpdateTimeline(tuple(land), tuple(host), tuple(upload), device_end, result.replayed.time_s)
+
+
+def whole_iteration(
+    sizes: Sequence[int],
+    result: Simulation,
+    rates: HardwareRates,
+    lp_bytes: int,
+    forward_s: float,
+    backward_s: float,
+    *,
+    footprint: Footprint = ADAM_FP32,
+) -> dict[str, Any]:
+    """Iteration seconds per overlap mode, replayed and predicted. ``off`` runs ``result``'s plan (the update's
+    best); ``forward`` and ``auto`` the placement that minimises their own predicted iteration
+    (:func:`~lightning_dos.engine.iteration.iteration_plan`), each replayed on its own; ``stock`` is stock ZeRO-3
+    offload's update after forward and backward."""
+    from lightning_dos.planner import stock_update_s
+
+    replayed, predicted, plans = {}, {}, {}
+    for mode in MODES:
+        plan = result.plan
+        if mode != "off":
+            buffers = result.plan.device_buffers
+            plan = iteration_plan(sizes, rates, lp_bytes, buffers, forward_s, backward_s, mode, footprint=footprint)
+        run = result if plan == result.plan else simulate(sizes, plan, rates, lp_bytes, footprint=footprint)
+        replayed[mode] = iteration_s(sizes, plan, replayed_timeline(run), forward_s, backward_s)[mode]
+        timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
+        predicted[mode] = iteration_s(sizes, plan, timeline, forward_s, backward_s)[mode]
+        streamed = plan.streamed_indices
+        plans[mode] = {
+            "streamed": len(streamed),
+            "streamed_first": bool(streamed) and streamed[0] == 0,
+            "races": run.races,
+        }
+    stock = forward_s + backward_s + stock_update_s(sum(sizes), rates, lp_bytes, footprint=footprint)
+    return {
+        "forward_s": forward_s,
+        "backward_s": backward_s,
+        "forward_backward_s": forward_s + backward_s,
+        "iteration_s": {**replayed, "stock": stock},
+        "iteration_predicted_s": {**predicted, "stock": stock},
+        "iteration_plans": plans,
+    }
+
+
 def sub_group_sizes(params: int, gpus: int, sub_group_size: int) -> list[int]:
     """Per-rank sub-group sizes, cut as ``lightning-dos plan`` and the engine cut them."""
     per_rank = params // gpus
@@ -237,6 +309,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--trace", type=Path, default=Path("runs/simulate/trace.json"), help="Perfetto trace to write (JSON)"
     )
+    parser.add_argument("--forward-s", type=float, help="forward seconds per iteration and rank: time the iteration")
+    parser.add_argument("--backward-s", type=float, help="backward seconds per iteration and rank (with --forward-s)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
@@ -265,6 +339,11 @@ def main(argv: list[str]) -> int:
     params = int(args.params) if args.params is not None else recipe_parameters(args.recipe)
     if params <= 0:
         return _fail("--params must be positive")
+    phases = (args.forward_s, args.backward_s)
+    if (phases[0] is None) != (phases[1] is None):
+        return _fail("--forward-s and --backward-s go together: give both, or neither")
+    if phases[0] is not None and not all(math.isfinite(t) and t > 0 for t in phases):
+        return _fail(f"--forward-s and --backward-s must be positive seconds, got {phases[0]} and {phases[1]}")
     gpus = args.gpus_per_node or int(meta.get("gpus_per_node", 1))
     budget, resident_ok = planning_budget(
         int(args.budget) if args.budget is not None else None, meta.get("device_free_bytes")
@@ -280,6 +359,10 @@ def main(argv: list[str]) -> int:
     summary.update(footprint_summary(args, footprint), precision=footprint_label(args))
     summary["budget_gb"] = None if budget is None else budget / 1e9
     summary["budget_kind"] = "forward/backward peak" if resident_ok else "update only"
+    if args.forward_s is not None:
+        summary.update(
+            whole_iteration(sizes, result, rates, args.lp_bytes, args.forward_s, args.backward_s, footprint=footprint)
+        )
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -354,4 +437,26 @@ def _print(s: dict[str, Any]) -> None:
     table.add_row("GB held through forward and backward", f"{s['held_between_updates_bytes'] / 1e9:.2f}")
     table.add_row("stream races found", str(s["races"]))
     console.print(table)
+    if "iteration_s" in s:
+        _print_iteration(console, s)
     console.print(f"trace: {s['trace']} (open in https://ui.perfetto.dev)", markup=False)
+
+
+def _print_iteration(console: Any, s: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    title = f"iteration s, forward {s['forward_s']:g} s + backward {s['backward_s']:g} s"
+    table = Table(title=title)
+    for column in ("overlap", "replayed", "predicted", "vs off", "vs stock"):
+        table.add_column(column, justify="left" if column == "overlap" else "right")
+    replayed, predicted = s["iteration_s"], s["iteration_predicted_s"]
+    for mode in ("stock", "off", "forward", "auto"):
+        table.add_row(
+            mode,
+            f"{replayed[mode]:.3f}",
+            f"{predicted[mode]:.3f}",
+            f"{replayed[mode] / replayed['off']:.2f}x",
+            f"{replayed[mode] / replayed['stock']:.2f}x",
+        )
+    table.add_row("forward + backward", f"{s['forward_backward_s']:.3f}", "", "", "")
+    console.print(table)

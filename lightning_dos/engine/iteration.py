@@ -1,0 +1,163 @@
+"""The whole iteration: forward, backward and the optimizer update, overlapped as each ``overlap`` mode runs them.
+
+One rank's steady-state iteration, from the start of backward to the start of the next backward, given the
+update's own schedule (:class:`UpdateTimeline`: when each sub-group's 16-bit result lands, how long the CPU works
+on each host sub-group) and the forward and backward times. Layers are spread over the sub-groups by their
+elements, in parameter order (ZeRO-3's flat partitions follow it): the next forward needs sub-group ``i`` when it
+has done the share of its work that the sub-groups before ``i`` hold, and backward, visiting layers in reverse,
+makes sub-group ``i``'s gradient final when it has done the share of the sub-groups from ``i`` on.
+
+- ``off``: forward, backward, then the whole update.
+- ``forward``: the update starts when backward ends and the next forward runs beside it, each sub-group's layers
+  waiting for its landing; the next backward waits for the whole update (it writes the gradients it reads).
+- ``auto``: ``forward``, and during backward the CPU updates each host sub-group as soon as its gradient is final
+  (the last sub-groups first); those it started before backward ended are not updated again after it.
+
+Not modelled: the GPU's compute shared by the forward and the device sub-groups' updates (the device sub-groups
+come first and finish early), and DeepSpeed's own work between the phases. Pure arithmetic: no torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_dos.engine.perfmodel import HardwareRates, predict, rates_for
+from lightning_dos.engine.plan import Place, Plan
+from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
+
+#: The modes :func:`iteration_s` times, in its result's order.
+MODES = ("off", "forward", "auto")
+
+
+@dataclass(frozen=True)
+class UpdateTimeline:
+    """One update's schedule, in seconds from its start.
+
+    Attributes:
+        land_s: per sub-group, when its 16-bit result has landed (host sub-groups: their 16-bit upload; streamed
+            ones: their download home, which the engine's landing event follows).
+        host_s: per sub-group, the CPU seconds of its update (0 for device sub-groups).
+        upload_s: per sub-group, seconds from the end of its host update to its landing (0 for device ones).
+        device_end_s: when the device side is over (uploads, updates, downloads).
+        total_s: when the update is over.
+    """
+
+    land_s: tuple[float, ...]
+    host_s: tuple[float, ...]
+    upload_s: tuple[float, ...]
+    device_end_s: float
+    total_s: float
+
+
+def iteration_s(
+    sizes: Sequence[int], plan: Plan, timeline: UpdateTimeline, forward_s: float, backward_s: float
+) -> dict[str, float]:
+    """Iteration time of each mode in :data:`MODES` for ``plan``'s update over sub-groups of ``sizes``."""
+    total = sum(sizes)
+    before = list(itertools.accumulate(sizes, initial=0))
+    forward_share = [forward_s * n / total for n in sizes]
+    # Backward makes sub-group i final once it has done the layers of sub-groups i, i + 1, ... (the last first).
+    final_at = [backward_s * (total - before[i]) / total for i in range(len(sizes))]
+    off = forward_s + backward_s + timeline.total_s
+    forward = backward_s + _forward_beside_update(timeline.land_s, forward_share, timeline.total_s)
+    land, end = _auto_update(plan, timeline, final_at, backward_s)
+    auto = backward_s + _forward_beside_update(land, forward_share, end)
+    return {"off": off, "forward": forward, "auto": auto}
+
+
+def _forward_beside_update(land_s: Sequence[float], forward_share: Sequence[float], update_end_s: float) -> float:
+    """From the update's start: the next forward, each sub-group's layers after its landing, and the update's end,
+    whichever comes last (the next backward waits for both)."""
+    done = 0.0
+    for landed, work in zip(land_s, forward_share, strict=True):
+        done = max(done, landed) + work
+    return max(done, update_end_s)
+
+
+def _auto_update(
+    plan: Plan, timeline: UpdateTimeline, final_at: Sequence[float], backward_s: float
+) -> tuple[list[float], float]:
+    """Landing times and the end of the update under ``auto``, from the end of backward (negative: before it)."""
+    host = [i for i, place in enumerate(plan.places) if place == Place.HOST]
+    cpu, early = 0.0, {}
+    for i in sorted(host, reverse=True):  # the order backward makes gradients final
+        start = max(cpu, final_at[i])
+        if start >= backward_s:  # taken after backward's end: the rest of the step updates it
+            break
+        cpu = start + timeline.host_s[i]
+        early[i] = cpu + timeline.upload_s[i] - backward_s
+    # After backward: the device side as scheduled, the remaining host sub-groups in order once the CPU is free.
+    cpu = max(0.0, cpu - backward_s)
+    land = list(timeline.land_s)
+    for i in host:
+        if i in early:
+            land[i] = early[i]
+        else:
+            cpu += timeline.host_s[i]
+            land[i] = cpu + timeline.upload_s[i]
+    host_end = max((land[i] for i in host), default=0.0)
+    return land, max(timeline.device_end_s, host_end)
+
+
+def iteration_plan(
+    sizes: Sequence[int],
+    rates: HardwareRates,
+    lp_bytes: int,
+    buffers: int,
+    forward_s: float,
+    backward_s: float,
+    mode: str,
+    *,
+    footprint: Footprint = ADAM_FP32,
+) -> Plan:
+    """The streamed/host placement that minimises ``mode``'s predicted iteration (not the update alone): every
+    count of streamed sub-groups, placed first (the next forward needs them first; backward makes their gradients
+    final last, so the host ones are updated during backward under ``auto``) or last, through ``buffers`` staging
+    buffers (what fits the device, as the update-only plan found)."""
+    n, best = len(sizes), None
+    for streamed, first in itertools.product(range(n + 1), (True, False)):
+        device = range(streamed) if first else range(n - streamed, n)
+        plan = Plan(tuple(Place.DEVICE if i in device else Place.HOST for i in range(n)), max(1, buffers))
+        timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
+        seconds = iteration_s(sizes, plan, timeline, forward_s, backward_s)[mode]
+        if best is None or seconds < best[0]:
+            best = (seconds, plan)
+    return best[1]
+
+
+def predicted_timeline(
+    sizes: Sequence[int], plan: Plan, rates: HardwareRates, lp_bytes: int, *, footprint: Footprint = ADAM_FP32
+) -> UpdateTimeline:
+    """The performance model's :class:`UpdateTimeline` for ``plan``: :func:`~lightning_dos.engine.perfmodel.predict`'s
+    own arithmetic, kept per sub-group."""
+    total = predict(sizes, plan, rates, lp_bytes, footprint=footprint).time_s
+    rates = rates_for(rates, footprint)
+    streaming = bool(plan.streamed_indices)
+    up = rates.duplex_h2d_bps if streaming else rates.h2d_bps
+    down = rates.duplex_d2h_bps if streaming else rates.d2h_bps
+    land = [0.0] * len(sizes)
+    host = [0.0] * len(sizes)
+    upload = [0.0] * len(sizes)
+    h2d_free = compute_free = d2h_free = 0.0
+    for i in plan.resident_indices:
+        h2d_free += footprint.resident_up * sizes[i] / up
+        compute_free = max(compute_free, h2d_free) + sizes[i] / rates.device_adam_eps
+        land[i] = compute_free
+    slots = [0.0] * max(1, plan.device_buffers)
+    for j, i in enumerate(plan.streamed_indices):
+        n, slot = sizes[i], j % len(slots)
+        h2d_free = max(h2d_free, slots[slot]) + footprint.streamed_up * n / up
+        compute_free = max(compute_free, h2d_free) + n / rates.device_adam_eps
+        d2h_free = slots[slot] = max(d2h_free, compute_free) + footprint.streamed_down * n / down
+        land[i] = d2h_free
+    device_end = max(h2d_free, compute_free, d2h_free)
+    cpu = lp_free = 0.0
+    per_element = 1.0 / rates.host_adam_eps + 1.0 / rates.host_cast_eps
+    for i in plan.host_indices:
+        host[i] = sizes[i] * per_element
+        cpu += host[i]
+        lp_free = max(lp_free, cpu) + lp_bytes * sizes[i] / up
+        land[i], upload[i] = lp_free, lp_free - cpu
+    return UpdateTimeline(tuple(land), tuple(host), tuple(upload), device_end, total)
