@@ -436,7 +436,10 @@ class InterleavedUpdate:
                 if index in self.resident:
                     # Its state was resident on the device last step (this plan moves it home): current only there.
                     self._evict([index])
-                if not bool(torch.isfinite(self._slices(self.sub_groups[index], inputs)[2]).all()):
+                # A finite sum means every element is finite (one NaN or infinity makes it NaN or infinite), and it
+                # allocates nothing the size of the gradient. A finite gradient whose sum overflows only stops the
+                # early updates: the rest of the step still updates it, exactly.
+                if not bool(torch.isfinite(self._slices(self.sub_groups[index], inputs)[2].sum())):
                     # The global norm will not be finite either: DeepSpeed skips the step, so update nothing more.
                     taking = False
                     continue
