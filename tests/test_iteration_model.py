@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
+import torch
 
 from lightning_dos.cli import main as cli_main
 from lightning_dos.engine.iteration import UpdateTimeline, iteration_plan, iteration_s, predicted_timeline
+from lightning_dos.engine.loop import InterleavedUpdate
 from lightning_dos.engine.perfmodel import predict
-from lightning_dos.engine.plan import Place, Plan
+from lightning_dos.engine.phases import IterationPhases
+from lightning_dos.engine.plan import Place, Plan, parse_gpu_fraction
+from lightning_dos.engine.scheduler import PlacementScheduler
 from lightning_dos.profiles import load_profile
 from lightning_dos.sim.simulate import sub_group_sizes
 
@@ -98,3 +103,96 @@ def test_simulate_prints_the_iteration_table(tmp_path, capsys: pytest.CaptureFix
 def test_simulate_refuses_bad_phase_times(capsys: pytest.CaptureFixture, extra: list, message: str) -> None:
     assert cli_main(["simulate", "--params", "20e9", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+class _OnAnAccelerator(InterleavedUpdate):
+    """The engine, told it runs on an accelerator with ``free_after_backward`` device bytes free after backward
+    (what ``torch.cuda.mem_get_info`` says on a GPU); the scheduler plans device work only for one."""
+
+    free_after_backward = 0
+
+    def device_budget(self) -> int | None:
+        return int(0.9 * self.free_after_backward)
+
+
+def _scaled_scheduler(overlap: str) -> tuple[PlacementScheduler, list[int], object]:
+    """The strategy's scheduler at 1/100,000 of 20B on paper-h100x4 (times and memory scale alike)."""
+    rates, meta = load_profile("paper-h100x4")
+    engine = _OnAnAccelerator([50_000], [0], 1_000, torch.device("cpu"), torch.float32, pin=False)
+    engine.free_after_backward = meta["device_free_bytes"] // 100_000
+    engine.device = torch.device("cuda", 0)
+    scheduler = PlacementScheduler(parse_gpu_fraction("auto"), engine, lambda device: rates, overlap=overlap)
+    return scheduler, list(engine.sizes), rates
+
+
+def _iteration(sizes: list[int], plan: Plan, rates: object, mode: str, f: float, b: float) -> float:
+    return iteration_s(sizes, plan, predicted_timeline(sizes, plan, rates, 4), f, b)[mode]
+
+
+@pytest.mark.parametrize("overlap", ["auto", "forward"])
+def test_with_forward_and_backward_measured_auto_places_for_the_whole_iteration(overlap: str) -> None:
+    """Forward 0.5 s and backward 1 s at 20B (scaled): once the framework hands them over, the next step's plan is
+    whichever of the update's best and the iteration's best (within the same buffers) predicts the shorter
+    iteration under that overlap; under "auto" that is the iteration's, by far."""
+    scheduler, sizes, rates = _scaled_scheduler(overlap)
+    assert scheduler.wants_phases
+    update_best, _ = scheduler(1)
+    f, b = 0.5e-5, 1.0e-5
+    scheduler.observe_phases(f, b)
+    plan, _ = scheduler(2)
+    assert scheduler.phases == (f, b)
+    candidate = iteration_plan(sizes, rates, 4, update_best.device_buffers, f, b, overlap)
+    times = {p: _iteration(sizes, p, rates, overlap, f, b) for p in (update_best, candidate)}
+    assert plan == min(times, key=times.get)
+    assert plan.device_buffers <= update_best.device_buffers  # no more device memory than the update's plan
+    if overlap == "auto":
+        assert plan == candidate and times[candidate] < 0.95 * times[update_best], times
+    assert scheduler(3)[0] == plan  # kept until the next re-plan
+
+
+def test_with_overlap_off_the_plan_is_the_updates_own_best() -> None:
+    scheduler, _, _ = _scaled_scheduler("off")
+    assert not scheduler.wants_phases
+    update_best, _ = scheduler(1)
+    scheduler.observe_phases(0.5e-5, 1.0e-5)
+    assert scheduler(2)[0] == update_best
+
+
+def test_a_rank_that_could_not_measure_keeps_the_plan() -> None:
+    scheduler, _, _ = _scaled_scheduler("auto")
+    update_best, _ = scheduler(1)
+    scheduler.observe_phases(0.0, 0.0)  # a micro-batch missed a mark: zeros, so the ranks still plan together
+    assert scheduler(2)[0] == update_best and scheduler.phases is None
+
+
+def test_an_unknown_overlap_is_refused() -> None:
+    with pytest.raises(ValueError, match="overlap must be one of off, forward, auto, got 'backward'"):
+        PlacementScheduler(parse_gpu_fraction("auto"), None, lambda device: None, overlap="backward")
+
+
+def _phases_of(device: torch.device, work: object) -> tuple[float, float] | None:
+    """Two micro-batches, each ``work(1)`` as forward and ``work(2)`` as backward, timed by IterationPhases."""
+    phases = IterationPhases(device)
+    for _ in range(2):
+        phases.forward_begins()
+        work(1)
+        phases.backward_begins()
+        work(2)
+        phases.backward_ends()
+    return phases.seconds()
+
+
+def test_iteration_phases_add_up_the_micro_batches_on_the_hosts_clock() -> None:
+    forward_s, backward_s = _phases_of(torch.device("cpu"), lambda k: time.sleep(0.02 * k))
+    assert 0.04 <= forward_s < backward_s and backward_s >= 0.08
+
+
+def test_an_iteration_with_a_missing_mark_has_no_phases() -> None:
+    phases = IterationPhases(torch.device("cpu"))
+    assert phases.seconds() is None  # nothing marked
+    phases.forward_begins()
+    phases.backward_begins()
+    assert phases.seconds() is None  # backward never ended (an interruption)
+    phases.backward_ends()
+    phases.forward_begins()  # a forward without backward
+    assert phases.seconds() is None

@@ -127,6 +127,32 @@ def iteration_plan(
     return best[1]
 
 
+def shortest_iteration_plan(
+    sizes: Sequence[int],
+    rates: HardwareRates,
+    lp_bytes: int,
+    update_best: Plan,
+    forward_s: float,
+    backward_s: float,
+    mode: str,
+    *,
+    footprint: Footprint = ADAM_FP32,
+) -> Plan:
+    """Of ``update_best`` (the plan that minimises the update alone) and :func:`iteration_plan` through as many
+    staging buffers (so within the same device memory), the one whose predicted ``mode`` iteration is shorter
+    (``update_best`` on a tie): what ``gpu_fraction="auto"`` runs once forward and backward are measured."""
+    if mode not in MODES[1:] or not update_best.streamed_indices or update_best.resident_indices:
+        return update_best
+    buffers = update_best.device_buffers
+    candidate = iteration_plan(sizes, rates, lp_bytes, buffers, forward_s, backward_s, mode, footprint=footprint)
+
+    def iteration(plan: Plan) -> float:
+        timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
+        return iteration_s(sizes, plan, timeline, forward_s, backward_s)[mode]
+
+    return candidate if iteration(candidate) < iteration(update_best) else update_best
+
+
 def predicted_timeline(
     sizes: Sequence[int], plan: Plan, rates: HardwareRates, lp_bytes: int, *, footprint: Footprint = ADAM_FP32
 ) -> UpdateTimeline:

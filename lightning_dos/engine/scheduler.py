@@ -5,6 +5,11 @@
   the device memory budget, from rates calibrated at start-up and refined from every step's report;
   when prediction and measurement drift apart it plans again. With no accelerator everything stays on
   the host (calibration there takes a fraction of a second and only feeds the prediction).
+  When the update overlaps the next forward (and, under ``overlap="auto"``, backward), what counts is the whole
+  iteration, not the update alone: once the framework has measured forward and backward
+  (:meth:`PlacementScheduler.observe_phases`), "auto" takes the placement whose predicted iteration is shortest
+  (:func:`~lightning_dos.engine.iteration.iteration_plan`: the sub-groups the next forward needs first on the
+  device, the ones whose gradients backward makes final first on the host), if it beats the update's own best.
 
 With several ranks (a ``reduce_min`` given), "auto" plans together: every rank plans at the same steps from
 the same inputs (:func:`~lightning_dos.engine.agree.agreed_plan_inputs`), so all run the same plan. Drift seen
@@ -21,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from lightning_dos.engine.agree import ReduceMin, agreed_plan_inputs
+from lightning_dos.engine.iteration import MODES, shortest_iteration_plan
 from lightning_dos.engine.loop import InterleavedUpdate
 from lightning_dos.engine.perfmodel import HardwareRates, RateEstimator, choose_plan, predict
 from lightning_dos.engine.plan import FractionSpec, Plan, all_host
@@ -43,6 +49,10 @@ class PlacementScheduler:
             several ranks, rates already agreed between them (the slowest of each).
         reduce_min: element-wise minimum over the ranks (:data:`~lightning_dos.engine.agree.ReduceMin`), so
             that ``"auto"`` chooses the same plan on every rank; None for a single process.
+        overlap: how the framework runs the update beside forward and backward, one of
+            :data:`~lightning_dos.engine.iteration.MODES`: ``"off"`` (after backward, alone: the update's own best
+            plan is the iteration's), ``"forward"`` (beside the next forward), ``"auto"`` (beside the next
+            forward, and host sub-groups during backward).
     """
 
     def __init__(
@@ -51,7 +61,14 @@ class PlacementScheduler:
         engine: InterleavedUpdate,
         calibrate: Callable[[torch.device], HardwareRates],
         reduce_min: ReduceMin | None = None,
+        overlap: str = "off",
     ) -> None:
+        if overlap not in MODES:
+            raise ValueError(f"overlap must be one of {', '.join(MODES)}, got {overlap!r}")
+        self.overlap = overlap
+        #: (forward, backward) seconds per iteration the plan is made for, agreed by the ranks; None until measured.
+        self.phases: tuple[float, float] | None = None
+        self._new_phases: tuple[float, float] | None = None
         self.spec = spec
         self.engine = engine
         self._calibrate = calibrate
@@ -78,6 +95,18 @@ class PlacementScheduler:
     def rates(self) -> HardwareRates | None:
         return self.estimator.rates if self.estimator is not None else None
 
+    @property
+    def wants_phases(self) -> bool:
+        """Whether the plan depends on forward and backward times (so the framework should measure them)."""
+        return self.spec.mode == "auto" and self.has_accelerator and self.overlap != "off"
+
+    def observe_phases(self, forward_s: float, backward_s: float) -> None:
+        """Forward and backward seconds of an iteration the framework measured with no update in flight (each
+        summed over the iteration's micro-batches). The next step plans again with them; every rank must
+        observe at the same step (they plan together), so a rank that could not measure passes zeros: the ranks
+        plan with the largest times any of them measured."""
+        self._new_phases = (max(0.0, float(forward_s)), max(0.0, float(backward_s)))
+
     def _ensure_rates(self) -> HardwareRates:
         if self.estimator is None:
             self.estimator = RateEstimator(self._calibrate(self.engine.device), footprint=self.footprint)
@@ -93,7 +122,12 @@ class PlacementScheduler:
         elif not self.has_accelerator:
             # No accelerator: the host is the only place worth using; no search is needed.
             self._plan = self._plan or all_host(n)
-        elif self._plan is None or step - self._planned_at >= REPLAN_EVERY or self._any_rank_drifted(step):
+        elif (
+            self._plan is None
+            or self._new_phases is not None
+            or step - self._planned_at >= REPLAN_EVERY
+            or self._any_rank_drifted(step)
+        ):
             # Every condition is the same on every rank (steps, skipped ones included, advance together), so
             # all ranks enter the re-plan's collectives at the same step.
             self._replan(step)
@@ -129,6 +163,20 @@ class PlacementScheduler:
             lp_on_host=self.engine.lp_downloads,
             footprint=self.footprint,
         )
+        #: The plan that minimises the update alone (the one run with overlap off, or before the phases are known).
+        self.update_plan = self._plan
+        phases, self._new_phases = self._new_phases, None
+        if phases is not None and self._reduce_min is not None:
+            # The slowest rank's phases (the next step waits for every rank): negated, their minimum is the largest.
+            phases = tuple(-t for t in self._reduce_min([-phases[0], -phases[1]]))
+        if phases is not None and min(phases) > 0:
+            self.phases = phases
+        if self.phases is not None and not self.engine.lp_downloads:
+            # (With 16-bit parameters offloaded to the host the iteration model does not apply.)
+            lp, fp, (forward_s, backward_s) = self.engine.lp_bytes, self.footprint, self.phases
+            self._plan = shortest_iteration_plan(
+                sizes, rates, lp, self._plan, forward_s, backward_s, self.overlap, footprint=fp
+            )
         self._planned_at = step
 
     def _observe_last_report(self) -> None:

@@ -33,7 +33,13 @@ from typing import Any
 
 import torch
 
-from lightning_dos.engine.iteration import MODES, UpdateTimeline, iteration_plan, iteration_s, predicted_timeline
+from lightning_dos.engine.iteration import (
+    MODES,
+    UpdateTimeline,
+    iteration_s,
+    predicted_timeline,
+    shortest_iteration_plan,
+)
 from lightning_dos.engine.kernels import AdamHyper
 from lightning_dos.engine.loop import InterleavedAdam, StepInputs
 from lightning_dos.engine.perfmodel import (
@@ -203,17 +209,18 @@ def whole_iteration(
     footprint: Footprint = ADAM_FP32,
 ) -> dict[str, Any]:
     """Iteration seconds per overlap mode, replayed and predicted. ``off`` runs ``result``'s plan (the update's
-    best); ``forward`` and ``auto`` the placement that minimises their own predicted iteration
-    (:func:`~lightning_dos.engine.iteration.iteration_plan`), each replayed on its own; ``stock`` is stock ZeRO-3
-    offload's update after forward and backward."""
+    best); ``forward`` and ``auto`` the plan the strategy's scheduler runs once it has measured forward and
+    backward (:func:`~lightning_dos.engine.iteration.shortest_iteration_plan`), each replayed on its own;
+    ``stock`` is stock ZeRO-3 offload's update after forward and backward."""
     from lightning_dos.planner import stock_update_s
 
     replayed, predicted, plans = {}, {}, {}
     for mode in MODES:
         plan = result.plan
-        if mode != "off":
-            buffers = result.plan.device_buffers
-            plan = iteration_plan(sizes, rates, lp_bytes, buffers, forward_s, backward_s, mode, footprint=footprint)
+        if mode != "off":  # as the strategy's scheduler places once it has measured forward and backward
+            plan = shortest_iteration_plan(
+                sizes, rates, lp_bytes, result.plan, forward_s, backward_s, mode, footprint=footprint
+            )
         run = result if plan == result.plan else simulate(sizes, plan, rates, lp_bytes, footprint=footprint)
         replayed[mode] = iteration_s(sizes, plan, replayed_timeline(run), forward_s, backward_s)[mode]
         timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
