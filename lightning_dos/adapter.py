@@ -24,6 +24,7 @@ from lightning_dos.engine.arrivals import GradientArrivals
 from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, TornStateError, UpdateInFlightError, UpdateInterrupted
 from lightning_dos.engine.hostmem import return_freed_memory
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
+from lightning_dos.engine.phases import IterationPhases
 from lightning_dos.engine.plan import Plan, auto_sub_group_size
 from lightning_dos.engine.recovery import take_on_host
 from lightning_dos.engine.report import StepReport
@@ -74,8 +75,15 @@ TESTED_DEEPSPEED = "0.19.5 to 0.19.8"
 #: While adopting DeepSpeed's fp32 partitions, hand freed heap memory back after about this many bytes.
 TRIM_EVERY_BYTES = 256 << 20
 
-#: Planner signature: given the step about to run, return its plan and the predicted update time.
+#: Planner signature: given the step about to run, return its plan and the predicted update time. A planner may
+#: also have ``wants_phases`` (True when its plan depends on forward and backward times) and
+#: ``observe_phases(forward_s, backward_s)``, which the adapter then calls with measured times.
 Planner = Callable[[int], tuple[Plan, float | None]]
+
+#: A planner that wants forward and backward times gets them from the 2nd iteration and every this many after
+#: it: those iterations begin with no update in flight (their forward waits for nothing), which costs one
+#: unoverlapped update each time.
+MEASURE_PHASES_EVERY = 50
 
 
 class DeepSpeedIncompatibleError(RuntimeError):
@@ -261,6 +269,10 @@ class ZeRO3Adapter:
         return_freed_memory()
         #: Chooses each step's plan; the strategy installs the scheduler here.
         self.planner: Planner | None = None
+        #: Optimizer steps called so far (the engine counts its own on the thread an overlapped update runs on).
+        self._steps_called = 0
+        #: This iteration's forward and backward marks, when it is measured for the planner.
+        self._phases: IterationPhases | None = None
         #: SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 arriving during an update are held until :meth:`deliver`.
         self.signals = SignalHold()
         #: Deliver held signals (and raise what interrupted the update) at the end of :meth:`step`. A
@@ -402,18 +414,40 @@ class ZeRO3Adapter:
         self.signals.hold()  # the update has begun (a no-op off the main thread: see before_backward)
         self.engine.begin_early(lambda arrivals: self._apply(plan, inputs, steps, arrivals))
 
+    def forward_begins(self) -> None:
+        """Called on the main thread as each training forward begins. In an iteration measured for the planner
+        (see :data:`MEASURE_PHASES_EVERY`), the update in flight is waited for first, so that the forward's time
+        is its own."""
+        if not getattr(self.planner, "wants_phases", False) or self._steps_called % MEASURE_PHASES_EVERY != 1:
+            return
+        if self._phases is None:
+            self.settle()
+            self._phases = IterationPhases(self.engine.device)
+        self._phases.forward_begins()
+
     def before_backward(self) -> None:
         """Called on the main thread before each backward: the step may begin during it, so signals are held from
         here (on an accelerator backward's hooks run on other threads, and the main thread runs Python handlers
         only once backward returns, inside DeepSpeed's backward, where they would cut the begun step short)."""
+        if self._phases is not None:
+            self._phases.backward_begins()
         if self.overlap == "backward":
             self.signals.hold()
 
     def after_backward(self) -> None:
         """Called after each backward that returned: with no step begun (not an accumulation boundary), the
         signals held since :meth:`before_backward` are delivered now."""
+        if self._phases is not None:
+            self._phases.backward_ends()
         if self.overlap == "backward" and not self.engine.in_flight:
             self.deliver()
+
+    def _hand_over_phases(self) -> None:
+        """At the step of a measured iteration, give the planner its forward and backward times (zeros when a
+        micro-batch missed a mark: every rank hands over at the same step, for the ranks plan together)."""
+        phases, self._phases = self._phases, None
+        if phases is not None:
+            self.planner.observe_phases(*(phases.seconds() or (0.0, 0.0)))
 
     def finish_update(self, abandon: bool = False) -> None:
         """Wait for the update in flight (overlap) and raise, here, what interrupted it before any state
@@ -623,6 +657,8 @@ class ZeRO3Adapter:
         from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
 
         early, self._early = self._early, None
+        self._steps_called += 1
+        self._hand_over_phases()
         if early is None:
             # Signals held by the previous step and not yet delivered by the framework go now: that step is fully
             # recorded by the time the next one begins (and the previous update, if it overlapped, is over).

@@ -574,6 +574,8 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             calibrate=lambda device: calibrated.agreed if calibrated else _calibrated_rates(device, numel),
             # "auto" plans from inputs agreed by every rank, so all ranks run the same plan.
             reduce_min=reduce_min_over_ranks(self.root_device),
+            # What the plan minimises: the update alone, or the iteration it overlaps.
+            overlap={"off": "off", "forward": "forward", "backward": "auto"}[adapter.overlap],
         )
         self.dos_adapter.planner = self.dos_scheduler
 
@@ -631,6 +633,12 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         if not any(isinstance(callback, _DeliverHeldSignals) for callback in trainer.callbacks):
             trainer.callbacks.insert(0, _DeliverHeldSignals())
         self._callbacks_of = trainer.callbacks
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.dos_adapter is not None:
+            # Some iterations' forward and backward are timed for the placement (gpu_fraction="auto", overlap on).
+            self.dos_adapter.forward_begins()
+        return super().training_step(*args, **kwargs)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:
         # Lightning's automatic loop has already divided the loss by ``accumulate_grad_batches``; DeepSpeed's

@@ -7,6 +7,8 @@ by the CPU tests, minus the asynchrony.
 
 from __future__ import annotations
 
+import time
+
 import lightning as L
 import pytest
 import torch
@@ -182,3 +184,22 @@ def test_removing_any_wait_host_wait_or_tail_event_makes_the_delayed_streams_dif
         if not check(mutant_engine(line), stop_at_first=True):
             missed.append(what)
     assert not missed, f"removing these went unnoticed on the GPU: {missed}"
+
+
+def test_iteration_phases_time_the_device_not_the_launch() -> None:
+    """On CUDA the phases are the GPU's time between events on the current stream: a backward of queued matrix
+    products takes longer than its (asynchronous) launch on the host's clock."""
+    from lightning_dos.engine.phases import IterationPhases
+
+    a = torch.randn(4096, 4096, device="cuda")
+    phases = IterationPhases(torch.device("cuda"))
+    phases.forward_begins()
+    a @ a
+    phases.backward_begins()
+    launched = time.perf_counter()
+    for _ in range(20):
+        a = (a @ a).tanh()
+    launch_s = time.perf_counter() - launched
+    phases.backward_ends()
+    forward_s, backward_s = phases.seconds()
+    assert 0 < forward_s < backward_s and backward_s > launch_s

@@ -10,6 +10,7 @@ optimizer state (the engine's slabs) and losses must equal ``overlap="off"`` bit
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -20,9 +21,14 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dos import DeepOptimizerStatesStrategy
+from lightning_dos.engine.agree import _RATE_FIELDS
 from lightning_dos.engine.atomic import TornStateError, UpdateInFlightError
-from lightning_dos.engine.plan import Place
+from lightning_dos.engine.iteration import shortest_iteration_plan
+from lightning_dos.engine.perfmodel import HardwareRates
+from lightning_dos.engine.plan import Place, Plan
+from lightning_dos.engine.scheduler import PlacementScheduler
 from lightning_dos.errors import DOSConfigError
+from lightning_dos.profiles import load_profile
 from tests.helpers import RandomPlacement, TinyLM, full_parameters, loader, trainer
 
 SUB_GROUP = 700
@@ -310,3 +316,80 @@ def test_auto_refuses_a_state_read_between_backward_and_the_step_and_forward_all
     read = ReadStateBeforeTheStep()
     fit("forward", steps=2, callbacks=[read], gradient_clip_val=None)  # the previous update is over by then
     assert read.read is not None and torch.isfinite(read.read).all()
+
+
+class _PlansAsOnTheNode(PlacementScheduler):
+    """The strategy's scheduler planning "auto" on this CPU engine as on an accelerator, recording what the adapter
+    measured and the rates of each plan."""
+
+    has_accelerator = True
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.observed: list[tuple[int, float, float]] = []
+        self.replans: list[tuple[int, Plan, Plan, HardwareRates, tuple | None]] = []
+
+    def observe_phases(self, forward_s: float, backward_s: float) -> None:
+        self.observed.append((self.engine.reports_issued, forward_s, backward_s))
+        super().observe_phases(forward_s, backward_s)
+
+    def _replan(self, step: int) -> None:
+        super()._replan(step)
+        self.replans.append((step, self.update_plan, self._plan, self.rates, self.phases))
+
+
+class _OnTheNode(DeepOptimizerStatesStrategy):
+    def _on_optimizer_ready(self, ds_optimizer: object) -> None:
+        super()._on_optimizer_ready(ds_optimizer)
+        # A paper-h100x4 node 10,000 times slower: TinyLM's update then takes about as long as its forward and
+        # backward on this CPU, so where it goes matters to the iteration.
+        paper, _ = load_profile("paper-h100x4")
+        rates = dataclasses.replace(paper, **{f: getattr(paper, f) / 1e4 for f in _RATE_FIELDS})
+        s = self.dos_scheduler
+        self.dos_scheduler = _PlansAsOnTheNode(s.spec, s.engine, lambda device: rates, overlap=s.overlap)
+        self.dos_adapter.planner = self.dos_scheduler
+
+
+class _SeesUpdatesInFlight(TinyLM):
+    """Records, as each training forward begins, whether an update is in flight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight: list[bool] = []
+
+    def training_step(self, *args: object) -> torch.Tensor:
+        self.in_flight.append(self.trainer.strategy.dos_engine.in_flight)
+        return super().training_step(*args)
+
+
+@pytest.mark.parametrize("overlap", ["auto", "forward"])
+def test_auto_placement_measures_forward_and_backward_and_plans_the_whole_iteration(overlap: str) -> None:
+    """gpu_fraction="auto" with overlap on (planned as on an accelerator): the 2nd iteration's forward and backward
+    are timed with no update in flight and handed to the scheduler at its step; from then on "auto" runs the plan
+    that minimises the predicted iteration for them (from that step under "forward"; under "auto" from the next,
+    whose plan is chosen during its backward), and the update's own best before."""
+    L.seed_everything(0, verbose=False)
+    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    ours = _OnTheNode(gpu_fraction="auto", sub_group_size=SUB_GROUP, overlap=overlap, config=config)
+    model = _SeesUpdatesInFlight()
+    run = trainer(ours, steps=5, accumulate_grad_batches=2, gradient_clip_val=None)
+    run.fit(model, loader())
+    scheduler, engine = ours.dos_scheduler, ours.dos_engine
+    assert [step for step, _, _ in scheduler.observed] == [1], "timed once, in the 2nd iteration"
+    _, forward_s, backward_s = scheduler.observed[0]
+    assert forward_s > 0 and backward_s > 0 and scheduler.phases == (forward_s, backward_s)
+    assert not any(model.in_flight[2:4]), "the timed iteration's micro-batches began with no update in flight"
+    # Plans are made at step 1, when the phases arrive (step 2 under "forward", whose plan is chosen at the step;
+    # step 3 under "auto", whose plan is chosen during backward), and again whenever prediction and measurement
+    # drift apart (this CPU is no paper node).
+    first = 2 if overlap == "forward" else 3
+    steps = [step for step, *_ in scheduler.replans]
+    assert steps[0] == 1 and first in steps, steps
+    for step, update_plan, plan, rates, phases in scheduler.replans:
+        if step < first:
+            assert phases is None and plan == update_plan
+        else:
+            assert phases == (forward_s, backward_s)
+            assert plan == shortest_iteration_plan(engine.sizes, rates, 4, update_plan, *phases, overlap)
+    assert engine.report_number(first).plan == scheduler.replans[steps.index(first)][2]
+    assert any(plan != update_plan for _, update_plan, plan, _, _ in scheduler.replans[1:]), "no iteration plan"

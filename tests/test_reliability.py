@@ -68,10 +68,11 @@ def _assert_ranks_calibrate_and_plan_together(ranks: list[dict]) -> None:
     assert max(started) < min(ended), f"calibrations do not overlap: {list(zip(started, ended))}"
     slowest = {key: min(rank["measured"][key] for rank in ranks) for key in ranks[0]["measured"]}
     assert all(rank["agreed"] == slowest for rank in ranks), [rank["agreed"] for rank in ranks]
-    for key in ("plans", "auto_together", "agreed_inputs", "agreed_plan"):
+    for key in ("plans", "auto_together", "agreed_inputs", "agreed_plan", "phases_together"):
         assert all(rank[key] == ranks[0][key] for rank in ranks), (key, [rank[key] for rank in ranks])
     assert ranks[0]["auto_alone"] != ranks[1]["auto_alone"], "the test's rates must lead to different plans alone"
     assert ranks[0]["auto_together"][0] in [rank["auto_alone"] for rank in ranks]  # the slower host's plan
+    assert ranks[0]["phases_together"]["phases"] == [0.002, 0.003], "the slowest forward and the slowest backward"
     own = [rank["own_inputs"] for rank in ranks]
     assert ranks[0]["agreed_inputs"]["budget"] == min(o["budget"] for o in own)
     assert ranks[0]["agreed_inputs"]["sizes"] == [max(sizes) for sizes in zip(*(o["sizes"] for o in own))]

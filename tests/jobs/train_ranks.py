@@ -143,7 +143,16 @@ def _planned_with_the_other_ranks(engine, rank: int, reduce_min) -> dict:  # noq
     sizes = [size + 64 * rank for size in engine.sizes]
     budget = (1 + rank) * 10**6
     agreed_sizes, agreed_budget, agreed_rates = agreed_plan_inputs(sizes, budget, rates, reduce_min)
+    # With the update overlapped, the ranks plan for the slowest rank's forward and backward (rank 1's forward is
+    # the slower here, rank 0's backward).
+    overlapping = PlansAsWithAnAccelerator(
+        auto, engine, calibrate=lambda device: rates, reduce_min=reduce_min, overlap="auto"
+    )
+    overlapping(1)
+    overlapping.observe_phases(0.001 * (1 + rank), 0.003 - 0.001 * rank)
+    overlapped_plan = _plan(overlapping(2)[0])
     return {
+        "phases_together": {"plan": overlapped_plan, "phases": list(overlapping.phases)},
         # Steps 1 (the first plan), 2 (kept) and 10 (the ranks agree that none has drifted).
         "auto_together": [_plan(together(step)[0]) for step in (1, 2, 10)],
         "auto_alone": _plan(alone(1)[0]),
