@@ -188,3 +188,58 @@ def test_a_size_that_cannot_honour_the_share_is_warned_about_naming_the_size_to_
     assert coarse_share_warning(parse_gpu_fraction("auto"), [800_000], 100_000_000) is None
     assert coarse_share_warning(parse_gpu_fraction(1.0), [800_000], 100_000_000) is None
     assert "'auto' (1,048,576)" in coarse_share_warning(half, [800_000], 1_048_576, auto=True)
+
+
+def _resident_engine(keep: bool) -> InterleavedAdam:
+    engine = InterleavedAdam([96, 40], [0, 0], 32, torch.device("cpu"), torch.float32, keep_resident_grads=keep)
+    engine.pool.param.copy_(torch.linspace(-1, 1, 136))
+    return engine
+
+
+def test_resident_sub_groups_read_a_kept_gradient_on_the_device_and_upload_nothing() -> None:
+    """keep_gradient copies a final gradient into the resident sub-groups' device slots: a resident sub-group
+    kept whole reads it there (the host copy is not uploaded), one kept in part uploads the host copy, and a
+    host or streamed sub-group is not affected. Same result as uploading, bit for bit."""
+    hyper = [AdamHyper(1e-2, 0.9, 0.99, 1e-8, 0.1, True)]
+    R, H, D = Place.RESIDENT, Place.HOST, Place.DEVICE
+    plan = Plan((R, R, D, H, R), 1)  # sub-groups 0-2 in flat 0, 3-4 in flat 1
+    kept, plain = _resident_engine(True), _resident_engine(False)
+    assert kept.footprint.resident_up == 0 and plain.footprint.resident_up == 4
+    torch.manual_seed(0)
+    for step in (1, 2, 3):
+        grads = [torch.randn(96), torch.randn(40)]
+        lp = [[torch.zeros(96), torch.zeros(40)] for _ in range(2)]
+        if step > 1:  # resident since step 1: backward writes their gradient on the device
+            kept.keep_gradient(0, 0, grads[0][:50])
+            kept.keep_gradient(0, 50, grads[0][50:])  # two parameters' partitions, across sub-groups 1 and 2
+            kept.keep_gradient(1, 0, grads[1][:30])  # sub-group 4 (elements 20-39) only in part
+        reports = [
+            engine.step(plan, StepInputs([g.clone() for g in grads], lp[j], hyper, [step, step]))
+            for j, engine in enumerate((kept, plain))
+        ]
+        gradient_bytes = 4 * 32 * 2 if step > 1 else 0  # sub-groups 0 and 1 kept whole
+        assert reports[1].h2d_bytes - reports[0].h2d_bytes == gradient_bytes
+        assert torch.equal(lp[0][0], lp[1][0]) and torch.equal(lp[0][1], lp[1][1])
+    kept.flush_resident()
+    plain.flush_resident()
+    for ours, theirs in zip((kept.pool.param, *kept.pool.states), (plain.pool.param, *plain.pool.states), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_a_kept_gradient_is_what_the_resident_update_reads() -> None:
+    """The kept copy, not the host's, feeds a resident sub-group whole: kept zeros leave Adam's moments at
+    zero for it while the host copy holds ones; a sub-group left out keeps uploading."""
+    engine = _resident_engine(True)
+    hyper = [AdamHyper(1e-2, 0.9, 0.99, 1e-8, 0.0, True)]
+    plan = Plan((Place.RESIDENT,) * 5, 1)
+    lp = [torch.zeros(96), torch.zeros(40)]
+    engine.step(plan, StepInputs([torch.zeros(96), torch.zeros(40)], lp, hyper, [1, 1]))  # now resident
+    engine.keep_gradient(0, 0, torch.zeros(32))  # sub-group 0 whole
+    report = engine.step(plan, StepInputs([torch.ones(96), torch.ones(40)], lp, hyper, [2, 2]))
+    assert report.h2d_bytes == 4 * (136 - 32)
+    engine.flush_resident()
+    moment = engine.state_view("exp_avg", 0)
+    assert torch.all(moment[:32] == 0) and torch.all(moment[32:] > 0)
+    engine.keep_gradient(0, 0, torch.zeros(32))
+    engine.discard_kept_gradients()  # a new backward: what was kept before is not this step's
+    assert engine.step(plan, StepInputs([torch.ones(96), torch.ones(40)], lp, hyper, [3, 3])).h2d_bytes == 4 * 136

@@ -78,6 +78,9 @@ class InterleavedUpdate:
         master_dtype: dtype of the master weights and gradients: fp32, or bf16 under DeepSpeed's
             ``bf16_master_weights_and_grads``.
         state_dtype: dtype of the rule's state tensors: fp32, or bf16 under ``bf16_optimizer_states``.
+        keep_resident_grads: the framework hands each final gradient to :meth:`keep_gradient` during backward, so
+            resident sub-groups read their gradient on the device instead of uploading the host copy (the
+            performance model counts no upload for them).
     """
 
     def __init__(
@@ -94,10 +97,11 @@ class InterleavedUpdate:
         rule: UpdateRule = ADAM,
         master_dtype: torch.dtype = torch.float32,
         state_dtype: torch.dtype = torch.float32,
+        keep_resident_grads: bool = False,
     ) -> None:
         self.rule = rule
         #: Bytes per element held and moved, for the rule and dtypes (the performance model's and the reports').
-        self.footprint = Footprint.of(rule, master_dtype, state_dtype)
+        self.footprint = Footprint.of(rule, master_dtype, state_dtype, grads_on_device=keep_resident_grads)
         #: Side streams, made once: the same streams every step, so their order is easy to follow in a profiler.
         self.streams = streams if streams is not None else make_streams(device)
         self.sub_groups: list[SubGroup] = split_into_sub_groups(flat_numels, flat_param_groups, sub_group_size)
@@ -139,6 +143,9 @@ class InterleavedUpdate:
         self.rates = None
         #: Sub-groups whose state lives on the device across iterations, by index.
         self.resident: dict[int, DeviceBuffer] = {}
+        #: Resident sub-groups whose gradient this backward wrote into their device buffer (:meth:`keep_gradient`):
+        #: the buffer written and how many of its elements.
+        self._kept: dict[int, tuple[DeviceBuffer, int]] = {}
         self._warned_fallback = False
         #: Readers of the optimizer state (checkpoints) wait on this while an update is in flight.
         self.guard = UpdateGuard()
@@ -357,6 +364,7 @@ class InterleavedUpdate:
 
     def skip(self, plan: Plan) -> StepReport:
         """Record a skipped step (fp16 overflow): nothing is touched."""
+        self._kept.clear()
         self.steps_taken += 1
         self.last_report = StepReport(self.steps_taken, plan, self.sizes, skipped=True)
         return self.last_report
@@ -396,6 +404,7 @@ class InterleavedUpdate:
                 return settle_interrupted_update(self, error, inputs, progress)
             finally:
                 self._progress = None
+                self._kept.clear()  # read by this step (or not at all): the next backward writes anew
                 self._end_landing()
 
     def _reached_together(self, points: tuple[str, ...], index: int) -> None:
@@ -596,8 +605,11 @@ class InterleavedUpdate:
         for index in plan.resident_indices:
             sg, buf = self.sub_groups[index], self.resident[index]
             _, _, grad, lp = self._slices(sg, inputs)
-            with streams.lane("upload", index, self.footprint.resident_up * sg.numel, streams.h2d):
-                buf.grad.copy_(grad, non_blocking=True)
+            kept = self._kept_gradient(index)
+            if kept is None:
+                with streams.lane("upload", index, self.footprint.master * sg.numel, streams.h2d):
+                    buf.grad.copy_(grad, non_blocking=True)
+                report.h2d_bytes += self.footprint.master * sg.numel
             uploaded = streams.record(streams.h2d)
             # The update reads the gradient (and, the first time, the state) the h2d stream brought up.
             streams.wait(streams.compute, uploaded)
@@ -616,7 +628,6 @@ class InterleavedUpdate:
             if buf.lp is not None:
                 last_download = self._download_lp(index, buf.lp, lp, report)
             self._land(index, last_download if buf.lp is not None else streams.record(streams.compute))
-            report.h2d_bytes += self.footprint.resident_up * sg.numel
             report.device_elements += sg.numel
         return [last_download] if last_download is not None else []
 
@@ -651,6 +662,7 @@ class InterleavedUpdate:
         """Bring resident state home and free it on the device."""
         self._download_resident(indices)
         for index in indices:
+            self._kept.pop(index, None)
             self.pool.release_resident(self.resident.pop(index))
 
     def flush_resident(self, indices: Sequence[int] | None = None) -> None:
@@ -664,7 +676,41 @@ class InterleavedUpdate:
         accessor's write); the next step uploads the new values. ``indices`` limits it (None: all)."""
         chosen = list(self.resident) if indices is None else [i for i in indices if i in self.resident]
         for index in chosen:
+            self._kept.pop(index, None)
             self.pool.release_resident(self.resident.pop(index))
+
+    def keep_gradient(self, flat: int, offset: int, grad: torch.Tensor) -> None:
+        """Backward made ``grad`` final: the gradient of elements ``[offset, offset + grad.numel())`` of flat
+        partition ``flat``, on the device (DeepSpeed's reduced partition at the accumulation boundary). Copy the
+        part each resident sub-group holds into that sub-group's device gradient slot, on the caller's current
+        stream, so that the step reads it there and does not upload the host copy (which DeepSpeed still makes:
+        a sub-group the step moves home, or finishes on the host after a failure, reads that one).
+
+        A sub-group uses its kept gradient only if this backward wrote every one of its elements into the buffer
+        it still has at the step (padding or a parameter without a gradient leave it to the host copy); the
+        step's device-wide wait for DeepSpeed's streams orders these copies before the update reads them."""
+        n = grad.numel()
+        for index in self.sub_groups_of(flat, offset, n):
+            buf = self.resident.get(index)
+            if buf is None:
+                continue
+            sg = self.sub_groups[index]
+            lo, hi = max(offset, sg.ds_offset), min(offset + n, sg.ds_offset + sg.numel)
+            buf.grad[lo - sg.ds_offset : hi - sg.ds_offset].copy_(grad[lo - offset : hi - offset], non_blocking=True)
+            kept_in, count = self._kept.get(index, (buf, 0))
+            self._kept[index] = (buf, (count if kept_in is buf else 0) + hi - lo)
+
+    def discard_kept_gradients(self) -> None:
+        """Forget the gradients kept so far (a new backward begins, or a step was skipped)."""
+        self._kept.clear()
+
+    def _kept_gradient(self, index: int) -> torch.Tensor | None:
+        """Resident sub-group ``index``'s gradient, if this backward kept all of it in its current buffer."""
+        buf = self.resident.get(index)
+        kept = self._kept.get(index)
+        if buf is None or kept is None or kept[0] is not buf or kept[1] != self.sub_groups[index].numel:
+            return None
+        return buf.grad[: self.sub_groups[index].numel]
 
     def sub_groups_of(self, flat: int, offset: int, numel: int) -> list[int]:
         """Indices of the sub-groups overlapping elements ``[offset, offset + numel)`` of flat partition ``flat``."""

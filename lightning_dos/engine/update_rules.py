@@ -173,16 +173,22 @@ class Footprint:
         rule: the optimizer's update rule.
         master: bytes per element of the master weights and of the gradient.
         state: bytes per element of each state tensor.
+        grads_on_device: resident sub-groups' gradients are written on the device during backward (the
+            strategy's engine keeps them: :meth:`~lightning_dos.engine.loop.InterleavedUpdate.keep_gradient`),
+            so a resident sub-group uploads nothing.
     """
 
     rule: UpdateRule
     master: int = 4
     state: int = 4
+    grads_on_device: bool = False
 
     @classmethod
-    def of(cls, rule: UpdateRule, master_dtype: torch.dtype, state_dtype: torch.dtype) -> Footprint:
+    def of(
+        cls, rule: UpdateRule, master_dtype: torch.dtype, state_dtype: torch.dtype, grads_on_device: bool = False
+    ) -> Footprint:
         """``rule`` with master weights and gradients in ``master_dtype`` and states in ``state_dtype``."""
-        return cls(rule, dtype_bytes(master_dtype), dtype_bytes(state_dtype))
+        return cls(rule, dtype_bytes(master_dtype), dtype_bytes(state_dtype), grads_on_device)
 
     @property
     def optimizer_state(self) -> int:
@@ -201,8 +207,8 @@ class Footprint:
 
     @property
     def resident_up(self) -> int:
-        """A resident sub-group's upload: its gradient only."""
-        return self.master
+        """A resident sub-group's upload: its gradient only, or nothing when it is kept on the device."""
+        return 0 if self.grads_on_device else self.master
 
     @property
     def device(self) -> int:
