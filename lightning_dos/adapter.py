@@ -258,6 +258,8 @@ class ZeRO3Adapter:
             # DeepSpeed's master_weights_and_grads_dtype: bf16 under bf16_master_weights_and_grads.
             master_dtype=self.flats[0].dtype,
             state_dtype=state_dtype(self.inner, self.flats[0].dtype),
+            # Resident sub-groups' gradients are copied on the device as backward makes them final (below).
+            keep_resident_grads=True,
         )
         freed = 0
         for i in range(len(self.flats)):
@@ -290,8 +292,7 @@ class ZeRO3Adapter:
             self._wait_before_gathers(z)
         #: The step begun during this backward (plan, inputs, step counts); None when none was.
         self._early: tuple[Plan, StepInputs, list[int]] | None = None
-        if overlap == "backward":
-            self._watch_gradients(z)
+        self._watch_gradients(z)
 
     # -- overlapping the update with the next forward ---------------------------------------------
 
@@ -371,8 +372,9 @@ class ZeRO3Adapter:
     # -- beginning the step during backward ------------------------------------------------------
 
     def _watch_gradients(self, z: object) -> None:
-        """Learn, from DeepSpeed's copies of each reduced gradient partition into the host gradient buffers at the
-        accumulation boundary, when every element of an engine sub-group is final, and hand it to the engine."""
+        """At each of DeepSpeed's copies of a reduced gradient partition into the host gradient buffers at the
+        accumulation boundary: keep the device copy of resident sub-groups' part (no upload at the step), and under
+        ``overlap="backward"`` learn when every element of an engine sub-group is final and hand it to the engine."""
         engine = self.engine
         #: Elements of each sub-group that backward has yet to make final this step (parameters without a gradient
         #: hold none; padding is never written).
@@ -385,11 +387,16 @@ class ZeRO3Adapter:
 
         def offload_at_boundary(param: object, grad_buffer: torch.Tensor, *args: object) -> None:
             offload(param, grad_buffer, *args)
+            flat, offset, _ = z.grad_position[z.get_param_id(param)]
+            if engine.resident:
+                # On DeepSpeed's current stream too, so the event below covers it.
+                engine.keep_gradient(flat, offset, grad_buffer)
+            if self.overlap != "backward":
+                return
             # The copy was issued on DeepSpeed's current (reduce) stream: its event is when the gradient lands.
             landed = engine.streams.record(engine.streams.compute)
             if self._early is None:
                 self._begin_early()
-            flat, offset, _ = z.grad_position[z.get_param_id(param)]
             for index, count in self._overlaps(flat, offset, grad_buffer.numel()):
                 self._missing[index] -= count
                 if self._missing[index] == 0:
@@ -431,6 +438,8 @@ class ZeRO3Adapter:
         only once backward returns, inside DeepSpeed's backward, where they would cut the begun step short)."""
         if self._phases is not None:
             self._phases.backward_begins()
+        # Gradients kept by an earlier backward belong to a step that was read or dropped already.
+        self.engine.discard_kept_gradients()
         if self.overlap == "backward":
             self.signals.hold()
 

@@ -48,7 +48,8 @@ def footprint_of(optimizer: str = "adam", master_dtype: str = "fp32", state_dtyp
             "bf16_master_weights_and_grads); valid: --master-dtype bf16 --state-dtype bf16|fp32, or "
             "--master-dtype fp32 --state-dtype fp32"
         )
-    return Footprint(OPTIMIZERS[optimizer], DTYPE_BYTES[master_dtype], DTYPE_BYTES[state_dtype])
+    # As the strategy's engine runs: resident sub-groups' gradients are kept on the device, never uploaded.
+    return Footprint(OPTIMIZERS[optimizer], DTYPE_BYTES[master_dtype], DTYPE_BYTES[state_dtype], grads_on_device=True)
 
 
 def add_footprint_options(parser: argparse.ArgumentParser) -> None:

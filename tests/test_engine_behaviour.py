@@ -271,3 +271,47 @@ def test_validate_test_and_predict_run() -> None:
     assert "test/loss" in t.test(model, loader(), verbose=False)[0]
     predictions = t.predict(model, loader())
     assert len(predictions) == 2 and predictions[0].shape == (16, 8)
+
+
+class _AllResident(L.Callback):
+    """Every sub-group resident; with ``keep=False`` the engine is kept from keeping gradients on the device."""
+
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep
+        self.reports: list = []
+
+    def on_fit_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        from lightning_dos.engine.plan import Plan
+
+        adapter = trainer.strategy.dos_adapter
+        plan = Plan((Place.RESIDENT,) * len(adapter.engine.sub_groups))
+        adapter.planner = lambda step: (plan, None)
+        if not self.keep:
+            adapter.engine.keep_gradient = lambda *args: None
+
+    def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        engine = trainer.strategy.dos_engine  # every update is over (the strategy's own on_train_end waited)
+        self.reports = [engine.report_number(n) for n in range(1, engine.reports_issued + 1)]
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_resident_sub_groups_keep_their_gradients_on_the_device(precision: str) -> None:
+    """Backward's final gradients are copied on the device into the resident sub-groups' gradient slots, so from
+    the second step (the first makes them resident) a resident sub-group uploads no gradient; the result is
+    bit-identical to uploading DeepSpeed's host copy, with gradient accumulation and clipping."""
+
+    def run(keep: bool) -> tuple[dict, list]:
+        L.seed_everything(0, verbose=False)
+        model, watch = TinyLM(), _AllResident(keep)
+        t = trainer(dos(0.5), steps=4, callbacks=[watch], precision=precision, accumulate_grad_batches=2)
+        t.fit(model, loader())
+        return full_parameters(model), watch.reports
+
+    (kept, kept_reports), (uploaded, uploaded_reports) = run(True), run(False)
+    for key, value in uploaded.items():
+        assert torch.equal(kept[key], value), key
+    elements = sum(kept_reports[0].sizes)
+    assert [r.h2d_bytes for r in uploaded_reports] == [4 * elements] * 4
+    assert kept_reports[0].h2d_bytes == 4 * elements  # not yet resident during the first backward
+    # TinyLM's sub-groups hold no padding, so backward writes every element of each: nothing is uploaded.
+    assert [r.h2d_bytes for r in kept_reports[1:]] == [0] * 3

@@ -16,7 +16,7 @@ from lightning_dos.engine.loop import InterleavedAdam
 from lightning_dos.engine.perfmodel import HardwareRates
 from lightning_dos.engine.plan import parse_gpu_fraction
 from lightning_dos.engine.scheduler import PlacementScheduler
-from lightning_dos.planner import plan_rows
+from lightning_dos.planner import footprint_of, plan_rows
 from lightning_dos.profiles import load_profile
 
 # Authors' update throughput on 4x H100, B params/s: (model, stock ZeRO-3 offload, their method at stride 2).
@@ -122,7 +122,7 @@ def test_the_strategys_scheduler_chooses_the_plan_that_plan_shows(capsys, budget
     rates, meta = load_profile("paper-h100x4")
     per_rank, size = 50_000, 1_000
     free = meta["device_free_bytes"] // 100_000
-    engine = _FreeMemory([per_rank], [0], size, torch.device("cpu"), torch.float32, pin=False)
+    engine = _FreeMemory([per_rank], [0], size, torch.device("cpu"), torch.float32, pin=False, keep_resident_grads=True)
     engine.free_after_backward = free
     engine.gpu_memory_budget = None if budget is None else int(budget)
     engine.device = torch.device("cuda", 0)  # the scheduler plans device work only for an accelerator
@@ -131,7 +131,9 @@ def test_the_strategys_scheduler_chooses_the_plan_that_plan_shows(capsys, budget
     args = argparse.Namespace(
         sub_group_size=size, lp_bytes=4, budget=None if budget is None else int(budget), forward_s=None, backward_s=None
     )
-    shown = plan_rows(4 * per_rank, 4, rates, {"device_free_bytes": free, "device": "cuda"}, args)["ours"]
+    meta = {"device_free_bytes": free, "device": "cuda"}
+    shown = plan_rows(4 * per_rank, 4, rates, meta, args, footprint_of())["ours"]
+    assert footprint_of() == engine.footprint  # the strategy's engine keeps resident gradients on the device
     assert (len(plan.resident_indices), len(plan.streamed_indices), plan.device_buffers) == (
         shown["resident"],
         shown["streamed"],
@@ -207,7 +209,7 @@ def test_plan_counts_the_bytes_of_each_optimizer_and_dtype(capsys) -> None:  # n
     assert (adam["optimizer"], adam["master_dtype"], adam["state_dtype"]) == ("adam", "fp32", "fp32")
     assert adam["bytes_per_element"]["streamed_up"] == 16 and bf16["bytes_per_element"]["streamed_up"] == 8
     assert lion["bytes_per_element"] == adagrad["bytes_per_element"] == {
-        "host_state": 8, "streamed_up": 12, "streamed_down": 8, "resident_up": 4, "device": 12
+        "host_state": 8, "streamed_up": 12, "streamed_down": 8, "resident_up": 0, "device": 12
     }  # fmt: skip
 
     def rows(result: dict) -> dict:

@@ -90,7 +90,7 @@ def copy_bytes(plan: Plan, sizes: Sequence[int], footprint: Footprint, lp_bytes:
     """Bytes the engine copies per ``(sub-group, lane)`` in a steady-state step of ``plan`` for ``footprint``, for the
     copies whose bytes depend on the optimizer: a streamed sub-group's upload (master weights, states, gradient)
     and download (master weights and states, and its 16-bit result when ``lp_downloads``), a resident one's
-    upload (its gradient)."""
+    upload (its gradient, unless ``footprint`` keeps it on the device)."""
     expected = {}
     for i in plan.streamed_indices:
         expected[i, "upload"] = footprint.streamed_up * sizes[i]
@@ -154,12 +154,16 @@ def engine_log(
         rule=footprint.rule,
         master_dtype=DTYPES[footprint.master],
         state_dtype=DTYPES[footprint.state],
+        keep_resident_grads=footprint.grads_on_device,
     )
     checker.watch(engine)
     hyper = [AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)]
     grads = [torch.zeros(n, dtype=DTYPES[footprint.master]) for n in small]
     lp = [torch.zeros(n, dtype=engine.lp_dtype) for n in small]
     for step in (1, 2):  # the first step brings resident state up; the second is the steady state replayed
+        if footprint.grads_on_device:  # backward's copies on the device, before the update's log begins
+            for flat, grad in enumerate(grads):
+                engine.keep_gradient(flat, 0, grad)
         checker.log.clear()
         engine.step(plan, StepInputs(grads, lp, hyper * len(small), [step] * len(small)))
     expected = copy_bytes(plan, small, footprint, engine.lp_bytes, engine.lp_downloads)
