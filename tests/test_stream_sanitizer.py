@@ -177,6 +177,8 @@ def run(
                 plain.step()
                 taken += 1
                 inputs = StepInputs(grads, lp, HYPERS, [taken] * len(NUMELS), inv_grad_scale=scenario.inv_grad_scale)
+                for flat, g in enumerate(grads):  # backward's copies into resident sub-groups' device slots
+                    engine.keep_gradient(flat, 0, g)
                 failing = scenario.fail_at is not None and taken == 2
                 fired: list[bool] = []
                 engine.on_point = _fail_once(*scenario.fail_at, fired) if failing else None
@@ -518,3 +520,15 @@ def test_parameter_offload_on_the_simulated_accelerator_is_race_free_and_lands_1
     assert {"upload", "device_adam", "cast", "download", "host_adam"} <= lanes and "lp_upload" not in lanes
     assert any(D in plan.places for plan in placement.plans)
     assert max_relative_error(full_parameters(model), reference) < 1e-5
+
+
+def test_a_gradient_kept_on_the_device_is_read_only_after_the_steps_device_wide_wait() -> None:
+    """Resident sub-groups read the gradient backward copied into their device slot (keep_gradient, modelled on
+    DeepSpeed's reduce stream): without the step's device-wide wait, on an accelerator where DeepSpeed does not
+    wait for its reduce stream either, the device update reads those slots unordered with that copy."""
+    all_resident = next(s for s in SCENARIOS if s.name == "all-resident")
+    line = next(line for line, what in find_mutations(inspect.getsource(loop_module)) if "device_synchronize" in what)
+    checker, _, _ = run(all_resident, mutant_engine(line), backward_sync=False)
+    assert any("lightning_dos.keep_gradient" in str(race) for race in checker.races), checker.races[:3]
+    checker, _, engine = run(all_resident, backward_sync=False)
+    assert checker.races == [] and engine.last_report.h2d_bytes == 0, "nothing uploaded once resident"

@@ -704,6 +704,12 @@ class InterleavedUpdate:
         """Forget the gradients kept so far (a new backward begins, or a step was skipped)."""
         self._kept.clear()
 
+    @property
+    def kept_gradient_slots(self) -> list[torch.Tensor]:
+        """The device gradient slots :meth:`keep_gradient` wrote since the last step (a race checker models those
+        writes on the framework's stream)."""
+        return [buf.grad for index, (buf, _) in self._kept.items() if self.resident.get(index) is buf]
+
     def _kept_gradient(self, index: int) -> torch.Tensor | None:
         """Resident sub-group ``index``'s gradient, if this backward kept all of it in its current buffer."""
         buf = self.resident.get(index)

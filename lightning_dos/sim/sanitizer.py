@@ -510,6 +510,11 @@ class StreamSanitizer:
             # Backward: the reduce stream waits for the default stream (stage3: wait_stream(current_stream()))
             # and copies each gradient partition into the host buffers.
             self.stream_wait_stream(DS_REDUCE, COMPUTE)
+            # On it too, the adapter's copies of those gradients into resident sub-groups' device slots
+            # (keep_gradient), which the step reads instead of uploading.
+            kept = engine.kept_gradient_slots
+            if kept:
+                self.model_access(DS_REDUCE, "lightning_dos.keep_gradient", writes=kept)
             if early and arrivals is None:
                 arrivals = ModelledBackward(self, engine, inputs, backward_sync)
             elif arrivals is None:
