@@ -252,3 +252,17 @@ def test_plan_refuses_unknown_optimizers_and_dtype_combinations_deepspeed_refuse
     assert _plan(capsys, *base[1:], "--master-dtype", "bf16")["bytes_per_element"]["streamed_up"] == 12
     assert main(["calibrate", "--device", "cpu", "--state-dtype", "bf16"]) == 2
     assert "--master-dtype bf16" in capsys.readouterr().err
+
+
+def test_plan_with_forward_and_backward_shows_the_iteration_the_strategy_runs_per_overlap(capsys) -> None:  # noqa: ANN001
+    """`plan --forward-s --backward-s`: ours per overlap mode with the plan the scheduler runs once it has timed them,
+    the same predicted iterations `simulate` reports; none without the times or an accelerator."""
+    common = ["--params", "20e9", "--profile", "paper-h100x4"]
+    timed = _plan(capsys, *common, "--forward-s", "0.5", "--backward-s", "1.0")["overlapped"]
+    assert main(["simulate", *common, "--forward-s", "0.5", "--backward-s", "1.0", "--json"]) == 0
+    simulated = json.loads(capsys.readouterr().out)
+    for mode in ("off", "forward", "auto"):
+        assert timed[mode]["iteration_s"] == pytest.approx(simulated["iteration_predicted_s"][mode], rel=1e-9)
+    assert simulated["iteration_plans"]["auto"]["streamed"] == timed["auto"]["streamed"] == 12
+    assert timed["auto"]["iteration_s"] < timed["forward"]["iteration_s"] < timed["off"]["iteration_s"]
+    assert _plan(capsys, *common)["overlapped"] is None
