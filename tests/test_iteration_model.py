@@ -9,14 +9,21 @@ import pytest
 import torch
 
 from lightning_dos.cli import main as cli_main
-from lightning_dos.engine.iteration import UpdateTimeline, iteration_plan, iteration_s, predicted_timeline
+from lightning_dos.engine.iteration import (
+    UpdateTimeline,
+    iteration_plan,
+    iteration_s,
+    predicted_timeline,
+    shortest_iteration_plan,
+)
 from lightning_dos.engine.loop import InterleavedUpdate
-from lightning_dos.engine.perfmodel import predict
+from lightning_dos.engine.perfmodel import device_bytes, predict
 from lightning_dos.engine.phases import IterationPhases
 from lightning_dos.engine.plan import Place, Plan, parse_gpu_fraction
 from lightning_dos.engine.scheduler import PlacementScheduler
+from lightning_dos.planner import footprint_of
 from lightning_dos.profiles import load_profile
-from lightning_dos.sim.simulate import sub_group_sizes
+from lightning_dos.sim.simulate import auto_plan, sub_group_sizes
 
 H, D = Place.HOST, Place.DEVICE
 
@@ -112,13 +119,19 @@ class _OnAnAccelerator(InterleavedUpdate):
     free_after_backward = 0
 
     def device_budget(self) -> int | None:
+        if self.gpu_memory_budget is not None:
+            return self.gpu_memory_budget
         return int(0.9 * self.free_after_backward)
 
 
-def _scaled_scheduler(overlap: str) -> tuple[PlacementScheduler, list[int], object]:
-    """The strategy's scheduler at 1/100,000 of 20B on paper-h100x4 (times and memory scale alike)."""
+def _scaled_scheduler(overlap: str, budget: int | None = None) -> tuple[PlacementScheduler, list[int], object]:
+    """The strategy's scheduler at 1/100,000 of 20B on paper-h100x4 (times and memory scale alike), with the
+    strategy's engine settings (resident gradients kept) and ``budget`` as its gpu_memory_budget."""
     rates, meta = load_profile("paper-h100x4")
-    engine = _OnAnAccelerator([50_000], [0], 1_000, torch.device("cpu"), torch.float32, pin=False)
+    engine = _OnAnAccelerator(
+        [50_000], [0], 1_000, torch.device("cpu"), torch.float32, pin=False, keep_resident_grads=True
+    )
+    engine.gpu_memory_budget = budget
     engine.free_after_backward = meta["device_free_bytes"] // 100_000
     engine.device = torch.device("cuda", 0)
     scheduler = PlacementScheduler(parse_gpu_fraction("auto"), engine, lambda device: rates, overlap=overlap)
@@ -196,3 +209,37 @@ def test_an_iteration_with_a_missing_mark_has_no_phases() -> None:
     phases.backward_ends()
     phases.forward_begins()  # a forward without backward
     assert phases.seconds() is None
+
+
+def test_with_a_budget_the_iteration_plan_keeps_the_resident_sub_groups_and_their_memory(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """20B on paper-h100x4 with a 25.6 GB budget (resident state allowed), forward 0.5 s and backward 1 s: the
+    iteration's plan keeps the update's resident sub-groups, needs no more device memory, and under "auto" moves
+    streamed sub-groups to the host (updated during backward), replayed within 1.3x of forward + backward."""
+    rates, _ = load_profile("paper-h100x4")
+    sizes = sub_group_sizes(int(20e9), 4, int(1e8))
+    fp = footprint_of()
+    update_best = auto_plan(sizes, rates, 2, int(25.6e9), allow_resident=True, footprint=fp)
+    assert update_best.resident_indices and update_best.streamed_indices
+    plan = shortest_iteration_plan(sizes, rates, 2, update_best, 0.5, 1.0, "auto", footprint=fp)
+    assert plan.resident_indices == update_best.resident_indices
+    assert device_bytes(sizes, plan, footprint=fp) <= device_bytes(sizes, update_best, footprint=fp) <= 25.6e9
+    assert len(plan.streamed_indices) < len(update_best.streamed_indices)
+    got = _simulate(capsys, "--budget", "25.6e9", "--forward-s", "0.5", "--backward-s", "1.0")
+    assert got["iteration_plans"]["auto"]["streamed"] == len(plan.streamed_indices)
+    assert got["iteration_s"]["auto"] <= 1.3 * got["forward_backward_s"], got["iteration_s"]
+
+
+def test_with_a_budget_the_scheduler_keeps_its_resident_sub_groups_and_places_the_rest_for_the_iteration() -> None:
+    scheduler, sizes, rates = _scaled_scheduler("auto", budget=256_000)  # 25.6 GB at 1/100,000
+    update_best, _ = scheduler(1)
+    assert update_best.resident_indices, "a budget allows resident state"
+    f, b = 0.5e-5, 1.0e-5
+    scheduler.observe_phases(f, b)
+    plan, _ = scheduler(2)
+    fp = scheduler.footprint
+    assert plan.resident_indices == update_best.resident_indices
+    assert device_bytes(sizes, plan, footprint=fp) <= device_bytes(sizes, update_best, footprint=fp) <= 256_000
+    before, after = (_iteration(sizes, p, rates, "auto", f, b) for p in (update_best, plan))
+    assert after < 0.9 * before, (before, after)

@@ -23,7 +23,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_dos.engine.perfmodel import HardwareRates, predict, rates_for
+from lightning_dos.engine.perfmodel import HardwareRates, device_bytes, predict, rates_for
 from lightning_dos.engine.plan import Place, Plan
 from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
 
@@ -111,15 +111,19 @@ def iteration_plan(
     mode: str,
     *,
     footprint: Footprint = ADAM_FP32,
+    resident: Sequence[int] = (),
 ) -> Plan:
     """The streamed/host placement that minimises ``mode``'s predicted iteration (not the update alone): every
     count of streamed sub-groups, placed first (the next forward needs them first; backward makes their gradients
-    final last, so the host ones are updated during backward under ``auto``) or last, through ``buffers`` staging
-    buffers (what fits the device, as the update-only plan found)."""
-    n, best = len(sizes), None
-    for streamed, first in itertools.product(range(n + 1), (True, False)):
-        device = range(streamed) if first else range(n - streamed, n)
-        plan = Plan(tuple(Place.DEVICE if i in device else Place.HOST for i in range(n)), max(1, buffers))
+    final last, so the host ones are updated during backward under ``auto``) or last among the sub-groups not in
+    ``resident`` (which stay resident), through ``buffers`` staging buffers (what fits the device, as the
+    update-only plan found)."""
+    n, fixed, best = len(sizes), set(resident), None
+    free = [i for i in range(n) if i not in fixed]
+    for streamed, first in itertools.product(range(len(free) + 1), (True, False)):
+        device = set(free[:streamed] if first else free[len(free) - streamed :])
+        places = tuple(Place.RESIDENT if i in fixed else Place.DEVICE if i in device else Place.HOST for i in range(n))
+        plan = Plan(places, max(1, buffers))
         timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
         seconds = iteration_s(sizes, plan, timeline, forward_s, backward_s)[mode]
         if best is None or seconds < best[0]:
@@ -138,13 +142,18 @@ def shortest_iteration_plan(
     *,
     footprint: Footprint = ADAM_FP32,
 ) -> Plan:
-    """Of ``update_best`` (the plan that minimises the update alone) and :func:`iteration_plan` through as many
-    staging buffers (so within the same device memory), the one whose predicted ``mode`` iteration is shorter
-    (``update_best`` on a tie): what ``gpu_fraction="auto"`` runs once forward and backward are measured."""
-    if mode not in MODES[1:] or not update_best.streamed_indices or update_best.resident_indices:
+    """Of ``update_best`` (the plan that minimises the update alone) and :func:`iteration_plan` with the same
+    resident sub-groups through as many staging buffers, if it needs no more device memory, the one whose
+    predicted ``mode`` iteration is shorter (``update_best`` on a tie): what ``gpu_fraction="auto"`` runs once
+    forward and backward are measured."""
+    if mode not in MODES[1:]:
         return update_best
-    buffers = update_best.device_buffers
-    candidate = iteration_plan(sizes, rates, lp_bytes, buffers, forward_s, backward_s, mode, footprint=footprint)
+    buffers, resident = update_best.device_buffers, update_best.resident_indices
+    candidate = iteration_plan(
+        sizes, rates, lp_bytes, buffers, forward_s, backward_s, mode, footprint=footprint, resident=resident
+    )
+    if device_bytes(sizes, candidate, footprint=footprint) > device_bytes(sizes, update_best, footprint=footprint):
+        return update_best
 
     def iteration(plan: Plan) -> float:
         timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
