@@ -7,9 +7,11 @@
   the host (calibration there takes a fraction of a second and only feeds the prediction).
   When the update overlaps the next forward (and, under ``overlap="auto"``, backward), what counts is the whole
   iteration, not the update alone: once the framework has measured forward and backward
-  (:meth:`PlacementScheduler.observe_phases`), "auto" takes the placement whose predicted iteration is shortest
-  (:func:`~lightning_dos.engine.iteration.iteration_plan`: the sub-groups the next forward needs first on the
-  device, the ones whose gradients backward makes final first on the host), if it beats the update's own best.
+  (:meth:`PlacementScheduler.observe_phases`), "auto" runs
+  :func:`~lightning_dos.engine.iteration.shortest_iteration_plan`: the update's own best plan, or the placement
+  by arrival around its resident sub-groups (the sub-groups the next forward needs first on the device, the ones
+  whose gradients backward makes final first on the host) in no more device memory, whichever predicts the
+  shorter iteration.
 
 With several ranks (a ``reduce_min`` given), "auto" plans together: every rank plans at the same steps from
 the same inputs (:func:`~lightning_dos.engine.agree.agreed_plan_inputs`), so all run the same plan. Drift seen
