@@ -258,8 +258,9 @@ class ZeRO3Adapter:
             # DeepSpeed's master_weights_and_grads_dtype: bf16 under bf16_master_weights_and_grads.
             master_dtype=self.flats[0].dtype,
             state_dtype=state_dtype(self.inner, self.flats[0].dtype),
-            # Resident sub-groups' gradients are copied on the device as backward makes them final (below).
-            keep_resident_grads=True,
+            # Resident sub-groups' gradients are copied on the device as backward makes them final (below), where
+            # DeepSpeed has the boundary copy to watch (0.19.5 to 0.19.8 do).
+            keep_resident_grads=hasattr(z, "_offload_grad_partition_at_boundary"),
         )
         freed = 0
         for i in range(len(self.flats)):
@@ -292,7 +293,8 @@ class ZeRO3Adapter:
             self._wait_before_gathers(z)
         #: The step begun during this backward (plan, inputs, step counts); None when none was.
         self._early: tuple[Plan, StepInputs, list[int]] | None = None
-        self._watch_gradients(z)
+        if self.engine.footprint.grads_on_device:
+            self._watch_gradients(z)
 
     # -- overlapping the update with the next forward ---------------------------------------------
 
@@ -733,6 +735,7 @@ class ZeRO3Adapter:
             steps=steps,
             inv_grad_scale=self._inverse_grad_scale(scaled_norm),
             predicted_s=predicted,
+            predicted_iteration_s=getattr(self.planner, "iteration_predicted_s", None),
         )
         return steps, inputs
 

@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos import report as report_cli
-from lightning_dos.callbacks.monitor import DOSMonitor
+from lightning_dos.callbacks.monitor import DOSMonitor, summary_table
 from lightning_dos.engine.plan import Place, Plan, even_plan
 from lightning_dos.engine.report import LANES, Span, StepReport
 from lightning_dos.engine.update_rules import ADAM_FP32
@@ -371,3 +371,14 @@ def test_pcie_util_uses_peak_gbps_then_the_engines_calibration_then_a_measuremen
     assert row["dos/pcie_util"] == pytest.approx(achieved / sum(best), rel=1e-3)
     with pytest.raises(ValueError, match="peak_gbps"):
         DOSMonitor(peak_gbps=0.0)
+
+
+def test_the_iteration_predicted_for_a_step_is_logged_beside_its_step_time() -> None:
+    report = _report(h2d=0, d2h=0, update_s=1.0)
+    monitor = DOSMonitor(peak_gbps=4.0)
+    monitor.on_fit_start(SimpleNamespace(strategy=SimpleNamespace(dos_engine=None)), None)
+    assert "dos/iteration_predicted_s" not in monitor._report_metrics(report, 1.0)  # phases not timed yet
+    report.predicted_iteration_s = 2.5
+    assert monitor._report_metrics(report, 1.0)["dos/iteration_predicted_s"] == 2.5
+    table = summary_table([{"dos/step_s": 2.0, "dos/iteration_predicted_s": 2.5}])
+    assert [cell for cell in table.columns[0].cells] == ["step", "step predicted"]

@@ -328,6 +328,7 @@ class _PlansAsOnTheNode(PlacementScheduler):
         super().__init__(*args, **kwargs)
         self.observed: list[tuple[int, float, float]] = []
         self.replans: list[tuple[int, Plan, Plan, HardwareRates, tuple | None]] = []
+        self.predictions: list[float | None] = []
 
     def observe_phases(self, forward_s: float, backward_s: float) -> None:
         self.observed.append((self.engine.reports_issued, forward_s, backward_s))
@@ -336,6 +337,7 @@ class _PlansAsOnTheNode(PlacementScheduler):
     def _replan(self, step: int) -> None:
         super()._replan(step)
         self.replans.append((step, self.update_plan, self._plan, self.rates, self.phases))
+        self.predictions.append(self.iteration_predicted_s)
 
 
 class _OnTheNode(DeepOptimizerStatesStrategy):
@@ -392,4 +394,7 @@ def test_auto_placement_measures_forward_and_backward_and_plans_the_whole_iterat
             assert phases == (forward_s, backward_s)
             assert plan == shortest_iteration_plan(engine.sizes, rates, 4, update_plan, *phases, overlap)
     assert engine.report_number(first).plan == scheduler.replans[steps.index(first)][2]
+    # Each step's report carries the iteration predicted for its plan (DOSMonitor logs dos/iteration_predicted_s).
+    assert [engine.report_number(n).predicted_iteration_s for n in range(1, first)] == [None] * (first - 1)
+    assert engine.report_number(first).predicted_iteration_s == scheduler.predictions[steps.index(first)] > 0
     assert any(plan != update_plan for _, update_plan, plan, _, _ in scheduler.replans[1:]), "no iteration plan"

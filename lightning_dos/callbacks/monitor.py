@@ -255,6 +255,8 @@ class DOSMonitor(Callback):
     sum of their calibrated peaks), ``dos/gpu_fraction`` (share of elements updated on the device),
     ``dos/engine_update_s`` (the engine's own update loop, inside the update phase),
     ``dos/update_predicted_s`` (the performance model's prediction of that loop, when it made one),
+    ``dos/iteration_predicted_s`` (the whole iteration's prediction, overlap included, beside ``dos/step_s``,
+    once ``gpu_fraction="auto"`` has timed forward and backward on an accelerator),
     ``dos/pinned_gb`` (host memory really pinned; 0 without CUDA), ``dos/fallback_subgroups`` (sub-groups the
     plan put on the device that ran on the host for lack of device memory) and ``dos/host_threads``, torch's
     intra-op threads on this rank. Beside them, the learning rate each param group's update of the step used
@@ -493,6 +495,8 @@ class DOSMonitor(Callback):
                 row["dos/pcie_util"] = (report.h2d_bytes + report.d2h_bytes) / seconds / peak
         if report.predicted_s is not None and math.isfinite(report.predicted_s):
             row["dos/update_predicted_s"] = float(report.predicted_s)
+        if report.predicted_iteration_s is not None:
+            row["dos/iteration_predicted_s"] = float(report.predicted_iteration_s)
         return row
 
     def _peak_bps(self) -> tuple[float, float]:
@@ -556,6 +560,7 @@ _SUMMARY_ROWS = (
     ("backward", "dos/backward_s", 1.0, "s"),
     ("update", "dos/update_s", 1.0, "s"),
     ("step", "dos/step_s", 1.0, "s"),
+    ("step predicted", "dos/iteration_predicted_s", 1.0, "s"),
     ("engine update loop", "dos/engine_update_s", 1.0, "s"),
     ("engine update predicted", "dos/update_predicted_s", 1.0, "s"),
     ("host to device", "dos/h2d_gbps", 1.0, "GB/s"),

@@ -22,6 +22,7 @@ class StepInputs:
         steps: the step number to apply to each flat partition (1 for its first update).
         inv_grad_scale: factor that unscales and clips gradients (1 / DeepSpeed's combined scale).
         predicted_s: the performance model's prediction for this step's plan, if any.
+        predicted_iteration_s: the whole iteration's prediction for this step's plan, if any.
     """
 
     grads: Sequence[torch.Tensor]
@@ -30,3 +31,4 @@ class StepInputs:
     steps: Sequence[int]
     inv_grad_scale: float = 1.0
     predicted_s: float | None = None
+    predicted_iteration_s: float | None = None

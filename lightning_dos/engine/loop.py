@@ -407,6 +407,16 @@ class InterleavedUpdate:
                 self._kept.clear()  # read by this step (or not at all): the next backward writes anew
                 self._end_landing()
 
+    def _new_report(self, plan: Plan, inputs: StepInputs) -> StepReport:
+        """This step's report for ``plan``, with the planner's predictions it was chosen by."""
+        return StepReport(
+            self.steps_taken,
+            plan,
+            self.sizes,
+            predicted_s=inputs.predicted_s,
+            predicted_iteration_s=inputs.predicted_iteration_s,
+        )
+
     def _reached_together(self, points: tuple[str, ...], index: int) -> None:
         """Record several points one operation passed at once, then call the test seam for each."""
         if self._progress is not None:
@@ -429,7 +439,7 @@ class InterleavedUpdate:
         """Update the plan's host sub-groups as backward reports their gradients final, until backward ends; return
         what was done (``skipped`` when the step is skipped or abandoned, which must find nothing changed)."""
         self.streams.start_timeline(self.timing)
-        report = StepReport(self.steps_taken, plan, self.sizes, predicted_s=inputs.predicted_s)
+        report = self._new_report(plan, inputs)
         self.updated_early = early = []
         self._early_tail = None
         step_tensors: dict[int, torch.Tensor] = {}
@@ -507,7 +517,7 @@ class InterleavedUpdate:
             buffers = []
         plan = self._make_resident(plan, streams)
         progress.places = plan.places
-        report = StepReport(self.steps_taken, plan, self.sizes, predicted_s=inputs.predicted_s)
+        report = self._new_report(plan, inputs)
         if early is not None:  # what backward's phase did counts in this step's report
             report.host_elements, report.h2d_bytes = early.host_elements, early.h2d_bytes
             report.update_s = early.update_s

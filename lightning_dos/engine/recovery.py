@@ -85,7 +85,13 @@ def settle_interrupted_update(
         )
         raise TornStateError(engine.torn) from error
     places = progress.places or (Place.HOST,) * len(engine.sub_groups)
-    report = StepReport(step, Plan(tuple(places)), engine.sizes, predicted_s=inputs.predicted_s)
+    report = StepReport(
+        step,
+        Plan(tuple(places)),
+        engine.sizes,
+        predicted_s=inputs.predicted_s,
+        predicted_iteration_s=inputs.predicted_iteration_s,
+    )
     report.fallback_host = finished
     report.host_elements = sum(engine.sizes[i] for i in finished)
     engine.last_report = report
@@ -172,7 +178,9 @@ def take_on_host(engine: InterruptedEngine, inputs: StepInputs, interrupted: Upd
         )
         raise TornStateError(engine.torn) from interrupted.error
     all_host = Plan((Place.HOST,) * len(engine.sub_groups))
-    report = StepReport(step, all_host, engine.sizes, predicted_s=inputs.predicted_s)
+    report = StepReport(
+        step, all_host, engine.sizes, predicted_s=inputs.predicted_s, predicted_iteration_s=inputs.predicted_iteration_s
+    )
     report.fallback_host = finished
     report.host_elements = sum(engine.sizes)
     engine.last_report = report

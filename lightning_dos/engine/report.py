@@ -50,6 +50,8 @@ class StepReport:
         skipped: True when the step was skipped (fp16 loss-scale overflow); nothing was updated.
         update_s: wall time of the engine's update loop, from its first launch to the last byte home.
         predicted_s: the performance model's prediction for this plan, when one was made.
+        predicted_iteration_s: the whole iteration's prediction (forward, backward and this update, overlapped as
+            the framework runs them) for the measured forward and backward, when the planner made one.
         h2d_bytes: bytes copied host-to-device during the update.
         d2h_bytes: bytes copied device-to-host during the update.
         host_elements: elements updated by host Adam.
@@ -67,6 +69,7 @@ class StepReport:
     skipped: bool = False
     update_s: float = 0.0
     predicted_s: float | None = None
+    predicted_iteration_s: float | None = None
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     host_elements: int = 0

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from lightning_dos.engine.agree import ReduceMin, agreed_plan_inputs
-from lightning_dos.engine.iteration import MODES, shortest_iteration_plan
+from lightning_dos.engine.iteration import MODES, iteration_s, predicted_timeline, shortest_iteration_plan
 from lightning_dos.engine.loop import InterleavedUpdate
 from lightning_dos.engine.perfmodel import HardwareRates, RateEstimator, choose_plan, predict
 from lightning_dos.engine.plan import FractionSpec, Plan, all_host
@@ -71,6 +71,8 @@ class PlacementScheduler:
         #: (forward, backward) seconds per iteration the plan is made for, agreed by the ranks; None until measured.
         self.phases: tuple[float, float] | None = None
         self._new_phases: tuple[float, float] | None = None
+        #: The predicted iteration (``overlap``'s composition) of the plan in force, once the phases are known.
+        self.iteration_predicted_s: float | None = None
         self.spec = spec
         self.engine = engine
         self._calibrate = calibrate
@@ -179,6 +181,8 @@ class PlacementScheduler:
             self._plan = shortest_iteration_plan(
                 sizes, rates, lp, self._plan, forward_s, backward_s, self.overlap, footprint=fp
             )
+            timeline = predicted_timeline(sizes, self._plan, rates, lp, footprint=fp)
+            self.iteration_predicted_s = iteration_s(sizes, self._plan, timeline, forward_s, backward_s)[self.overlap]
         self._planned_at = step
 
     def _observe_last_report(self) -> None:
