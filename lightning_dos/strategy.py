@@ -54,7 +54,12 @@ from lightning_dos.preflight import (
     partition_numels,
     pin_backend,
 )
-from lightning_dos.ranks import Calibration, calibrate_together, reduce_min_over_ranks
+from lightning_dos.ranks import (
+    Calibration,
+    calibrate_together,
+    destroy_process_group_at_exit,
+    reduce_min_over_ranks,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -221,6 +226,8 @@ class DeepSpeedCPUStrategy(DeepSpeedStrategy):
         )
 
     def setup_distributed(self) -> None:
+        # Destroyed at exit, before the interpreter is torn down (see destroy_process_group_at_exit).
+        destroy_process_group_at_exit()
         if isinstance(self.accelerator, CUDAAccelerator):
             super().setup_distributed()
             return
