@@ -33,6 +33,10 @@ def destroy_process_group_at_exit() -> None:
     frees them after the interpreter is gone and the process aborts with "terminate called without an active
     exception" (pytorch/pytorch#190489): a finished run that exits with SIGABRT. Registered once per process; a
     group the user destroyed already is left alone.
+
+    Destroying waits for this rank's collectives in flight. A collective no other rank will ever join (a rank whose
+    run failed mid-collective) keeps the process from exiting with or without this (measured on gloo: the
+    interpreter's own teardown waits for it too), until the other ranks exit or the group's timeout passes.
     """
     global _destroy_registered
     if not _destroy_registered:
