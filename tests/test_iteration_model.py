@@ -17,10 +17,11 @@ from lightning_dos.engine.iteration import (
     shortest_iteration_plan,
 )
 from lightning_dos.engine.loop import InterleavedUpdate
-from lightning_dos.engine.perfmodel import device_bytes, predict
+from lightning_dos.engine.perfmodel import device_bytes, predict, rates_for
 from lightning_dos.engine.phases import IterationPhases
 from lightning_dos.engine.plan import Place, Plan, parse_gpu_fraction
 from lightning_dos.engine.scheduler import PlacementScheduler
+from lightning_dos.engine.update_rules import ADAM_FP32
 from lightning_dos.planner import footprint_of
 from lightning_dos.profiles import load_profile
 from lightning_dos.sim.simulate import auto_plan, sub_group_sizes
@@ -51,7 +52,12 @@ def test_the_predicted_timeline_is_predicts_own_arithmetic_per_sub_group(node: t
     assert timeline.total_s == predict(sizes, plan, rates, 2).time_s
     host = [timeline.land_s[i] for i in plan.host_indices]
     assert host == sorted(host) and host[-1] <= timeline.total_s + 1e-12
-    assert timeline.device_end_s == pytest.approx(max(timeline.land_s[i] for i in plan.streamed_indices))
+    # A streamed sub-group lands with its cast on the device; its state's download home follows it.
+    streamed = [timeline.land_s[i] for i in plan.streamed_indices]
+    assert streamed == sorted(streamed)
+    last = plan.streamed_indices[-1]
+    download_s = ADAM_FP32.streamed_down * sizes[last] / rates_for(rates, ADAM_FP32).duplex_d2h_bps
+    assert timeline.device_end_s == pytest.approx(timeline.land_s[last] + download_s)
     assert all(timeline.host_s[i] == 0 for i in plan.streamed_indices)
 
 

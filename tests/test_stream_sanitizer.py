@@ -532,3 +532,32 @@ def test_a_gradient_kept_on_the_device_is_read_only_after_the_steps_device_wide_
     assert any("lightning_dos.keep_gradient" in str(race) for race in checker.races), checker.races[:3]
     checker, _, engine = run(all_resident, backward_sync=False)
     assert checker.races == [] and engine.last_report.h2d_bytes == 0, "nothing uploaded once resident"
+
+
+def _engine_with(old: str, new: str) -> type:
+    """The engine with one statement of its source replaced (``old`` must occur once)."""
+    source = inspect.getsource(loop_module)
+    assert source.count(old) == 1, old
+    module = types.ModuleType("lightning_dos.engine.loop_variant")
+    module.__file__ = "variant/loop.py"
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(source.replace(old, new), "variant/loop.py", "exec"), module.__dict__)  # noqa: S102
+    finally:
+        del sys.modules[module.__name__]
+    return module.InterleavedUpdate
+
+
+def test_a_streamed_sub_group_lands_with_its_cast_not_its_download() -> None:
+    """The next forward waits for a streamed sub-group only until its 16-bit cast on the device (the state's
+    download home goes on beside it): that is race-free, and landing any earlier (at its upload) is a race with
+    the cast, which the checker reports."""
+    streamed = next(s for s in SCENARIOS if s.name == "streamed, 2 buffers")
+    landing = "self._land(index, computed if buf.lp is None else slot_free[slot])"
+    checker, _, _ = run(streamed, overlap=True)
+    assert checker.races == []
+    early = _engine_with(landing, "self._land(index, uploaded)")
+    checker, _, _ = run(streamed, early, overlap=True)
+    assert any(
+        "16-bit partition" in race.memory and "_launch_device_side" in race.previous.where for race in checker.races
+    ), checker.races[:3]

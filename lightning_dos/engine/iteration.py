@@ -36,8 +36,9 @@ class UpdateTimeline:
     """One update's schedule, in seconds from its start.
 
     Attributes:
-        land_s: per sub-group, when its 16-bit result has landed (host sub-groups: their 16-bit upload; streamed
-            ones: their download home, which the engine's landing event follows).
+        land_s: per sub-group, when its 16-bit result has landed (host sub-groups: their 16-bit upload; device
+            ones: their cast on the device, which the engine's landing event follows; their download home goes on
+            beside the next forward).
         host_s: per sub-group, the CPU seconds of its update (0 for device sub-groups).
         upload_s: per sub-group, seconds from the end of its host update to its landing (0 for device ones).
         device_end_s: when the device side is over (uploads, updates, downloads).
@@ -186,7 +187,7 @@ def predicted_timeline(
         h2d_free = max(h2d_free, slots[slot]) + footprint.streamed_up * n / up
         compute_free = max(compute_free, h2d_free) + n / rates.device_adam_eps
         d2h_free = slots[slot] = max(d2h_free, compute_free) + footprint.streamed_down * n / down
-        land[i] = d2h_free
+        land[i] = compute_free  # the 16-bit cast is on the device (the engine lands it there)
     device_end = max(h2d_free, compute_free, d2h_free)
     cpu = lp_free = 0.0
     per_element = 1.0 / rates.host_adam_eps + 1.0 / rates.host_cast_eps

@@ -794,7 +794,10 @@ class InterleavedUpdate:
                     dst.copy_(src, non_blocking=True)
                 self._reached("done", index)
             slot_free[slot] = streams.record(streams.d2h)
-            self._land(index, slot_free[slot])
+            # The next forward reads only the 16-bit result: cast on the device, it is there once the compute stream
+            # has run the cast; the state's download home (which the next backward and checkpoints wait for, with
+            # the whole update) need not hold the forward back. Cast into the buffer, it is there once downloaded.
+            self._land(index, computed if buf.lp is None else slot_free[slot])
             report.h2d_bytes += self.footprint.streamed_up * n
             report.d2h_bytes += down
             report.device_elements += n

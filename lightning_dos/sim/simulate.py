@@ -183,8 +183,9 @@ def simulate(
 
 
 def replayed_timeline(result: Simulation) -> UpdateTimeline:
-    """The replayed update's :class:`~lightning_dos.engine.iteration.UpdateTimeline`: each sub-group lands with its
-    last operation (its 16-bit upload, or its download home), its host work is its spans on the host."""
+    """The replayed update's :class:`~lightning_dos.engine.iteration.UpdateTimeline`: a host sub-group lands with its
+    16-bit upload, a device one with its cast on the device (as the engine lands them; a streamed sub-group's
+    download home goes on after), its host work is its spans on the host."""
     n, plan = len(result.sizes), result.plan
     land, host, host_end = [0.0] * n, [0.0] * n, [0.0] * n
     device_end = 0.0
@@ -192,7 +193,8 @@ def replayed_timeline(result: Simulation) -> UpdateTimeline:
         i = span.sub_group
         if i < 0:
             continue
-        land[i] = max(land[i], span.end_s)
+        if plan.places[i] == Place.HOST or span.lane == "cast":
+            land[i] = max(land[i], span.end_s)
         if span.stream == "host":
             host[i] += span.end_s - span.start_s
             host_end[i] = max(host_end[i], span.end_s)
