@@ -412,17 +412,21 @@ class _Remove(ast.NodeTransformer):
     visit_AugAssign = _drop
 
 
-def mutant_engine(line: int) -> type:
-    source = inspect.getsource(loop_module)
-    tree = ast.fix_missing_locations(_Remove(line).visit(ast.parse(source)))
+def _engine_from(code: ast.Module | str) -> type:
+    """The engine class built from ``code``: the engine's own source, changed (an AST or the text)."""
     module = types.ModuleType("lightning_dos.engine.loop_mutant")
     module.__file__ = "mutant/loop.py"
     sys.modules[module.__name__] = module  # dataclasses look their module up while the class is built
     try:
-        exec(compile(tree, "mutant/loop.py", "exec"), module.__dict__)  # noqa: S102 - the engine's own source
+        exec(compile(code, "mutant/loop.py", "exec"), module.__dict__)  # noqa: S102 - the engine's own source
     finally:
         del sys.modules[module.__name__]
     return module.InterleavedUpdate
+
+
+def mutant_engine(line: int) -> type:
+    source = inspect.getsource(loop_module)
+    return _engine_from(ast.fix_missing_locations(_Remove(line).visit(ast.parse(source))))
 
 
 def races_of(engine_class: type, backward_sync: bool, case: str = "adam-fp32") -> list[str]:
@@ -538,14 +542,7 @@ def _engine_with(old: str, new: str) -> type:
     """The engine with one statement of its source replaced (``old`` must occur once)."""
     source = inspect.getsource(loop_module)
     assert source.count(old) == 1, old
-    module = types.ModuleType("lightning_dos.engine.loop_variant")
-    module.__file__ = "variant/loop.py"
-    sys.modules[module.__name__] = module
-    try:
-        exec(compile(source.replace(old, new), "variant/loop.py", "exec"), module.__dict__)  # noqa: S102
-    finally:
-        del sys.modules[module.__name__]
-    return module.InterleavedUpdate
+    return _engine_from(source.replace(old, new))
 
 
 def test_a_streamed_sub_group_lands_with_its_cast_not_its_download() -> None:
