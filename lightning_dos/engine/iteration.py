@@ -20,7 +20,7 @@ come first and finish early), and DeepSpeed's own work between the phases. Pure 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lightning_dos.engine.perfmodel import HardwareRates, device_bytes, predict, rates_for
@@ -114,22 +114,71 @@ def iteration_plan(
     footprint: Footprint = ADAM_FP32,
     resident: Sequence[int] = (),
 ) -> Plan:
-    """The streamed/host placement that minimises ``mode``'s predicted iteration (not the update alone): every
-    count of streamed sub-groups, placed first (the next forward needs them first; backward makes their gradients
-    final last, so the host ones are updated during backward under ``auto``) or last among the sub-groups not in
-    ``resident`` (which stay resident), through ``buffers`` staging buffers (what fits the device, as the
-    update-only plan found)."""
+    """The streamed/host placement that minimises ``mode``'s predicted iteration (not the update alone), through
+    ``buffers`` staging buffers (what fits the device, as the update-only plan found), the sub-groups in
+    ``resident`` staying resident: the best of every count of streamed sub-groups placed first (the next forward
+    needs them first; backward makes their gradients final last, so the host ones are updated during backward under
+    ``auto``) or last among the others, then improved a sub-group at a time (:func:`_refined`)."""
     n, fixed, best = len(sizes), set(resident), None
     free = [i for i in range(n) if i not in fixed]
+
+    def predicted(places: Sequence[Place]) -> float:
+        plan = Plan(tuple(places), max(1, buffers))
+        timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
+        return iteration_s(sizes, plan, timeline, forward_s, backward_s)[mode]
+
     for streamed, first in itertools.product(range(len(free) + 1), (True, False)):
         device = set(free[:streamed] if first else free[len(free) - streamed :])
         places = tuple(Place.RESIDENT if i in fixed else Place.DEVICE if i in device else Place.HOST for i in range(n))
-        plan = Plan(places, max(1, buffers))
-        timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
-        seconds = iteration_s(sizes, plan, timeline, forward_s, backward_s)[mode]
+        seconds = predicted(places)
         if best is None or seconds < best[0]:
-            best = (seconds, plan)
-    return best[1]
+            best = (seconds, places)
+    return Plan(_refined(best[1], best[0], free, predicted), max(1, buffers))
+
+
+#: Predictions :func:`_refined` may make (each one pass over the sub-groups): about 0.3 s at 50 sub-groups and 1 s
+#: at 200 on a 2-core CPU, paid at each re-plan (every 50th iteration with overlap on).
+REFINE_PREDICTIONS = 1000
+
+
+def _refined(
+    places: tuple[Place, ...],
+    seconds: float,
+    free: Sequence[int],
+    predicted: Callable[[Sequence[Place]], float],
+    limit: int = REFINE_PREDICTIONS,
+) -> tuple[Place, ...]:
+    """``places`` improved by single moves among the ``free`` sub-groups while one shortens the ``predicted``
+    iteration: one sub-group between streamed and host, or two neighbours trading places. Each round takes its
+    best move (the first on a tie, so the result is deterministic); it stops when none shortens the prediction
+    or after ``limit`` predictions.
+
+    Why not only the best count of streamed sub-groups placed first: after backward the CPU and the upload link
+    both deliver sub-groups to the next forward, the CPU one per host update and the link one per streamed upload,
+    each several times slower than the forward uses them. Streamed sub-groups spread among the later host ones
+    keep both busy until the end (with clipping, when the host updates nothing during backward, by several
+    percent: 20B on ``paper-h100x4`` at forward 1 s + backward 2 s, 3.73 s -> 3.63 s simulated)."""
+    current, used = list(places), 0
+    while used < limit:
+        moves = []
+        for k, i in enumerate(free):
+            flipped = list(current)
+            flipped[i] = Place.HOST if current[i] == Place.DEVICE else Place.DEVICE
+            moves.append(flipped)
+            if k + 1 < len(free) and current[i] != current[free[k + 1]]:
+                traded = list(current)
+                traded[i], traded[free[k + 1]] = current[free[k + 1]], current[i]
+                moves.append(traded)
+        best = None
+        for move in moves[: limit - used]:
+            candidate = predicted(move)
+            if candidate < seconds * (1 - 1e-9) and (best is None or candidate < best[0]):
+                best = (candidate, move)
+        used += len(moves)
+        if best is None:
+            break
+        seconds, current = best
+    return tuple(current)
 
 
 def shortest_iteration_plan(
