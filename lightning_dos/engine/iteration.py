@@ -136,7 +136,7 @@ def iteration_plan(
     return Plan(_refined(best[1], best[0], free, predicted), max(1, buffers))
 
 
-#: Predictions :func:`_refined` may make (each one pass over the sub-groups): about 0.3 s at 50 sub-groups and 1 s
+#: Predictions :func:`_refined` may make (each one pass over the sub-groups): about 0.2 s at 50 sub-groups and 1 s
 #: at 200 on a 2-core CPU, paid at each re-plan (every 50th iteration with overlap on).
 REFINE_PREDICTIONS = 1000
 
