@@ -396,7 +396,7 @@ class ZeRO3Adapter:
             if self.overlap != "backward":
                 return
             # The copy was issued on DeepSpeed's current (reduce) stream: its event is when the gradient lands.
-            landed = engine.streams.record(engine.streams.compute)
+            landed = engine.streams.record(engine.streams.current)
             if self._early is None:
                 self._begin_early()
             for index, count in self._overlaps(flat, offset, grad_buffer.numel()):

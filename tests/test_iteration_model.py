@@ -146,7 +146,10 @@ def test_simulate_times_the_whole_iteration_replayed_and_predicted(
     replayed, predicted = got["iteration_s"], got["iteration_predicted_s"]
     assert set(replayed) == set(predicted) == {"off", "forward", "auto", "stock"}
     assert got["forward_backward_s"] == forward + backward
-    assert replayed["off"] == pytest.approx(forward + backward + got["update_s"])
+    # Off: backward, DeepSpeed's copy of the gradient made final last (the first sub-group's, 2 bytes per element,
+    # after backward's last kernel), the update, then the forward.
+    last_copy = 2 * 100_000_000 / load_profile("paper-h100x4")[0].d2h_bps
+    assert replayed["off"] == pytest.approx(forward + backward + last_copy + got["update_s"])
     assert replayed["stock"] >= replayed["off"] >= replayed["forward"] >= replayed["auto"] >= forward + backward
     for mode in ("off", "forward", "auto"):
         assert replayed[mode] == pytest.approx(predicted[mode], rel=0.10), mode

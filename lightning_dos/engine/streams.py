@@ -1,10 +1,12 @@
 """Transfer streams and events: the interface the engine issues its asynchronous work through.
 
-On CUDA the engine uses three side streams: ``h2d`` uploads device sub-groups' fp32 state,
-``lp_h2d`` uploads host-cast 16-bit parameters, ``d2h`` downloads updated state. Host-side 16-bit
-uploads get a stream of their own so that they never queue behind a device upload that is waiting
-for a free staging buffer (a FIFO stream would hold them, and the PCIe link, idle). Kernels run on
-the caller's current stream.
+On CUDA the engine uses four side streams: ``h2d`` uploads device sub-groups' fp32 state,
+``lp_h2d`` uploads host-cast 16-bit parameters, ``d2h`` downloads updated state, and ``compute`` runs
+the device update's kernels. Host-side 16-bit uploads get a stream of their own so that they never
+queue behind a device upload that is waiting for a free staging buffer (a FIFO stream would hold them,
+and the PCIe link, idle). The kernels get one for the same reason: each waits for its sub-group's
+upload, and on the default stream the next forward's kernels (issued by the training thread while the
+update runs, with ``overlap`` on) would queue behind every one of those waits.
 
 Three implementations share one interface:
 
@@ -46,6 +48,7 @@ class Streams:
         h2d: host-to-device stream for device sub-groups' fp32 state (None when synchronous).
         lp_h2d: host-to-device stream for host-cast 16-bit parameters (None when synchronous).
         d2h: device-to-host stream for updated state (None when synchronous).
+        compute: the stream the device update's kernels run on (None when synchronous).
     """
 
     is_async = False
@@ -83,7 +86,12 @@ class Streams:
 
     @property
     def compute(self) -> Any:
-        """Kernels run on the caller's current stream, read at each use (the caller may change it)."""
+        """The stream the engine's device kernels run on (None when synchronous)."""
+        return None
+
+    @property
+    def current(self) -> Any:
+        """The calling thread's current stream (DeepSpeed's, inside its hooks); None when synchronous."""
         return None
 
     @contextlib.contextmanager
@@ -159,9 +167,14 @@ class CudaStreams(Streams):
         self.h2d = torch.cuda.Stream(device)
         self.lp_h2d = torch.cuda.Stream(device)
         self.d2h = torch.cuda.Stream(device)
+        self.update = torch.cuda.Stream(device)
 
     @property
     def compute(self) -> torch.cuda.Stream:
+        return self.update
+
+    @property
+    def current(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
 
     @contextlib.contextmanager

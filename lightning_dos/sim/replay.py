@@ -4,17 +4,20 @@ The input is the stream-race checker's operation log (:class:`~lightning_dos.sim
 the order in which the engine *actually* issued its work, with every stream, event, wait and host wait.
 The model:
 
-- the **host thread** walks the log in program order: host Adam (with the gradient's unscale, which the
-  one-pass host update does alongside) at ``host_adam_eps``, the 16-bit cast at ``host_cast_eps``; issuing
-  device work costs nothing; a host wait or device synchronisation blocks it until the awaited work has
-  finished;
+- each **host thread** (the update's; in a whole iteration also the training thread's) walks its entries in
+  program order on a clock of its own: host Adam (with the gradient's unscale, which the one-pass host update
+  does alongside) at ``host_adam_eps``, the 16-bit cast at ``host_cast_eps``; issuing device work costs
+  nothing; a host wait, a synchronisation or another thread's mark (a condition variable) blocks it until the
+  awaited work has finished;
 - each **stream** runs its work in order; a wait holds it until the event's work has finished;
 - one **copy engine per direction** (uploads on ``h2d`` and ``lp_h2d`` share one, downloads use the other)
   serves one copy at a time, at the profile's solo rate, or its duplex rate while the other direction is
   busy too (rates change as copies start and end);
-- the **compute stream** runs the device update at ``device_adam_eps`` (scaled to the optimizer's rule and
-  dtypes, :func:`~lightning_dos.engine.perfmodel.rates_for`); other device kernels (the 16-bit cast, gradient
-  scaling) are memory-bound and run at the bandwidth device Adam implies, by the bytes each element moves;
+- the engine's **compute stream** runs the device update at ``device_adam_eps`` (scaled to the optimizer's rule
+  and dtypes, :func:`~lightning_dos.engine.perfmodel.rates_for`); other device kernels (the 16-bit cast,
+  gradient scaling) are memory-bound and run at the bandwidth device Adam implies, by the bytes each element
+  moves; forward and backward layers (a whole iteration's) take the seconds logged with them; kernels of
+  different streams run side by side;
 - each sub-group's update is charged once per side, at the rule's rate, however many kernels the engine ran
   it in (:func:`one_update_per_sub_group`): the compiled host pass is one, torch's path for a rule or dtype
   is several (conversions, one kernel per term), and the calibrated rate is that of the whole update.
@@ -26,6 +29,7 @@ The figures are simulated, not measured.
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -36,7 +40,9 @@ from lightning_dos.engine.perfmodel import HardwareRates, rates_for, update_byte
 from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
 from lightning_dos.sim.sanitizer import HOST, LoggedOp
 
-COPY_LANES = {"upload": "h2d", "lp_upload": "h2d", "download": "d2h"}
+COPY_LANES = {"upload": "h2d", "lp_upload": "h2d", "download": "d2h", "grad_download": "d2h"}
+#: Compute-stream work whose logged ``seconds`` are its time (the forward's and backward's layers).
+LAYER_LANES = ("forward", "backward")
 _EPS = 1e-15
 
 
@@ -62,6 +68,8 @@ class ReplayResult:
         h2d_bytes: bytes uploaded.
         d2h_bytes: bytes downloaded.
         spans: every operation, for a trace.
+        host_clock_s: each host thread's clock when it had done its last entry.
+        marks_s: when each ``host_record`` was reached.
     """
 
     time_s: float
@@ -69,6 +77,8 @@ class ReplayResult:
     h2d_bytes: float
     d2h_bytes: float
     spans: list[ReplaySpan] = field(default_factory=list)
+    host_clock_s: dict[int, float] = field(default_factory=dict)
+    marks_s: dict[int, float] = field(default_factory=dict)
 
     def busy_share(self) -> dict[str, float]:
         return {k: (v / self.time_s if self.time_s > 0 else 0.0) for k, v in self.busy_s.items()}
@@ -84,6 +94,8 @@ class _Item:
     remaining: float = 0.0
     started: float = -1.0
     sub_group: int = -1
+    done: bool = False
+    finished: float = 0.0
 
 
 def device_kernel_bytes(lane: str, footprint: Footprint = ADAM_FP32, lp_bytes: int = 2) -> int:
@@ -112,12 +124,15 @@ class _Device:
     def submit(self, stream: int, item: _Item) -> None:
         self.queues.setdefault(stream, deque()).append(item)
 
-    def _resource(self, lane: str) -> str:
-        return COPY_LANES.get(lane, "compute")
+    def _resource(self, lane: str, stream: int) -> str:
+        """A copy engine, or the compute of one stream: kernels of different streams run side by side (the
+        engine's are short and memory-bound beside the forward's and backward's; their contention is not
+        modelled), a stream's own run one at a time."""
+        return COPY_LANES.get(lane, f"compute:{stream}")
 
     def _rate(self, resource: str) -> float:
         r = self.rates
-        if resource == "compute":
+        if resource.startswith("compute"):
             return 1.0  # compute items carry seconds of work already
         duplex = ("d2h" if resource == "h2d" else "h2d") in self.active
         if resource == "h2d":
@@ -137,48 +152,54 @@ class _Device:
                     continue
                 if head.kind == "record":
                     self.done_events[head.event] = self.now
-                    queue.popleft()
+                    self._pop(stream)
                     progressed = True
                 elif head.kind == "wait":
                     if head.event in self.done_events:
-                        queue.popleft()
+                        self._pop(stream)
                         progressed = True
                 else:
                     candidates.append((head.issued, stream, id(head), head))
             for _, stream, _, head in sorted(candidates, key=lambda c: (c[0], c[1])):
-                resource = self._resource(head.lane)
+                resource = self._resource(head.lane, stream)
                 if resource in self.active:
                     continue
                 head.started = self.now
                 self.active[resource] = (stream, head)
                 progressed = True
 
+    def _pop(self, stream: int) -> _Item:
+        item = self.queues[stream].popleft()
+        item.done, item.finished = True, self.now
+        return item
+
     def _next_time(self) -> float | None:
         times = [self.now + item.remaining / self._rate(res) for res, (_, item) in self.active.items()]
         times += [q[0].issued for q in self.queues.values() if q and q[0].issued > self.now + _EPS]
         return min(times) if times else None
 
-    def advance(self, until: Any) -> None:
-        """Run the device until ``until()`` is true (or nothing is left to run)."""
+    def advance(self, until: Any, limit: float = math.inf) -> None:
+        """Run the device until ``until()`` is true, nothing is left to run, or the next change would come after
+        ``limit`` (a host thread that may still issue work then)."""
         while True:
             self._start_ready()
             if until():
                 return
             t = self._next_time()
-            if t is None:
+            if t is None or t > limit:
                 return
             dt = max(0.0, t - self.now)
             rates = {res: self._rate(res) for res in self.active}
             finished = []
             for res, (_, item) in self.active.items():
                 item.remaining -= rates[res] * dt
-                self.busy[res] += dt
+                self.busy[res.split(":")[0]] += dt
                 if item.remaining <= max(_EPS, 1e-9 * item.amount):
                     finished.append(res)
             self.now = t
             for res in finished:
                 stream, item = self.active.pop(res)
-                self.queues[stream].popleft()
+                self._pop(stream)
                 span = ReplaySpan(item.lane, str(stream), item.started, self.now, item.amount, item.sub_group)
                 self.spans.append(span)
 
@@ -253,51 +274,102 @@ def replay(
 ) -> ReplayResult:
     """Replay ``log`` on the node ``rates`` describes, every amount multiplied by ``scale``; ``footprint`` is the
     optimizer's rule and dtypes the logged engine ran (its update rates and kernel bytes; copies move the bytes
-    logged)."""
+    logged).
+
+    Each host thread of the log (``LoggedOp.host``) walks its own entries in program order on a clock of its own;
+    the thread whose clock is earliest goes next, so that work reaches the device in the order it was issued in
+    time. A thread blocked on a host wait, a stream or device synchronisation, or a mark of another thread
+    (``host_record``: a condition variable) resumes when that has happened. Event ids are unique per record (the
+    simulated streams and the checker number each record afresh), so a wait names the one record it waits for;
+    waiting for an event never recorded returns at once, as on a GPU."""
     if rates.device_adam_eps <= 0:
         raise ValueError("replay needs a profile with an accelerator (device_adam_eps > 0)")
+    entries = one_update_per_sub_group(log)
+    recorded = {e.event for e in entries if e.kind in ("record", "host_record")}
     device = _Device(rates)
-    host_t = 0.0
+    threads: dict[int, deque[LoggedOp]] = {}
+    for entry in entries:
+        threads.setdefault(entry.host, deque()).append(entry)
+    clock = dict.fromkeys(threads, 0.0)
+    marks: dict[int, float] = {}  # host_record events: when their thread reached them
+    snapshots: dict[int, list[_Item]] = {}  # a synchronising thread's work to wait for, taken as it reached it
     host_busy = 0.0
     host_spans: list[ReplaySpan] = []
     h2d_bytes = d2h_bytes = 0.0
-    for entry in one_update_per_sub_group(log):
+
+    def blocking(entry: LoggedOp) -> bool:
+        return entry.kind in ("sync", "stream_sync") or entry.kind == "host_wait" and entry.event in recorded
+
+    def done_at(thread: int) -> float | None:
+        """When the wait at the head of ``thread`` is over (None: not yet)."""
+        entry = threads[thread][0]
+        if entry.kind == "host_wait":
+            if entry.event in marks:
+                return marks[entry.event]
+            return device.done_events.get(entry.event)
+        waited = snapshots.get(thread)
+        if waited is None or any(not item.done for item in waited):
+            return None
+        return max((item.finished for item in waited), default=0.0)
+
+    while True:
+        live = [h for h, ops in threads.items() if ops]
+        if not live:
+            break
+        blocked = [h for h in live if blocking(threads[h][0]) and (h in snapshots or threads[h][0].kind == "host_wait")]
+        running = [h for h in live if h not in blocked]
+        horizon = min((clock[h] for h in running), default=math.inf)
+        # The device runs up to the earliest running thread's clock, or until a blocked thread may go on.
+        device.advance(lambda waiting=blocked: any(done_at(h) is not None for h in waiting), limit=horizon)
+        resumed = [h for h in blocked if done_at(h) is not None]
+        for h in resumed:
+            clock[h] = max(clock[h], done_at(h))
+            threads[h].popleft()
+            snapshots.pop(h, None)
+        if resumed:
+            continue
+        if not running:
+            raise RuntimeError(f"replay deadlock: host threads {sorted(blocked)} wait for work never issued")
+        h = min(running, key=lambda t: (clock[t], t))
+        entry = threads[h][0]
+        now = clock[h]
+        if entry.kind in ("sync", "stream_sync"):
+            # Every earlier-clocked thread has issued its work: the synchronisation waits for what is queued now.
+            streams = device.queues if entry.kind == "sync" else {entry.stream: device.queues.get(entry.stream, ())}
+            snapshots[h] = [item for queue in streams.values() for item in queue]
+            continue
+        threads[h].popleft()
         if entry.kind == "op" and entry.stream == HOST:
             seconds = _host_seconds(entry.lane, entry.elements * scale, rates, footprint)
             if seconds > 0:
-                span = ReplaySpan(entry.lane, "host", host_t, host_t + seconds, entry.elements * scale, entry.sub_group)
+                span = ReplaySpan(entry.lane, "host", now, now + seconds, entry.elements * scale, entry.sub_group)
                 host_spans.append(span)
-            host_t += seconds
+            clock[h] = now + seconds
             host_busy += seconds
         elif entry.kind == "op":
+            if entry.lane in ("scalar", "alloc"):
+                continue
             if entry.lane in COPY_LANES:
-                amount = entry.nbytes * scale
+                amount = work = entry.nbytes * scale
                 if COPY_LANES[entry.lane] == "h2d":
                     h2d_bytes += amount
                 else:
                     d2h_bytes += amount
-                work = amount
-            elif entry.lane in ("scalar", "alloc"):
-                continue
+            elif entry.lane in LAYER_LANES:  # forward or backward layers: seconds given, not scaled
+                amount = work = entry.seconds
             else:
                 amount = entry.elements * scale
                 work = _kernel_seconds(entry.lane, amount, rates, footprint)
-            item = _Item("op", host_t, entry.lane, amount, remaining=work, sub_group=entry.sub_group)
-            device.submit(entry.stream, item)
+            device.submit(entry.stream, _Item("op", now, entry.lane, amount, remaining=work, sub_group=entry.sub_group))
         elif entry.kind in ("record", "wait"):
-            device.submit(entry.stream, _Item(entry.kind, host_t, event=entry.event))
-        elif entry.kind == "host_wait":
-            device.advance(lambda e=entry.event: e in device.done_events)
-            host_t = max(host_t, device.done_events.get(entry.event, host_t))
-        elif entry.kind in ("sync", "stream_sync"):
-            stream = None if entry.kind == "sync" else entry.stream
-            device.advance(lambda s=stream: device.idle(s))
-            host_t = max(host_t, device.now)
+            device.submit(entry.stream, _Item(entry.kind, now, event=entry.event))
+        elif entry.kind == "host_record":
+            marks[entry.event] = now
     device.advance(lambda: device.idle())  # anything not waited for still counts
-    end = max([host_t, device.now] + [s.end_s for s in device.spans])
+    end = max([*clock.values(), device.now] + [s.end_s for s in device.spans])
     busy = {"host": host_busy, **device.busy}
     spans = sorted(host_spans + device.spans, key=lambda s: (s.start_s, s.lane))
-    return ReplayResult(end, busy, h2d_bytes, d2h_bytes, spans)
+    return ReplayResult(end, busy, h2d_bytes, d2h_bytes, spans, dict(clock), marks)
 
 
 def write_perfetto(path: str | Path, result: ReplayResult, title: str = "lightning-dos simulate") -> Path:

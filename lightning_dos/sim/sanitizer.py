@@ -44,7 +44,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_dos.engine import host_workers
 from lightning_dos.engine.arrivals import GradientArrivals
 from lightning_dos.engine.pool import FP32_BYTES
-from lightning_dos.sim.simstreams import COMPUTE, D2H, H2D, LP_H2D, STREAM_NAMES, SimEvent, SimStream, SimStreams
+from lightning_dos.sim.simstreams import (
+    COMPUTE,
+    D2H,
+    H2D,
+    LP_H2D,
+    STREAM_NAMES,
+    UPDATE,
+    SimEvent,
+    SimStream,
+    SimStreams,
+)
 
 #: torch versions whose private ``torch.cuda._sanitizer`` this module was tested with.
 TESTED_TORCH = "2.13"
@@ -140,8 +150,11 @@ class LoggedOp:
 
     ``kind`` is ``op`` (work on ``stream``: ``lane`` says which, ``elements`` and ``nbytes`` how much),
     ``record`` / ``wait`` (``event`` on ``stream``), ``host_wait`` (the host blocks on ``event``),
-    ``stream_sync`` (the host blocks on ``stream``), or ``sync`` (the host waits for the whole device).
+    ``stream_sync`` (the host blocks on ``stream``), ``sync`` (the host waits for the whole device), or
+    ``host_record`` (the host thread marks ``event`` reached: a condition variable another thread waits on).
     ``sub_group`` is the engine's sub-group the op worked on, when the engine named it (-1 otherwise).
+    ``host`` is the host thread that issued it (:data:`HOST`, the update's; :data:`TRAINING`, the training
+    thread's); ``seconds`` the time of a modelled forward or backward kernel (the iteration's replay).
     """
 
     kind: str
@@ -151,6 +164,8 @@ class LoggedOp:
     nbytes: int = 0
     event: int = 0
     sub_group: int = -1
+    host: int = HOST
+    seconds: float = 0.0
 
 
 @dataclass
@@ -211,7 +226,7 @@ class StreamSanitizer:
         csan = _torch_sanitizer()
         self._zip_arguments = csan.zip_arguments
         self.syncs = csan.StreamSynchronizations()
-        for stream in (H2D, LP_H2D, D2H, HOST, DS_REDUCE, DS_ALLGATHER, TRAINING):
+        for stream in (H2D, LP_H2D, D2H, UPDATE, HOST, DS_REDUCE, DS_ALLGATHER, TRAINING):
             self.syncs.create_stream(stream)
         #: The host thread whose waits and issues are being recorded (HOST, or TRAINING in the modelled forward).
         self.host = HOST
@@ -256,6 +271,10 @@ class StreamSanitizer:
 
     # -- StreamListener (called by SimStreams) ----------------------------------------------------
 
+    def _log(self, entry: LoggedOp) -> None:
+        """Append ``entry`` to the log, issued by the host thread being recorded."""
+        self.log.append(dataclasses.replace(entry, host=self.host) if entry.host != self.host else entry)
+
     def _issue(self, stream: int) -> None:
         """Work issued on ``stream`` is ordered after everything the host has done or waited for."""
         states = self.syncs.current_sync_states
@@ -268,33 +287,34 @@ class StreamSanitizer:
         self.syncs.create_event(self._landing_ids)
         self.syncs.record_state(self._landing_ids, HOST)
         self._landings[sub_group] = self._landing_ids
+        self._log(LoggedOp("host_record", event=self._landing_ids))
 
     def on_record(self, event: SimEvent) -> None:
         self._issue(event.stream.id)
         self.syncs.create_event(event.id)
         self.syncs.record_state(event.id, event.stream.id)
-        self.log.append(LoggedOp("record", event.stream.id, event=event.id))
+        self._log(LoggedOp("record", event.stream.id, event=event.id))
 
     def on_wait(self, stream: SimStream, event: SimEvent) -> None:
         self._issue(stream.id)
         self.syncs.stream_wait_for_event(stream.id, event.id)
-        self.log.append(LoggedOp("wait", stream.id, event=event.id))
+        self._log(LoggedOp("wait", stream.id, event=event.id))
 
     def on_host_wait(self, event: SimEvent) -> None:
         self.syncs.stream_wait_for_event(self.host, event.id)
-        self.log.append(LoggedOp("host_wait", event=event.id))
+        self._log(LoggedOp("host_wait", event=event.id))
 
     def on_device_synchronize(self) -> None:
         host = self.syncs.current_sync_states[HOST]
         for state in list(self.syncs.current_sync_states.values()):
             self.syncs._state_wait_for_other(host, state)
-        self.log.append(LoggedOp("sync"))
+        self._log(LoggedOp("sync"))
 
     def stream_synchronize(self, stream: int) -> None:
         """The host blocks until ``stream``'s work is done (``stream.synchronize()``)."""
         states = self.syncs.current_sync_states
         self.syncs._state_wait_for_other(states[HOST], states[stream])
-        self.log.append(LoggedOp("stream_sync", stream))
+        self._log(LoggedOp("stream_sync", stream))
 
     def stream_wait_stream(self, waiter: int, target: int) -> None:
         """``waiter`` waits for all work issued so far on ``target`` (``waiter.wait_stream(target)``)."""
@@ -442,7 +462,8 @@ class StreamSanitizer:
         if op in HOST_UPDATE_OPS and lp_out is not None:  # the compiled one-pass update also casts into lp_out
             logged.append(LoggedOp("op", stream, "host_cast", lp_out.numel(), lp_out.numel() * FP32_BYTES))
         operation = self._sim.operation if self._sim is not None else None
-        self.log.extend(dataclasses.replace(one, sub_group=operation[1]) if operation else one for one in logged)
+        for one in logged:
+            self._log(dataclasses.replace(one, sub_group=operation[1]) if operation else one)
         crosses = device and not all(self._is_device([t]) for t in touched)
         if crosses and (blocking and op == "copy_" or op == "_local_scalar_dense"):
             self.stream_synchronize(stream)  # a blocking transfer or a .item(): the host waits for the stream
@@ -516,11 +537,9 @@ class StreamSanitizer:
             if kept:
                 self.model_access(DS_REDUCE, "lightning_dos.keep_gradient", writes=kept)
             if early and arrivals is None:
-                arrivals = ModelledBackward(self, engine, inputs, backward_sync)
+                arrivals = self.modelled_backward(engine, inputs, backward_sync)
             elif arrivals is None:
-                self.model_access(DS_REDUCE, "deepspeed.partition_grads", writes=inputs.grads)
-                if backward_sync:
-                    self.stream_synchronize(DS_REDUCE)
+                self.backward(engine, inputs, backward_sync)
             self._landings.clear()
             with self.active():
                 report = step(plan, inputs, arrivals)
@@ -530,9 +549,7 @@ class StreamSanitizer:
                 states = self.syncs.current_sync_states
                 self.syncs._state_wait_for_other(states[TRAINING], states[HOST])
             else:
-                # The next forward: DeepSpeed all-gathers each whole 16-bit partition on its own stream, waiting
-                # for nothing of ours (it relies on the step having ended with everything landed).
-                self.model_access(DS_ALLGATHER, "deepspeed.allgather", reads=inputs.lp_targets)
+                self.next_forward(engine, inputs)
             return report
 
         def watched_flush() -> None:
@@ -549,6 +566,27 @@ class StreamSanitizer:
 
         engine.step, engine.flush_resident, engine.drop_resident = watched_step, watched_flush, watched_drop
 
+    # -- DeepSpeed's backward and the next forward, as watch() models them (a timed replay adds their work) ------
+
+    def backward(self, engine: Any, inputs: Any, backward_sync: bool) -> None:
+        """Backward before a step that starts after it: DeepSpeed's reduce stream writes every gradient into the
+        host buffers, and the host waits for that stream at its end (when ``backward_sync``)."""
+        self.model_access(DS_REDUCE, "deepspeed.partition_grads", writes=inputs.grads)
+        if backward_sync:
+            self.stream_synchronize(DS_REDUCE)
+
+    def modelled_backward(self, engine: Any, inputs: Any, backward_sync: bool) -> ModelledBackward:
+        """Backward handed to a step begun during it (``overlap="auto"``)."""
+        return ModelledBackward(self, engine, inputs, backward_sync)
+
+    def next_forward(self, engine: Any, inputs: Any) -> None:
+        """The next forward after a step that returned with everything landed: DeepSpeed all-gathers each whole
+        16-bit partition on its own stream, waiting for nothing of ours."""
+        self.model_access(DS_ALLGATHER, "deepspeed.allgather", reads=inputs.lp_targets)
+
+    def forward_layers(self, sub_group: Any) -> None:
+        """The overlapped forward has gathered ``sub_group``'s parameters: its layers run (no access of ours)."""
+
     def _overlapped_forward(self, engine: Any, inputs: Any) -> None:
         """The next forward under ``overlap="forward"``: on the training thread, while the update may still run,
         each all-gather first waits for its sub-groups (``engine.wait_sub_groups``, its stream waiting as on a GPU)
@@ -563,6 +601,7 @@ class StreamSanitizer:
                 states = self.syncs.current_sync_states
                 if landing is not None:  # the condition variable the engine's wait blocks on
                     self.syncs.stream_wait_for_event(TRAINING, landing)
+                    self._log(LoggedOp("host_wait", event=landing))
                 else:  # finished by recovery after an interruption: readable once the update is over
                     self.syncs._state_wait_for_other(states[TRAINING], states[HOST])
                 partition = inputs.lp_targets[sg.ds_group][sg.ds_offset : sg.ds_offset + sg.numel]
@@ -572,6 +611,7 @@ class StreamSanitizer:
                 # deepspeed.zero.GatheredParameters (a callback's read): the host waits, then reads.
                 engine.wait_sub_groups([sg.index])
                 self.model_access(TRAINING, "GatheredParameters (overlapped forward)", reads=[partition])
+                self.forward_layers(sg)
         finally:
             self.host = HOST
 

@@ -29,9 +29,10 @@ import torch
 
 from lightning_dos.engine.streams import Streams
 
-#: Stream ids. 0 is CUDA's default stream, which the engine's kernels (the caller's stream) run on.
-COMPUTE, H2D, LP_H2D, D2H = 0, 1, 2, 3
-STREAM_NAMES = {COMPUTE: "compute", H2D: "h2d", LP_H2D: "lp_h2d", D2H: "d2h"}
+#: Stream ids. 0 is CUDA's default stream (the forward's and backward's, DeepSpeed's caller's); UPDATE is the
+#: engine's own compute stream, which its device kernels run on.
+COMPUTE, H2D, LP_H2D, D2H, UPDATE = 0, 1, 2, 3, 4
+STREAM_NAMES = {COMPUTE: "compute", H2D: "h2d", LP_H2D: "lp_h2d", D2H: "d2h", UPDATE: "update"}
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,7 @@ class SimStreams(Streams):
         self.h2d = SimStream(H2D, STREAM_NAMES[H2D])
         self.lp_h2d = SimStream(LP_H2D, STREAM_NAMES[LP_H2D])
         self.d2h = SimStream(D2H, STREAM_NAMES[D2H])
+        self.update = SimStream(UPDATE, STREAM_NAMES[UPDATE])
         self._current: list[SimStream] = [self.default]
         #: The engine's (lane, sub-group) of the operations being issued, innermost last.
         self.operations: list[tuple[str, int]] = []
@@ -166,7 +168,7 @@ class SimStreams(Streams):
 
     @property
     def compute(self) -> SimStream:
-        return self.current
+        return self.update
 
     @contextlib.contextmanager
     def on(self, stream: SimStream | None) -> Iterator[None]:

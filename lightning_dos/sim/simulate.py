@@ -14,7 +14,9 @@ With --forward-s and --backward-s (seconds per iteration and rank) the whole ite
 overlap mode: "off" (forward, backward, then the update), "forward" (the next forward beside the update, each
 layer after its sub-groups landed), "auto" (the same, and host sub-groups updated during backward as their
 gradients become final), and stock ZeRO-3 offload; "forward" and "auto" with the placement that minimises their
-own iteration; each from the replayed schedule and from the performance model.
+own iteration. Each is replayed whole on the virtual node (backward's layers and DeepSpeed's gradient copies,
+the engine's update as it issues it, the next forward's layers after the engine's waits) and predicted by the
+performance model; --trace also writes each mode's iteration as a trace of its own.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ import torch
 
 from lightning_dos.engine.iteration import (
     MODES,
-    UpdateTimeline,
     iteration_s,
     predicted_timeline,
     shortest_iteration_plan,
@@ -53,6 +54,7 @@ from lightning_dos.engine.plan import Place, Plan, parse_gpu_fraction, split_int
 from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
 from lightning_dos.sim.replay import ReplayResult, replay, write_perfetto
 from lightning_dos.sim.sanitizer import LoggedOp, StreamSanitizer
+from lightning_dos.sim.timed_iteration import TimedIteration
 
 #: Bytes per element of the master weights and states, and their dtypes.
 DTYPES = {4: torch.float32, 2: torch.bfloat16}
@@ -142,8 +144,19 @@ def engine_log(
     takes a rule; then it is given this one); the optimizer-dependent copies are scaled to ``footprint``'s
     bytes (:func:`rescale_copies`: a factor of 1 when the engine ran it)."""
     scale = max(sizes) / sim_elements
-    small = [max(1, round(n / scale)) for n in sizes]
     checker = StreamSanitizer()
+    log = _steady_step(checker, sizes, plan, lp_bytes, scale, footprint)
+    return log, scale, len(checker.races)
+
+
+def _steady_step(
+    checker: StreamSanitizer, sizes: Sequence[int], plan: Plan, lp_bytes: int, scale: float, footprint: Footprint
+) -> list[LoggedOp]:
+    """Build an engine of ``sizes / scale`` elements per sub-group on ``checker``'s streams, step it twice with
+    ``plan`` and return the log of the second step (the steady state: the first brings resident state up), its
+    copies rescaled to ``footprint``'s bytes. ``checker`` must already watch nothing; this watches the engine
+    (:meth:`~lightning_dos.sim.sanitizer.StreamSanitizer.watch`) when ``checker`` is a :class:`TimedIteration`."""
+    small = [max(1, round(n / scale)) for n in sizes]
     engine = InterleavedAdam(
         small,
         [0] * len(small),
@@ -156,7 +169,12 @@ def engine_log(
         state_dtype=DTYPES[footprint.state],
         keep_resident_grads=footprint.grads_on_device,
     )
-    checker.watch(engine)
+    expected = copy_bytes(plan, small, footprint, engine.lp_bytes, engine.lp_downloads)
+    if isinstance(checker, TimedIteration):
+        checker.expected = expected
+        checker.watch(engine, overlap=checker.mode != "off", early=checker.mode == "auto")
+    else:
+        checker.watch(engine)
     hyper = [AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)]
     grads = [torch.zeros(n, dtype=DTYPES[footprint.master]) for n in small]
     lp = [torch.zeros(n, dtype=engine.lp_dtype) for n in small]
@@ -165,10 +183,37 @@ def engine_log(
             for flat, grad in enumerate(grads):
                 engine.keep_gradient(flat, 0, grad)
         checker.log.clear()
+        if isinstance(checker, TimedIteration):
+            checker.timed = step == 2
         engine.step(plan, StepInputs(grads, lp, hyper * len(small), [step] * len(small)))
-    expected = copy_bytes(plan, small, footprint, engine.lp_bytes, engine.lp_downloads)
-    log, _ = rescale_copies(checker.log, expected)
-    return log, scale, len(checker.races)
+    return rescale_copies(checker.log, expected)[0]
+
+
+def replay_iteration(
+    sizes: Sequence[int],
+    plan: Plan,
+    rates: HardwareRates,
+    lp_bytes: int,
+    forward_s: float,
+    backward_s: float,
+    mode: str,
+    *,
+    footprint: Footprint = ADAM_FP32,
+) -> tuple[ReplayResult, int]:
+    """One steady-state iteration under overlap ``mode`` (``off``, ``forward`` or ``auto``: the update begun during
+    backward, no clipping) replayed whole on the node ``rates`` describes: backward, the engine's update of ``plan``
+    as it issues it, and the next forward (:class:`~lightning_dos.sim.timed_iteration.TimedIteration`); return the
+    replay, its time from the start of backward to the end of the next forward and the update, and the races found.
+    """
+    scale = max(sizes) / SIM_ELEMENTS
+
+    def replayed(log: list[LoggedOp]) -> ReplayResult:
+        return replay(rescale_copies(log, checker.expected)[0], rates, scale, footprint=footprint)
+
+    checker = TimedIteration(sizes, scale, forward_s, backward_s, lp_bytes, mode, replayed)
+    checker.host_sub_groups = {i for i, place in enumerate(plan.places) if place == Place.HOST}
+    log = _steady_step(checker, sizes, plan, lp_bytes, scale, footprint)
+    return replay(log, rates, scale, footprint=footprint), len(checker.races)
 
 
 def simulate(
@@ -182,28 +227,6 @@ def simulate(
     return Simulation(plan, list(sizes), replayed, predicted, races, footprint)
 
 
-def replayed_timeline(result: Simulation) -> UpdateTimeline:
-    """The replayed update's :class:`~lightning_dos.engine.iteration.UpdateTimeline`: a host sub-group lands with its
-    16-bit upload, a device one with its cast on the device (as the engine lands them; a streamed sub-group's
-    download home goes on after), its host work is its spans on the host."""
-    n, plan = len(result.sizes), result.plan
-    land, host, host_end = [0.0] * n, [0.0] * n, [0.0] * n
-    device_end = 0.0
-    for span in result.replayed.spans:
-        i = span.sub_group
-        if i < 0:
-            continue
-        if plan.places[i] == Place.HOST or span.lane == "cast":
-            land[i] = max(land[i], span.end_s)
-        if span.stream == "host":
-            host[i] += span.end_s - span.start_s
-            host_end[i] = max(host_end[i], span.end_s)
-        elif plan.places[i] != Place.HOST:
-            device_end = max(device_end, span.end_s)
-    upload = [land[i] - host_end[i] if plan.places[i] == Place.HOST else 0.0 for i in range(n)]
-    return UpdateTimeline(tuple(land), tuple(host), tuple(upload), device_end, result.replayed.time_s)
-
-
 def whole_iteration(
     sizes: Sequence[int],
     result: Simulation,
@@ -213,11 +236,14 @@ def whole_iteration(
     backward_s: float,
     *,
     footprint: Footprint = ADAM_FP32,
+    trace: Path | None = None,
 ) -> dict[str, Any]:
-    """Iteration seconds per overlap mode, replayed and predicted. ``off`` runs ``result``'s plan (the update's
-    best); ``forward`` and ``auto`` the plan the strategy's scheduler runs once it has measured forward and
-    backward (:func:`~lightning_dos.engine.iteration.shortest_iteration_plan`), each replayed on its own;
-    ``stock`` is stock ZeRO-3 offload's update after forward and backward."""
+    """Iteration seconds per overlap mode, replayed whole (:func:`replay_iteration`: backward, the engine's update as
+    it issues it and the next forward on the virtual node's streams) and predicted (the performance model). ``off``
+    runs ``result``'s plan (the update's best); ``forward`` and ``auto`` the plan the strategy's scheduler runs once
+    it has measured forward and backward (:func:`~lightning_dos.engine.iteration.shortest_iteration_plan`);
+    ``stock`` is stock ZeRO-3 offload's update after forward and backward. With ``trace``, each mode's replay is
+    written beside it as a Perfetto trace (``<trace>-iteration-<mode>.json``)."""
     from lightning_dos.planner import stock_update_s
 
     replayed, predicted, plans = {}, {}, {}
@@ -227,15 +253,18 @@ def whole_iteration(
             plan = shortest_iteration_plan(
                 sizes, rates, lp_bytes, result.plan, forward_s, backward_s, mode, footprint=footprint
             )
-        run = result if plan == result.plan else simulate(sizes, plan, rates, lp_bytes, footprint=footprint)
-        replayed[mode] = iteration_s(sizes, plan, replayed_timeline(run), forward_s, backward_s)[mode]
+        run, races = replay_iteration(sizes, plan, rates, lp_bytes, forward_s, backward_s, mode, footprint=footprint)
+        replayed[mode] = run.time_s
+        if trace is not None:
+            title = f"one iteration, overlap={mode}, forward {forward_s:g} s + backward {backward_s:g} s"
+            write_perfetto(trace.with_name(f"{trace.stem}-iteration-{mode}{trace.suffix}"), run, title)
         timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
         predicted[mode] = iteration_s(sizes, plan, timeline, forward_s, backward_s)[mode]
         streamed = plan.streamed_indices
         plans[mode] = {
             "streamed": len(streamed),
             "streamed_first": bool(streamed) and streamed[0] == 0,
-            "races": run.races,
+            "races": races,
         }
     stock = forward_s + backward_s + stock_update_s(sum(sizes), rates, lp_bytes, footprint=footprint)
     return {
@@ -374,7 +403,9 @@ def main(argv: list[str]) -> int:
     summary["budget_kind"] = "forward/backward peak" if resident_ok else "update only"
     if args.forward_s is not None:
         summary.update(
-            whole_iteration(sizes, result, rates, args.lp_bytes, args.forward_s, args.backward_s, footprint=footprint)
+            whole_iteration(
+                sizes, result, rates, args.lp_bytes, args.forward_s, args.backward_s, footprint=footprint, trace=trace
+            )
         )
     if args.json:
         print(json.dumps(summary, indent=2))
