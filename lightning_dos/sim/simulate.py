@@ -149,14 +149,25 @@ def engine_log(
     return log, scale, len(checker.races)
 
 
+def _test_sizes(sizes: Sequence[int], scale: float) -> list[int]:
+    """The logged engine's sub-group sizes: ``sizes`` divided by ``scale``."""
+    return [max(1, round(n / scale)) for n in sizes]
+
+
 def _steady_step(
-    checker: StreamSanitizer, sizes: Sequence[int], plan: Plan, lp_bytes: int, scale: float, footprint: Footprint
+    checker: StreamSanitizer,
+    sizes: Sequence[int],
+    plan: Plan,
+    lp_bytes: int,
+    scale: float,
+    footprint: Footprint,
+    overlap: str = "off",
 ) -> list[LoggedOp]:
-    """Build an engine of ``sizes / scale`` elements per sub-group on ``checker``'s streams, step it twice with
-    ``plan`` and return the log of the second step (the steady state: the first brings resident state up), its
-    copies rescaled to ``footprint``'s bytes. ``checker`` must already watch nothing; this watches the engine
-    (:meth:`~lightning_dos.sim.sanitizer.StreamSanitizer.watch`) when ``checker`` is a :class:`TimedIteration`."""
-    small = [max(1, round(n / scale)) for n in sizes]
+    """Build an engine of ``sizes / scale`` elements per sub-group on ``checker``'s streams, watched by it as
+    ``overlap`` runs (:meth:`~lightning_dos.sim.sanitizer.StreamSanitizer.watch`), step it twice with ``plan`` and
+    return the log of the second step (the steady state: the first brings resident state up), its copies rescaled
+    to ``footprint``'s bytes. The engine keeps its 16-bit parameters on the (simulated) device."""
+    small = _test_sizes(sizes, scale)
     engine = InterleavedAdam(
         small,
         [0] * len(small),
@@ -169,12 +180,7 @@ def _steady_step(
         state_dtype=DTYPES[footprint.state],
         keep_resident_grads=footprint.grads_on_device,
     )
-    expected = copy_bytes(plan, small, footprint, engine.lp_bytes, engine.lp_downloads)
-    if isinstance(checker, TimedIteration):
-        checker.expected = expected
-        checker.watch(engine, overlap=checker.mode != "off", early=checker.mode == "auto")
-    else:
-        checker.watch(engine)
+    checker.watch(engine, overlap=overlap != "off", early=overlap == "auto")
     hyper = [AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)]
     grads = [torch.zeros(n, dtype=DTYPES[footprint.master]) for n in small]
     lp = [torch.zeros(n, dtype=engine.lp_dtype) for n in small]
@@ -183,10 +189,9 @@ def _steady_step(
             for flat, grad in enumerate(grads):
                 engine.keep_gradient(flat, 0, grad)
         checker.log.clear()
-        if isinstance(checker, TimedIteration):
-            checker.timed = step == 2
         engine.step(plan, StepInputs(grads, lp, hyper * len(small), [step] * len(small)))
-    return rescale_copies(checker.log, expected)[0]
+    assert not engine.lp_downloads and engine.lp_bytes == lp_bytes
+    return rescale_copies(checker.log, copy_bytes(plan, small, footprint, lp_bytes, lp_downloads=False))[0]
 
 
 def replay_iteration(
@@ -206,13 +211,14 @@ def replay_iteration(
     replay, its time from the start of backward to the end of the next forward and the update, and the races found.
     """
     scale = max(sizes) / SIM_ELEMENTS
+    expected = copy_bytes(plan, _test_sizes(sizes, scale), footprint, lp_bytes, lp_downloads=False)
 
     def replayed(log: list[LoggedOp]) -> ReplayResult:
-        return replay(rescale_copies(log, checker.expected)[0], rates, scale, footprint=footprint)
+        return replay(rescale_copies(log, expected)[0], rates, scale, footprint=footprint)
 
-    checker = TimedIteration(sizes, scale, forward_s, backward_s, lp_bytes, mode, replayed)
-    checker.host_sub_groups = {i for i, place in enumerate(plan.places) if place == Place.HOST}
-    log = _steady_step(checker, sizes, plan, lp_bytes, scale, footprint)
+    host = {i for i, place in enumerate(plan.places) if place == Place.HOST}
+    checker = TimedIteration(sizes, scale, forward_s, backward_s, lp_bytes, host, replayed)
+    log = _steady_step(checker, sizes, plan, lp_bytes, scale, footprint, overlap=mode)
     return replay(log, rates, scale, footprint=footprint), len(checker.races)
 
 

@@ -56,7 +56,7 @@ class TimedIteration(StreamSanitizer):
         forward_s: seconds of one forward.
         backward_s: seconds of one backward.
         lp_bytes: bytes per element of the gradients DeepSpeed copies to the host (the model's dtype).
-        mode: the overlap mode of the iteration: ``off``, ``forward`` or ``auto``.
+        host_sub_groups: the plan's host sub-groups: the only arrivals whose taking depends on the clock.
         replay: replays a log as the caller will (its copies rescaled, its rates), for :class:`TimedBackward`.
     """
 
@@ -67,20 +67,18 @@ class TimedIteration(StreamSanitizer):
         forward_s: float,
         backward_s: float,
         lp_bytes: int,
-        mode: str,
+        host_sub_groups: set[int],
         replay: Callable[[list[LoggedOp]], ReplayResult],
     ) -> None:
         super().__init__()
-        self.sizes, self.scale, self.lp_bytes, self.mode, self.replay = list(sizes), scale, lp_bytes, mode, replay
-        #: The copies' bytes per (sub-group, lane) the replay rescales to (set with the engine).
-        self.expected: dict = {}
+        self.sizes, self.scale, self.lp_bytes, self.replay = list(sizes), scale, lp_bytes, replay
+        self.host_sub_groups = host_sub_groups
         total = sum(sizes)
         self.forward_share = [forward_s * n / total for n in sizes]
         self.backward_share = [backward_s * n / total for n in sizes]
-        #: Only the step whose log is replayed gets the work (the first step brings resident state up).
-        self.timed = False
-        #: The plan's host sub-groups: the only arrivals whose taking depends on the clock.
-        self.host_sub_groups: set[int] = set()
+        #: Steps watched so far: from the second on (the steady state; the first brings resident state up) backward
+        #: and the next forward get their work.
+        self.steps = 0
         self._events = itertools.count(-4_000_000, -1)
 
     def _append(self, kind: str, stream: int = HOST, *, host: int = TRAINING, **fields: Any) -> None:
@@ -113,20 +111,31 @@ class TimedIteration(StreamSanitizer):
         self._append("host_record", event=BACKWARD_END)
         return final
 
-    def backward_over_before(self) -> bool:
+    @property
+    def timed(self) -> bool:
+        """This step's backward and next forward are given their work (the steady state)."""
+        return self.steps >= 2
+
+    def backward_has_ended(self) -> bool:
         """On the virtual node's clock, has backward ended by the time the update's thread is where the log stops?"""
         result = self.replay(self.log)
         return result.host_clock_s.get(HOST, 0.0) >= result.marks_s[BACKWARD_END]
 
+    def wait_for_backward_end(self) -> None:
+        """The update's thread goes on once the training thread has ended backward."""
+        self._append("host_wait", event=BACKWARD_END, host=HOST)
+
     # -- the seams of StreamSanitizer.watch ----------------------------------------------------------
 
     def backward(self, engine: Any, inputs: Any, backward_sync: bool) -> None:
+        self.steps += 1
         if self.timed:
             self.log_backward(engine, inputs, handed=False)
-            self._append("host_wait", event=BACKWARD_END, host=HOST)  # the step starts once backward is over
+            self.wait_for_backward_end()  # the step starts once backward is over
         super().backward(engine, inputs, backward_sync)
 
     def modelled_backward(self, engine: Any, inputs: Any, backward_sync: bool) -> ModelledBackward:
+        self.steps += 1
         if self.timed:
             return TimedBackward(self, engine, inputs, backward_sync)
         return super().modelled_backward(engine, inputs, backward_sync)
@@ -158,19 +167,19 @@ class TimedBackward(ModelledBackward):
 
     def __init__(self, checker: TimedIteration, engine: Any, inputs: Any, backward_sync: bool) -> None:
         super().__init__(checker, engine, inputs, backward_sync)
-        self.timed_checker = checker
+        self.checker: TimedIteration = checker
         self.engine = engine
         self.pending: deque[tuple[int, SimEvent]] | None = None
 
     def next(self) -> tuple[int, object] | None:
-        checker = self.timed_checker
+        checker = self.checker
         if self.pending is None:
             self.pending = deque(checker.log_backward(self.engine, self.inputs, handed=True))
         if self.pending:
             index = self.pending[0][0]
             # Only a host sub-group's taking depends on the clock; the engine passes over the others.
-            if index not in checker.host_sub_groups or not checker.backward_over_before():
+            if index not in checker.host_sub_groups or not checker.backward_has_ended():
                 return self.pending.popleft()
-        checker._append("host_wait", event=BACKWARD_END, host=HOST)
+        checker.wait_for_backward_end()
         self.order = []  # the base class ends backward: DeepSpeed's synchronisation, then the step proceeds
         return super().next()
