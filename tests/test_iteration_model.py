@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,6 +155,9 @@ def test_simulate_times_the_whole_iteration_replayed_and_predicted(
     for mode in ("off", "forward", "auto"):
         assert replayed[mode] == pytest.approx(predicted[mode], rel=0.10), mode
         assert got["iteration_plans"][mode]["races"] == 0
+        written = json.loads(Path(got["iteration_plans"][mode]["trace"]).read_text())["traceEvents"]
+        lanes = {event["name"] for event in written if event["ph"] == "X"}
+        assert {"backward", "grad_download", "forward", "host_adam"} <= lanes, lanes
 
 
 def test_simulate_prints_the_iteration_table(tmp_path, capsys: pytest.CaptureFixture) -> None:  # noqa: ANN001

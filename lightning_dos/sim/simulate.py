@@ -249,7 +249,8 @@ def whole_iteration(
     runs ``result``'s plan (the update's best); ``forward`` and ``auto`` the plan the strategy's scheduler runs once
     it has measured forward and backward (:func:`~lightning_dos.engine.iteration.shortest_iteration_plan`);
     ``stock`` is stock ZeRO-3 offload's update after forward and backward. With ``trace``, each mode's replay is
-    written beside it as a Perfetto trace (``<trace>-iteration-<mode>.json``)."""
+    written beside it as a Perfetto trace (``<trace stem>-iteration-<mode><suffix>``, its path in the mode's
+    ``iteration_plans`` entry)."""
     from lightning_dos.planner import stock_update_s
 
     replayed, predicted, plans = {}, {}, {}
@@ -261,9 +262,6 @@ def whole_iteration(
             )
         run, races = replay_iteration(sizes, plan, rates, lp_bytes, forward_s, backward_s, mode, footprint=footprint)
         replayed[mode] = run.time_s
-        if trace is not None:
-            title = f"one iteration, overlap={mode}, forward {forward_s:g} s + backward {backward_s:g} s"
-            write_perfetto(trace.with_name(f"{trace.stem}-iteration-{mode}{trace.suffix}"), run, title)
         timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
         predicted[mode] = iteration_s(sizes, plan, timeline, forward_s, backward_s)[mode]
         streamed = plan.streamed_indices
@@ -272,6 +270,10 @@ def whole_iteration(
             "streamed_first": bool(streamed) and streamed[0] == 0,
             "races": races,
         }
+        if trace is not None:
+            plans[mode]["trace"] = str(trace.with_name(f"{trace.stem}-iteration-{mode}{trace.suffix}"))
+            title = f"one iteration, overlap={mode}, forward {forward_s:g} s + backward {backward_s:g} s"
+            write_perfetto(plans[mode]["trace"], run, title)
     stock = forward_s + backward_s + stock_update_s(sum(sizes), rates, lp_bytes, footprint=footprint)
     return {
         "forward_s": forward_s,
@@ -490,6 +492,9 @@ def _print(s: dict[str, Any]) -> None:
     if "iteration_s" in s:
         _print_iteration(console, s)
     console.print(f"trace: {s['trace']} (open in https://ui.perfetto.dev)", markup=False)
+    for mode, plan in s.get("iteration_plans", {}).items():
+        if "trace" in plan:
+            console.print(f"trace of one iteration, overlap={mode}: {plan['trace']}", markup=False)
 
 
 def _print_iteration(console: Any, s: dict[str, Any]) -> None:
