@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_dos.engine.iteration import shortest_iteration_plan
-from lightning_dos.engine.plan import Place
+from lightning_dos.engine.plan import Place, Plan
 from lightning_dos.planner import footprint_of
 from lightning_dos.profiles import load_profile
 from lightning_dos.sim import simstreams
@@ -159,3 +159,21 @@ def test_the_engines_kernels_on_the_forwards_stream_would_hold_the_forward_back(
     shared, races = replay_iteration(sizes, plan, RATES, 2, FORWARD_S, BACKWARD_S, "forward", footprint=footprint)
     assert races == 0  # still correct: only slower
     assert shared.time_s > 1.08 * own.time_s, (shared.time_s, own.time_s)
+
+
+@pytest.mark.parametrize(("backward_s", "early"), [(10.0, 8), (0.001, 1)])
+def test_under_auto_the_engine_takes_host_sub_groups_while_backward_lasts_on_the_replayed_clock(
+    backward_s: float, early: int
+) -> None:
+    """Eight host sub-groups of 100M elements (52 ms each on the CPU). A 10 s backward leaves time for all of them
+    while it lasts (the first sub-group's as its gradient lands, at backward's end). A 1 ms backward leaves time
+    for one: DeepSpeed's copies of the gradients (4 ms each) make backward end at 33 ms, when the CPU is still on
+    the first; the rest of the step updates the others after it."""
+    sizes = [100_000_000] * 8
+    plan = Plan((Place.HOST,) * 8, 1)
+    result, races = replay_iteration(sizes, plan, RATES, 2, 0.5, backward_s, "auto")
+    backward_end = result.marks_s[BACKWARD_END]
+    assert backward_end == pytest.approx(backward_s + 0.004 if early == 8 else 8 * 0.004, rel=0.01)
+    updated = sorted((s for s in result.spans if s.lane == "host_adam"), key=lambda s: s.start_s)
+    assert races == 0 and len(updated) == 8
+    assert [s.start_s <= backward_end + 1e-9 for s in updated] == [True] * early + [False] * (8 - early)
