@@ -297,8 +297,10 @@ def replay(
     host_spans: list[ReplaySpan] = []
     h2d_bytes = d2h_bytes = 0.0
 
-    def blocking(entry: LoggedOp) -> bool:
-        return entry.kind in ("sync", "stream_sync") or entry.kind == "host_wait" and entry.event in recorded
+    def waiting(thread: int) -> bool:
+        """``thread`` is blocked: on a host wait for a recorded event or mark, or a synchronisation it has reached."""
+        head = threads[thread][0]
+        return thread in snapshots or (head.kind == "host_wait" and head.event in recorded)
 
     def done_at(thread: int) -> float | None:
         """When the wait at the head of ``thread`` is over (None: not yet)."""
@@ -316,14 +318,14 @@ def replay(
         live = [h for h, ops in threads.items() if ops]
         if not live:
             break
-        blocked = [h for h in live if blocking(threads[h][0]) and (h in snapshots or threads[h][0].kind == "host_wait")]
+        blocked = [h for h in live if waiting(h)]
         running = [h for h in live if h not in blocked]
         horizon = min((clock[h] for h in running), default=math.inf)
         # The device runs up to the earliest running thread's clock, or until a blocked thread may go on.
         device.advance(lambda waiting=blocked: any(done_at(h) is not None for h in waiting), limit=horizon)
-        resumed = [h for h in blocked if done_at(h) is not None]
-        for h in resumed:
-            clock[h] = max(clock[h], done_at(h))
+        resumed = {h: at for h in blocked if (at := done_at(h)) is not None}
+        for h, at in resumed.items():
+            clock[h] = max(clock[h], at)
             threads[h].popleft()
             snapshots.pop(h, None)
         if resumed:
