@@ -11,7 +11,7 @@ from lightning_dos.profiles import load_profile
 from lightning_dos.sim import simstreams
 from lightning_dos.sim.replay import ReplayResult, replay
 from lightning_dos.sim.sanitizer import HOST, TRAINING, LoggedOp
-from lightning_dos.sim.simstreams import COMPUTE, H2D, UPDATE
+from lightning_dos.sim.simstreams import COMPUTE, H2D, LP_H2D, UPDATE
 from lightning_dos.sim.simulate import auto_plan, replay_iteration, sub_group_sizes
 from lightning_dos.sim.timed_iteration import BACKWARD_END
 
@@ -64,6 +64,26 @@ def test_a_stream_waits_for_the_record_another_thread_issues_later() -> None:
     result = replay(log, RATES)
     assert _span(result, "upload", H2D) == [pytest.approx((1.0, 1.1))]
     assert _span(result, "forward", COMPUTE) == [pytest.approx((1.1, 1.4))]
+
+
+def test_the_upload_copy_engine_takes_copies_in_the_order_they_became_runnable() -> None:
+    """Two streamed uploads of 0.1 s each are issued at 0 on one stream; a host sub-group's 16-bit upload of 0.01 s
+    is issued at 0.02 s on the other, once its CPU work is done. It waits for the upload in flight, then goes before
+    the second streamed upload, which became runnable only when the first was over (at 0.1 s), although the engine
+    issued it earlier. The same when the second upload's stream first waits for an event that is already met."""
+    tenth, hundredth = int(0.1 * RATES.h2d_bps), int(0.01 * RATES.h2d_bps)
+    for met_wait in (False, True):
+        log = [
+            LoggedOp("record", UPDATE, event=9),
+            LoggedOp("op", H2D, "upload", nbytes=tenth),
+            *([LoggedOp("wait", H2D, event=9)] if met_wait else []),
+            LoggedOp("op", H2D, "upload", nbytes=tenth),
+            _host_work(0.02),
+            LoggedOp("op", LP_H2D, "lp_upload", nbytes=hundredth),
+        ]
+        result = replay(log, RATES)
+        assert _span(result, "upload", H2D) == [pytest.approx((0.0, 0.1)), pytest.approx((0.11, 0.21))], met_wait
+        assert _span(result, "lp_upload", LP_H2D) == [pytest.approx((0.1, 0.11))], met_wait
 
 
 def test_a_synchronisation_waits_for_the_work_issued_before_it_only() -> None:

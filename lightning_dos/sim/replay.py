@@ -12,7 +12,9 @@ The model:
 - each **stream** runs its work in order; a wait holds it until the event's work has finished;
 - one **copy engine per direction** (uploads on ``h2d`` and ``lp_h2d`` share one, downloads use the other)
   serves one copy at a time, at the profile's solo rate, or its duplex rate while the other direction is
-  busy too (rates change as copies start and end);
+  busy too (rates change as copies start and end), in the order the copies became runnable (each at the head
+  of its stream, its waits met): a host sub-group's upload, runnable once its CPU work is done, goes before a
+  streamed upload that became runnable after it, and waits for the one in flight;
 - the engine's **compute stream** runs the device update at ``device_adam_eps`` (scaled to the optimizer's rule
   and dtypes, :func:`~lightning_dos.engine.perfmodel.rates_for`); other device kernels (the 16-bit cast,
   gradient scaling) are memory-bound and run at the bandwidth device Adam implies, by the bytes each element
@@ -96,6 +98,7 @@ class _Item:
     sub_group: int = -1
     done: bool = False
     finished: float = 0.0
+    runnable: float = 0.0  # when it reached the head of its stream (or was issued, if later)
 
 
 def device_kernel_bytes(lane: str, footprint: Footprint = ADAM_FP32, lp_bytes: int = 2) -> int:
@@ -122,7 +125,10 @@ class _Device:
         self.busy = {"h2d": 0.0, "d2h": 0.0, "compute": 0.0}
 
     def submit(self, stream: int, item: _Item) -> None:
-        self.queues.setdefault(stream, deque()).append(item)
+        queue = self.queues.setdefault(stream, deque())
+        if not queue:
+            item.runnable = max(item.issued, self.now)
+        queue.append(item)
 
     def _resource(self, lane: str, stream: int) -> str:
         """A copy engine, or the compute of one stream: kernels of different streams run side by side (the
@@ -140,6 +146,9 @@ class _Device:
         return r.duplex_d2h_bps if duplex else r.d2h_bps
 
     def _start_ready(self) -> None:
+        """Retire the records and met waits at the streams' heads, then start, on each free resource, the work
+        that became runnable first. Retiring comes first so that a copy whose wait was met now competes with
+        the copies already waiting (otherwise a stream behind a met wait would lose to any other stream)."""
         progressed = True
         while progressed:
             progressed = False
@@ -159,7 +168,9 @@ class _Device:
                         self._pop(stream)
                         progressed = True
                 else:
-                    candidates.append((head.issued, stream, id(head), head))
+                    candidates.append((head.runnable, stream, id(head), head))
+            if progressed:
+                continue
             for _, stream, _, head in sorted(candidates, key=lambda c: (c[0], c[1])):
                 resource = self._resource(head.lane, stream)
                 if resource in self.active:
@@ -169,8 +180,11 @@ class _Device:
                 progressed = True
 
     def _pop(self, stream: int) -> _Item:
-        item = self.queues[stream].popleft()
+        queue = self.queues[stream]
+        item = queue.popleft()
         item.done, item.finished = True, self.now
+        if queue:
+            queue[0].runnable = max(queue[0].issued, self.now)
         return item
 
     def _next_time(self) -> float | None:
