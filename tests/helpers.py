@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -130,10 +131,13 @@ def loader(batch_size: int = 16, seed: int = 0) -> DataLoader:
 class RandomPlacement(L.Callback):
     """Replace the engine's planner with a fresh random plan every step (placement must not matter)."""
 
-    def __init__(self, seed: int = 0, places: tuple = (Place.HOST, Place.DEVICE)) -> None:
+    def __init__(self, seed: int = 0, places: tuple = (Place.HOST, Place.DEVICE), after_backward: bool = False) -> None:
         self.rng = random.Random(seed)
         self.places = places
+        #: Also leave a random half of the host sub-groups for after backward (what ``overlap="auto"`` reads).
+        self.after_backward = after_backward
         self.plans: list = []
+        self.requested: list = []
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         adapter = trainer.strategy.dos_adapter
@@ -143,7 +147,12 @@ class RandomPlacement(L.Callback):
 
         def planner(step: int) -> tuple:
             self._record()  # the previous update is over by the time the next step plans
-            return random_plan(n, self.rng, places=self.places), None
+            plan = random_plan(n, self.rng, places=self.places)
+            if self.after_backward:
+                late = frozenset(i for i in plan.host_indices if self.rng.random() < 0.5)
+                plan = dataclasses.replace(plan, after_backward=late)
+            self.requested.append(plan)
+            return plan, None
 
         adapter.planner = planner
 

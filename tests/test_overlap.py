@@ -63,7 +63,8 @@ class KeepState(L.Callback):
 def fit(overlap: str, steps: int = STEPS, callbacks=(), ckpt_path=None, zero=None, **kw) -> tuple[TinyLM, KeepState]:  # noqa: ANN001
     L.seed_everything(0, verbose=False)
     model, keep = TinyLM(), KeepState()
-    callbacks = [RandomPlacement(seed=5, places=PLACES), keep, *callbacks]
+    keep.placement = RandomPlacement(seed=5, places=PLACES, after_backward=True)
+    callbacks = [keep.placement, keep, *callbacks]
     run = trainer(strategy(overlap, **(zero or {})), steps=steps, callbacks=callbacks, **kw)
     run.fit(model, loader(), ckpt_path=ckpt_path)
     return model, keep
@@ -91,6 +92,11 @@ def test_overlap_forward_and_auto_are_bit_identical_to_off(precision: str, clip:
     early = [index for step in auto[1].early for index in step]
     if clip is None:  # host sub-groups were updated during backward, in most steps
         assert sum(1 for step in auto[1].early if step) >= STEPS // 2, auto[1].early
+        # ... but never one its plan left for after backward (half of the host sub-groups, at random).
+        plans, stepped = auto[1].placement.requested, auto[1].early[accumulate - 1 :: accumulate]
+        assert len(plans) == len(stepped) and any(plan.after_backward for plan in plans)
+        for plan, step in zip(plans, stepped, strict=True):
+            assert set(step) <= set(plan.host_indices) - plan.after_backward, (step, plan)
     else:  # clipping needs the global norm: "auto" runs as "forward"
         assert early == []
 

@@ -20,15 +20,26 @@ come first and finish early), and DeepSpeed's own work between the phases. Pure 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lightning_dos.engine.perfmodel import HardwareRates, device_bytes, predict, rates_for
-from lightning_dos.engine.plan import Place, Plan
+from lightning_dos.engine.plan import Place, Plan, even_plan
 from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
 
 #: The modes :func:`iteration_s` times, in its result's order.
 MODES = ("off", "forward", "auto")
+
+
+@dataclass(frozen=True)
+class StreamedWork:
+    """One streamed sub-group's device work, in seconds: its upload, its update and cast, its download home."""
+
+    index: int
+    up_s: float
+    compute_s: float
+    down_s: float
 
 
 @dataclass(frozen=True)
@@ -40,9 +51,13 @@ class UpdateTimeline:
             ones: their cast on the device, which the engine's landing event follows; their download home goes on
             beside the next forward).
         host_s: per sub-group, the CPU seconds of its update (0 for device sub-groups).
-        upload_s: per sub-group, seconds from the end of its host update to its landing (0 for device ones).
+        upload_s: per sub-group, seconds its 16-bit upload takes on the link (0 for device ones).
         device_end_s: when the device side is over (uploads, updates, downloads).
         total_s: when the update is over.
+        streamed: the streamed sub-groups' device work, in the order the engine launches it.
+        buffers: staging buffers the streamed sub-groups take in turn (one is reused once its download is done).
+        resident_s: when the upload link and the device are free of the resident sub-groups' work (it comes
+            first).
     """
 
     land_s: tuple[float, ...]
@@ -50,6 +65,35 @@ class UpdateTimeline:
     upload_s: tuple[float, ...]
     device_end_s: float
     total_s: float
+    streamed: tuple[StreamedWork, ...] = ()
+    buffers: int = 1
+    resident_s: tuple[float, float] = (0.0, 0.0)
+
+    def landings(self, host_ready_s: dict[int, float]) -> tuple[list[float], float]:
+        """Every sub-group's landing, and when the last work is over, when host sub-group ``i``'s CPU work is done
+        at ``host_ready_s[i]`` (the others are the device's, as launched).
+
+        Host sub-groups' 16-bit uploads go one after another in the CPU's order, each as soon as its CPU work is
+        done: they are taken not to wait for the streamed uploads. The virtual node's copy engine
+        (:mod:`lightning_dos.sim.replay`) makes one wait for the streamed upload in flight at most, and the
+        streamed uploads there run at the solo rate whenever no download is under way, which this model (the
+        duplex rate throughout) does not credit; the two roughly cancel (the replay is within a few percent of
+        this model for the plans the planner picks). How a GPU's copy engines share the link between two
+        upload streams is not measured."""
+        land = list(self.land_s)
+        h2d, compute = self.resident_s
+        d2h, slots = 0.0, [0.0] * max(1, self.buffers)
+        for j, work in enumerate(self.streamed):
+            h2d = max(h2d, slots[j % len(slots)]) + work.up_s
+            compute = max(compute, h2d) + work.compute_s
+            d2h = slots[j % len(slots)] = max(d2h, compute) + work.down_s
+            land[work.index] = compute  # the 16-bit cast is on the device (the engine lands it there)
+        end = max(h2d, compute, d2h)
+        host_free = -math.inf
+        for index, ready in sorted(host_ready_s.items(), key=lambda item: (item[1], item[0])):  # the CPU's order
+            land[index] = host_free = max(host_free, ready) + self.upload_s[index]
+            end = max(end, host_free)
+        return land, end
 
 
 def iteration_s(
@@ -82,24 +126,20 @@ def _auto_update(
 ) -> tuple[list[float], float]:
     """Landing times and the end of the update under ``auto``, from the end of backward (negative: before it)."""
     host = [i for i, place in enumerate(plan.places) if place == Place.HOST]
-    cpu, early = 0.0, {}
-    for i in sorted(host, reverse=True):  # the order backward makes gradients final
+    cpu, ready = 0.0, {}
+    for i in sorted(set(host) - plan.after_backward, reverse=True):  # the order backward makes gradients final
         start = max(cpu, final_at[i])
         if start >= backward_s:  # taken after backward's end: the rest of the step updates it
             break
         cpu = start + timeline.host_s[i]
-        early[i] = cpu + timeline.upload_s[i] - backward_s
-    # After backward: the device side as scheduled, the remaining host sub-groups in order once the CPU is free.
+        ready[i] = cpu - backward_s
+    # After backward: the device side as launched, the remaining host sub-groups in order once the CPU is free.
     cpu = max(0.0, cpu - backward_s)
-    land = list(timeline.land_s)
     for i in host:
-        if i in early:
-            land[i] = early[i]
-        else:
+        if i not in ready:
             cpu += timeline.host_s[i]
-            land[i] = cpu + timeline.upload_s[i]
-    host_end = max((land[i] for i in host), default=0.0)
-    return land, max(timeline.device_end_s, host_end)
+            ready[i] = cpu
+    return timeline.landings(ready)
 
 
 def iteration_plan(
@@ -118,22 +158,78 @@ def iteration_plan(
     ``buffers`` staging buffers (what fits the device, as the update-only plan found), the sub-groups in
     ``resident`` staying resident: the best of every count of streamed sub-groups placed first (the next forward
     needs them first; backward makes their gradients final last, so the host ones are updated during backward under
-    ``auto``) or last among the others, then improved a sub-group at a time (:func:`_refined`)."""
-    n, fixed, best = len(sizes), set(resident), None
+    ``auto``) or last among the others and, under ``auto``, of the spread placements (:func:`_spread_candidates`),
+    then improved a sub-group at a time (:func:`_refined`)."""
+    n, fixed = len(sizes), set(resident)
     free = [i for i in range(n) if i not in fixed]
+    roles = [RESIDENT if i in fixed else HOST for i in range(n)]
 
-    def predicted(places: Sequence[Place]) -> float:
-        plan = Plan(tuple(places), max(1, buffers))
+    def predicted(candidate: Sequence[str]) -> float:
+        plan = _plan_of(candidate, buffers)
         timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
         return iteration_s(sizes, plan, timeline, forward_s, backward_s)[mode]
 
+    candidates = []
     for streamed, first in itertools.product(range(len(free) + 1), (True, False)):
         device = set(free[:streamed] if first else free[len(free) - streamed :])
-        places = tuple(Place.RESIDENT if i in fixed else Place.DEVICE if i in device else Place.HOST for i in range(n))
-        seconds = predicted(places)
-        if best is None or seconds < best[0]:
-            best = (seconds, places)
-    return Plan(_refined(best[1], best[0], free, predicted), max(1, buffers))
+        candidates.append([DEVICE if i in device else role for i, role in enumerate(roles)])
+    if mode == "auto":
+        scaled = rates_for(rates, footprint)
+        per_element = 1.0 / scaled.host_adam_eps + 1.0 / scaled.host_cast_eps
+        candidates += _spread_candidates(sizes, roles, free, backward_s, per_element)
+    best = min(((predicted(c), c) for c in candidates), key=lambda pair: pair[0])
+    return _plan_of(_refined(best[1], best[0], free, predicted, late=mode == "auto"), buffers)
+
+
+#: A sub-group's role in a placement being searched: streamed, resident, a host sub-group, and (under ``auto``) a
+#: host sub-group left for after backward (:attr:`~lightning_dos.engine.plan.Plan.after_backward`).
+DEVICE, RESIDENT, HOST, LATE = "streamed", "resident", "host", "late"
+_PLACE_OF = {DEVICE: Place.DEVICE, RESIDENT: Place.RESIDENT, HOST: Place.HOST, LATE: Place.HOST}
+
+
+def _plan_of(roles: Sequence[str], buffers: int) -> Plan:
+    after = frozenset(i for i, role in enumerate(roles) if role == LATE)
+    return Plan(tuple(_PLACE_OF[role] for role in roles), max(1, buffers), after)
+
+
+#: Counts of streamed sub-groups :func:`_spread_candidates` tries for each count of host sub-groups updated during
+#: backward (all of them when there are fewer).
+SPREAD_COUNTS = 30
+
+
+def _spread_candidates(
+    sizes: Sequence[int], roles: Sequence[str], free: Sequence[int], backward_s: float, per_element: float
+) -> list[list[str]]:
+    """Placements for ``auto`` that spread the CPU's work during backward over the whole partition.
+
+    Backward makes the last sub-groups' gradients final first, and the CPU can update only part of the partition
+    before backward ends (``per_element`` CPU seconds each). If it updated the first that came, the sub-groups the
+    next forward reaches last would all be done, and the forward would wait for every other sub-group before running
+    through them. Spread instead - every few sub-groups one the CPU updates during backward, the others streamed or
+    left to the CPU after backward, each spread too - the forward finds something ready all along. Tried: as many
+    host sub-groups during backward as the CPU has time for, two fewer to two more, and for each every count of
+    streamed ones (up to :data:`SPREAD_COUNTS` counts)."""
+    if not free:
+        return []
+    per_sub_group = per_element * sum(sizes[i] for i in free) / len(free)
+    fits = round(backward_s / per_sub_group) if per_sub_group > 0 else len(free)
+    candidates = []
+    for early_count in range(max(1, fits - 2), min(len(free), fits + 2) + 1):
+        early = _spread(free, early_count)
+        rest = [i for i in free if i not in early]
+        counts = sorted({round(k * len(rest) / SPREAD_COUNTS) for k in range(SPREAD_COUNTS + 1)})
+        for streamed_count in counts if len(rest) > SPREAD_COUNTS else range(len(rest) + 1):
+            device = _spread(rest, streamed_count)
+            placed = {**dict.fromkeys(rest, LATE), **dict.fromkeys(device, DEVICE), **dict.fromkeys(early, HOST)}
+            candidates.append([placed.get(i, role) for i, role in enumerate(roles)])
+    return candidates
+
+
+def _spread(indices: Sequence[int], count: int) -> set[int]:
+    """``count`` of ``indices`` spread evenly, as :func:`~lightning_dos.engine.plan.even_plan` spreads them."""
+    if not indices or count <= 0:
+        return set()
+    return {indices[i] for i in even_plan(len(indices), count / len(indices)).device_indices}
 
 
 #: Predictions :func:`_refined` may make (each one pass over the sub-groups): about 0.2 s at 50 sub-groups and 1 s
@@ -142,29 +238,34 @@ REFINE_PREDICTIONS = 1000
 
 
 def _refined(
-    places: tuple[Place, ...],
+    roles: Sequence[str],
     seconds: float,
     free: Sequence[int],
-    predicted: Callable[[Sequence[Place]], float],
+    predicted: Callable[[Sequence[str]], float],
     limit: int = REFINE_PREDICTIONS,
-) -> tuple[Place, ...]:
-    """``places`` improved by single moves among the ``free`` sub-groups while one shortens the ``predicted``
-    iteration: one sub-group between streamed and host, or two neighbours trading places. Each round takes its
-    best move (the first on a tie, so the result is deterministic); it stops when none shortens the prediction
-    or after ``limit`` predictions.
+    late: bool = False,
+) -> list[str]:
+    """``roles`` improved by single moves among the ``free`` sub-groups while one shortens the ``predicted``
+    iteration: one sub-group between streamed and host (and, with ``late``, between a host sub-group updated during
+    backward and one left for after it), or two neighbours trading roles. Each round takes its best move (the first
+    on a tie, so the result is deterministic); it stops when none shortens the prediction or after ``limit``
+    predictions.
 
     Why not only the best count of streamed sub-groups placed first: after backward the CPU and the upload link
     both deliver sub-groups to the next forward, the CPU one per host update and the link one per streamed upload,
     each several times slower than the forward uses them. Streamed sub-groups spread among the later host ones
     keep both busy until the end (with clipping, when the host updates nothing during backward, by several
     percent: 20B on ``paper-h100x4`` at forward 1 s + backward 2 s, 3.73 s -> 3.63 s simulated)."""
-    current, used = list(places), 0
+    choices = (DEVICE, HOST, LATE) if late else (DEVICE, HOST)
+    current, used = list(roles), 0
     while used < limit:
         moves = []
         for k, i in enumerate(free):
-            flipped = list(current)
-            flipped[i] = Place.HOST if current[i] == Place.DEVICE else Place.DEVICE
-            moves.append(flipped)
+            for role in choices:
+                if role != current[i] and (late or current[i] != LATE):
+                    moved = list(current)
+                    moved[i] = role
+                    moves.append(moved)
             if k + 1 < len(free) and current[i] != current[free[k + 1]]:
                 traded = list(current)
                 traded[i], traded[free[k + 1]] = current[free[k + 1]], current[i]
@@ -178,7 +279,7 @@ def _refined(
         if best is None:
             break
         seconds, current = best
-    return tuple(current)
+    return current
 
 
 def shortest_iteration_plan(
@@ -216,7 +317,8 @@ def predicted_timeline(
     sizes: Sequence[int], plan: Plan, rates: HardwareRates, lp_bytes: int, *, footprint: Footprint = ADAM_FP32
 ) -> UpdateTimeline:
     """The performance model's :class:`UpdateTimeline` for ``plan``: :func:`~lightning_dos.engine.perfmodel.predict`'s
-    own arithmetic, kept per sub-group."""
+    rates and byte counts, kept per sub-group, the host sub-groups worked through in order from the update's start
+    (:meth:`UpdateTimeline.landings`)."""
     total = predict(sizes, plan, rates, lp_bytes, footprint=footprint).time_s
     rates = rates_for(rates, footprint)
     streaming = bool(plan.streamed_indices)
@@ -225,24 +327,30 @@ def predicted_timeline(
     land = [0.0] * len(sizes)
     host = [0.0] * len(sizes)
     upload = [0.0] * len(sizes)
-    h2d_free = compute_free = d2h_free = 0.0
+    h2d_free = compute_free = 0.0
     for i in plan.resident_indices:
         h2d_free += footprint.resident_up * sizes[i] / up
         compute_free = max(compute_free, h2d_free) + sizes[i] / rates.device_adam_eps
         land[i] = compute_free
-    slots = [0.0] * max(1, plan.device_buffers)
-    for j, i in enumerate(plan.streamed_indices):
-        n, slot = sizes[i], j % len(slots)
-        h2d_free = max(h2d_free, slots[slot]) + footprint.streamed_up * n / up
-        compute_free = max(compute_free, h2d_free) + n / rates.device_adam_eps
-        d2h_free = slots[slot] = max(d2h_free, compute_free) + footprint.streamed_down * n / down
-        land[i] = compute_free  # the 16-bit cast is on the device (the engine lands it there)
-    device_end = max(h2d_free, compute_free, d2h_free)
-    cpu = lp_free = 0.0
+    streamed = tuple(
+        StreamedWork(
+            i,
+            footprint.streamed_up * sizes[i] / up,
+            sizes[i] / rates.device_adam_eps,
+            footprint.streamed_down * sizes[i] / down,
+        )
+        for i in plan.streamed_indices
+    )
     per_element = 1.0 / rates.host_adam_eps + 1.0 / rates.host_cast_eps
+    ready, cpu = {}, 0.0
     for i in plan.host_indices:
         host[i] = sizes[i] * per_element
+        upload[i] = lp_bytes * sizes[i] / up
         cpu += host[i]
-        lp_free = max(lp_free, cpu) + lp_bytes * sizes[i] / up
-        land[i], upload[i] = lp_free, lp_free - cpu
-    return UpdateTimeline(tuple(land), tuple(host), tuple(upload), device_end, total)
+        ready[i] = cpu
+    timeline = UpdateTimeline(
+        tuple(land), tuple(host), tuple(upload), 0.0, total, streamed, plan.device_buffers, (h2d_free, compute_free)
+    )
+    land, _ = timeline.landings(ready)
+    device_end = timeline.landings({})[1]
+    return replace(timeline, land_s=tuple(land), device_end_s=device_end)

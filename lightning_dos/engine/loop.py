@@ -30,6 +30,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -49,7 +50,7 @@ from lightning_dos.engine.update_rules import ADAM, Footprint, UpdateRule
 
 def _useful_buffers(plan: Plan) -> Plan:
     """``plan`` with no more staging buffers than it streams sub-groups (at least one)."""
-    return Plan(plan.places, max(1, min(plan.device_buffers, len(plan.streamed_indices))))
+    return replace(plan, device_buffers=max(1, min(plan.device_buffers, len(plan.streamed_indices))))
 
 
 class InterleavedUpdate:
@@ -353,7 +354,7 @@ class InterleavedUpdate:
         """The ways to shrink ``plan``'s device memory by one step; each needs strictly less."""
         trims = []
         if plan.device_buffers > 1:  # useful buffers only (see _useful_buffers), so one fewer is smaller
-            trims.append(Plan(plan.places, plan.device_buffers - 1))
+            trims.append(replace(plan, device_buffers=plan.device_buffers - 1))
         streamed = plan.streamed_indices
         if streamed:
             largest = max(self.sizes[i] for i in streamed)
@@ -446,7 +447,7 @@ class InterleavedUpdate:
         taking, error = True, None
         while (arrival := arrivals.next()) is not None:
             index, landed = arrival
-            if not taking or plan.places[index] != Place.HOST:
+            if not taking or plan.places[index] != Place.HOST or index in plan.after_backward:
                 continue
             # DeepSpeed copied the gradient on its own stream: the host reads it once that copy has landed.
             self.streams.host_wait(landed)

@@ -25,7 +25,7 @@ import math
 import random
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 
 class Place(enum.IntEnum):
@@ -128,10 +128,17 @@ class Plan:
         places: one :class:`Place` per sub-group, indexed like the engine's sub-group list.
         device_buffers: how many device staging buffers the pipeline may keep in flight (>= 1
             when any sub-group is placed on the device).
+        after_backward: host sub-groups that ``overlap="auto"`` leaves for after backward, updated with the rest
+            of the step instead of as soon as their gradients are final. The CPU can update only part of the
+            partition during backward, and backward makes the last sub-groups final first: updating whichever
+            comes first would leave the next forward waiting for every other sub-group before it can run through
+            the last ones, so the planner spreads the CPU's work during backward over the whole partition (the
+            forward then finds something ready all along). Ignored by every other mode.
     """
 
     places: tuple[Place, ...]
     device_buffers: int = 2
+    after_backward: frozenset[int] = field(default=frozenset())
 
     def indices(self, *places: Place) -> list[int]:
         """Indices of the sub-groups placed at any of ``places``, in plan order."""
@@ -165,7 +172,7 @@ class Plan:
     def with_host(self, indices: Sequence[int]) -> Plan:
         """The same plan with ``indices`` moved to the host (used when device memory runs short)."""
         moved = set(indices)
-        return Plan(tuple(Place.HOST if i in moved else p for i, p in enumerate(self.places)), self.device_buffers)
+        return replace(self, places=tuple(Place.HOST if i in moved else p for i, p in enumerate(self.places)))
 
 
 def all_host(n: int) -> Plan:
