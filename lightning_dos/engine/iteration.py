@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from lightning_dos.engine.perfmodel import HardwareRates, device_bytes, predict, rates_for
+from lightning_dos.engine.perfmodel import HardwareRates, device_bytes, least_update_s, predict, rates_for
 from lightning_dos.engine.plan import Place, Plan, even_plan
 from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
 
@@ -110,6 +110,45 @@ def iteration_s(
     land, end = _auto_update(plan, timeline, final_at, backward_s)
     auto = backward_s + _forward_beside_update(land, forward_share, end)
     return {"off": off, "forward": forward, "auto": auto}
+
+
+def iteration_floor(
+    sizes: Sequence[int],
+    rates: HardwareRates,
+    lp_bytes: int,
+    forward_s: float,
+    backward_s: float,
+    *,
+    footprint: Footprint = ADAM_FP32,
+    resident_room: int = 0,
+) -> dict[str, float]:
+    """Per mode in :data:`MODES`, an iteration no placement or schedule can beat under the engine's rules: the
+    update's device work begins when backward ends (its staging buffers come from the memory backward frees), a
+    host sub-group's update begins once its gradient is final, and the next forward follows backward.
+
+    After backward, whatever is left of the update takes at least :func:`~lightning_dos.engine.perfmodel.least_update_s`
+    (the CPU and the link both busy to the end, any share streamed, no pipeline filling or draining, no sub-group
+    granularity), and the iteration at least forward + backward. Under ``auto`` the CPU may have updated, during
+    backward, as many elements as it can from the first gradient's finality to backward's end; resident state
+    (up to ``resident_room`` device bytes: a ``gpu_memory_budget``) is charged nothing at all. Each relaxation only
+    lowers the bound, so a schedule that the model or the replay times below it would be a fault of theirs."""
+    total = sum(sizes)
+    if total == 0:
+        return {mode: forward_s + backward_s for mode in MODES}
+    left = max(0, total - resident_room // footprint.device)
+    scaled = rates_for(rates, footprint)
+    per_element = 1.0 / scaled.host_adam_eps + 1.0 / scaled.host_cast_eps
+    first_final = backward_s * sizes[-1] / total  # backward makes the last sub-group's gradient final first
+    during_backward = min(left, (backward_s - first_final) / per_element)
+
+    def after_backward(elements: float) -> float:
+        return max(forward_s, least_update_s(elements, rates, lp_bytes, footprint=footprint))
+
+    return {
+        "off": forward_s + backward_s + least_update_s(left, rates, lp_bytes, footprint=footprint),
+        "forward": backward_s + after_backward(left),
+        "auto": backward_s + after_backward(left - during_backward),
+    }
 
 
 def _forward_beside_update(land_s: Sequence[float], forward_share: Sequence[float], update_end_s: float) -> float:

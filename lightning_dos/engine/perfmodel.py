@@ -551,6 +551,38 @@ def floor(
     return best
 
 
+def least_update_s(elements: float, rates: HardwareRates, lp_bytes: int, *, footprint: Footprint = ADAM_FP32) -> float:
+    """A lower bound on the time any split of ``elements`` between host updates and streaming through the device
+    takes, with nothing on the device beforehand: :func:`floor`'s T(r, 0) minimised exactly, not on a grid.
+
+    The host's time falls with the streamed share r while the link's (:func:`link_seconds`, non-decreasing in the
+    bytes of either direction) and the device's rise, so the minimum of the larger is where they cross; bisection
+    brackets it, and the bound returned is the larger of the two sides' values at the bracket's ends, which the
+    crossing cannot be below."""
+    rates = rates_for(rates, footprint)
+    n = max(0.0, float(elements))
+    host = n * (1.0 / rates.host_adam_eps + 1.0 / rates.host_cast_eps)
+    if rates.shared_cpu:
+        return host
+    if rates.device_adam_eps <= 0:
+        return max(host, n * lp_bytes / rates.h2d_bps)
+
+    def host_s(r: float) -> float:
+        return host * (1.0 - r)
+
+    def device_s(r: float) -> float:
+        up = n * (footprint.streamed_up * r + lp_bytes * (1.0 - r))
+        return max(link_seconds(up, n * footprint.streamed_down * r, rates), n * r / rates.device_adam_eps)
+
+    if host_s(0.0) <= device_s(0.0):
+        return device_s(0.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if host_s(mid) > device_s(mid) else (lo, mid)
+    return max(device_s(lo), host_s(hi))
+
+
 class RateEstimator:
     """Refines calibrated rates from the engine's step reports, robustly (medians of recent steps).
 

@@ -37,6 +37,7 @@ import torch
 
 from lightning_dos.engine.iteration import (
     MODES,
+    iteration_floor,
     iteration_s,
     predicted_timeline,
     shortest_iteration_plan,
@@ -243,6 +244,7 @@ def whole_iteration(
     *,
     footprint: Footprint = ADAM_FP32,
     trace: Path | None = None,
+    resident_room: int = 0,
 ) -> dict[str, Any]:
     """Iteration seconds per overlap mode, replayed whole (:func:`replay_iteration`: backward, the engine's update as
     it issues it and the next forward on the virtual node's streams) and predicted (the performance model). ``off``
@@ -250,7 +252,8 @@ def whole_iteration(
     it has measured forward and backward (:func:`~lightning_dos.engine.iteration.shortest_iteration_plan`);
     ``stock`` is stock ZeRO-3 offload's update after forward and backward. With ``trace``, each mode's replay is
     written beside it as a Perfetto trace (``<trace stem>-iteration-<mode><suffix>``, its path in the mode's
-    ``iteration_plans`` entry)."""
+    ``iteration_plans`` entry). ``iteration_floor_s`` is what no placement or schedule could beat
+    (:func:`~lightning_dos.engine.iteration.iteration_floor`, resident state up to ``resident_room`` bytes)."""
     from lightning_dos.planner import stock_update_s
 
     replayed, predicted, plans = {}, {}, {}
@@ -281,6 +284,9 @@ def whole_iteration(
         "forward_backward_s": forward_s + backward_s,
         "iteration_s": {**replayed, "stock": stock},
         "iteration_predicted_s": {**predicted, "stock": stock},
+        "iteration_floor_s": iteration_floor(
+            sizes, rates, lp_bytes, forward_s, backward_s, footprint=footprint, resident_room=resident_room
+        ),
         "iteration_plans": plans,
     }
 
@@ -412,7 +418,15 @@ def main(argv: list[str]) -> int:
     if args.forward_s is not None:
         summary.update(
             whole_iteration(
-                sizes, result, rates, args.lp_bytes, args.forward_s, args.backward_s, footprint=footprint, trace=trace
+                sizes,
+                result,
+                rates,
+                args.lp_bytes,
+                args.forward_s,
+                args.backward_s,
+                footprint=footprint,
+                trace=trace,
+                resident_room=budget if resident_ok and budget else 0,
             )
         )
     if args.json:
@@ -502,16 +516,17 @@ def _print_iteration(console: Any, s: dict[str, Any]) -> None:
 
     title = f"iteration s, forward {s['forward_s']:g} s + backward {s['backward_s']:g} s"
     table = Table(title=title)
-    for column in ("overlap", "replayed", "predicted", "vs off", "vs stock"):
+    for column in ("overlap", "replayed", "predicted", "floor", "vs off", "vs stock"):
         table.add_column(column, justify="left" if column == "overlap" else "right")
-    replayed, predicted = s["iteration_s"], s["iteration_predicted_s"]
+    replayed, predicted, floor = s["iteration_s"], s["iteration_predicted_s"], s["iteration_floor_s"]
     for mode in ("stock", "off", "forward", "auto"):
         table.add_row(
             mode,
             f"{replayed[mode]:.3f}",
             f"{predicted[mode]:.3f}",
+            f"{floor[mode]:.3f}" if mode in floor else "",
             f"{replayed[mode] / replayed['off']:.2f}x",
             f"{replayed[mode] / replayed['stock']:.2f}x",
         )
-    table.add_row("forward + backward", f"{s['forward_backward_s']:.3f}", "", "", "")
+    table.add_row("forward + backward", f"{s['forward_backward_s']:.3f}", "", "", "", "")
     console.print(table)
