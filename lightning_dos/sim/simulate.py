@@ -271,6 +271,7 @@ def whole_iteration(
         plans[mode] = {
             "streamed": len(streamed),
             "streamed_first": bool(streamed) and streamed[0] == 0,
+            "after_backward": len(plan.after_backward) if mode == "auto" else 0,
             "races": races,
         }
         if trace is not None:
