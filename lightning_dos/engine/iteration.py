@@ -33,16 +33,6 @@ MODES = ("off", "forward", "auto")
 
 
 @dataclass(frozen=True)
-class StreamedWork:
-    """One streamed sub-group's device work, in seconds: its upload, its update and cast, its download home."""
-
-    index: int
-    up_s: float
-    compute_s: float
-    down_s: float
-
-
-@dataclass(frozen=True)
 class UpdateTimeline:
     """One update's schedule, in seconds from its start.
 
@@ -54,10 +44,6 @@ class UpdateTimeline:
         upload_s: per sub-group, seconds its 16-bit upload takes on the link (0 for device ones).
         device_end_s: when the device side is over (uploads, updates, downloads).
         total_s: when the update is over.
-        streamed: the streamed sub-groups' device work, in the order the engine launches it.
-        buffers: staging buffers the streamed sub-groups take in turn (one is reused once its download is done).
-        resident_s: when the upload link and the device are free of the resident sub-groups' work (it comes
-            first).
     """
 
     land_s: tuple[float, ...]
@@ -65,13 +51,10 @@ class UpdateTimeline:
     upload_s: tuple[float, ...]
     device_end_s: float
     total_s: float
-    streamed: tuple[StreamedWork, ...] = ()
-    buffers: int = 1
-    resident_s: tuple[float, float] = (0.0, 0.0)
 
     def landings(self, host_ready_s: dict[int, float]) -> tuple[list[float], float]:
         """Every sub-group's landing, and when the last work is over, when host sub-group ``i``'s CPU work is done
-        at ``host_ready_s[i]`` (the others are the device's, as launched).
+        at ``host_ready_s[i]`` (the device sub-groups land as :attr:`land_s` has them).
 
         Host sub-groups' 16-bit uploads go one after another in the CPU's order, each as soon as its CPU work is
         done: they are taken not to wait for the streamed uploads. The virtual node's copy engine
@@ -80,15 +63,7 @@ class UpdateTimeline:
         duplex rate throughout) does not credit; the two roughly cancel (the replay is within a few percent of
         this model for the plans the planner picks). How a GPU's copy engines share the link between two
         upload streams is not measured."""
-        land = list(self.land_s)
-        h2d, compute = self.resident_s
-        d2h, slots = 0.0, [0.0] * max(1, self.buffers)
-        for j, work in enumerate(self.streamed):
-            h2d = max(h2d, slots[j % len(slots)]) + work.up_s
-            compute = max(compute, h2d) + work.compute_s
-            d2h = slots[j % len(slots)] = max(d2h, compute) + work.down_s
-            land[work.index] = compute  # the 16-bit cast is on the device (the engine lands it there)
-        end = max(h2d, compute, d2h)
+        land, end = list(self.land_s), self.device_end_s
         host_free = -math.inf
         for index, ready in sorted(host_ready_s.items(), key=lambda item: (item[1], item[0])):  # the CPU's order
             land[index] = host_free = max(host_free, ready) + self.upload_s[index]
@@ -271,8 +246,8 @@ def _spread(indices: Sequence[int], count: int) -> set[int]:
     return {indices[i] for i in even_plan(len(indices), count / len(indices)).device_indices}
 
 
-#: Predictions :func:`_refined` may make (each one pass over the sub-groups): about 0.2 s at 50 sub-groups and 1 s
-#: at 200 on a 2-core CPU, paid at each re-plan (every 50th iteration with overlap on).
+#: Predictions :func:`_refined` may make (each one pass over the sub-groups): a whole re-plan takes about 0.3-0.4 s at
+#: 50 sub-groups and 1.2-1.3 s at 219 on a 2-core CPU, paid at each re-plan (every 50th iteration with overlap on).
 REFINE_PREDICTIONS = 1000
 
 
@@ -366,20 +341,19 @@ def predicted_timeline(
     land = [0.0] * len(sizes)
     host = [0.0] * len(sizes)
     upload = [0.0] * len(sizes)
-    h2d_free = compute_free = 0.0
+    h2d_free = compute_free = d2h_free = 0.0
     for i in plan.resident_indices:
         h2d_free += footprint.resident_up * sizes[i] / up
         compute_free = max(compute_free, h2d_free) + sizes[i] / rates.device_adam_eps
         land[i] = compute_free
-    streamed = tuple(
-        StreamedWork(
-            i,
-            footprint.streamed_up * sizes[i] / up,
-            sizes[i] / rates.device_adam_eps,
-            footprint.streamed_down * sizes[i] / down,
-        )
-        for i in plan.streamed_indices
-    )
+    slots = [0.0] * max(1, plan.device_buffers)
+    for j, i in enumerate(plan.streamed_indices):
+        n, slot = sizes[i], j % len(slots)
+        h2d_free = max(h2d_free, slots[slot]) + footprint.streamed_up * n / up
+        compute_free = max(compute_free, h2d_free) + n / rates.device_adam_eps
+        d2h_free = slots[slot] = max(d2h_free, compute_free) + footprint.streamed_down * n / down
+        land[i] = compute_free  # the 16-bit cast is on the device (the engine lands it there)
+    device_end = max(h2d_free, compute_free, d2h_free)
     per_element = 1.0 / rates.host_adam_eps + 1.0 / rates.host_cast_eps
     ready, cpu = {}, 0.0
     for i in plan.host_indices:
@@ -387,9 +361,6 @@ def predicted_timeline(
         upload[i] = lp_bytes * sizes[i] / up
         cpu += host[i]
         ready[i] = cpu
-    timeline = UpdateTimeline(
-        tuple(land), tuple(host), tuple(upload), 0.0, total, streamed, plan.device_buffers, (h2d_free, compute_free)
-    )
+    timeline = UpdateTimeline(tuple(land), tuple(host), tuple(upload), device_end, total)
     land, _ = timeline.landings(ready)
-    device_end = timeline.landings({})[1]
-    return replace(timeline, land_s=tuple(land), device_end_s=device_end)
+    return replace(timeline, land_s=tuple(land))
