@@ -110,7 +110,7 @@ def stock_update_s(elements: float, rates: HardwareRates, lp_bytes: int, *, foot
     overlap. The update's rate is the profile's scaled to ``footprint`` (``perfmodel.rates_for``), as DeepSpeed's
     CPU optimizers too stream their state from memory."""
     rates = rates_for(rates, footprint)
-    return elements * (1 / rates.host_adam_eps + 1 / rates.host_cast_eps + lp_bytes / rates.h2d_bps)
+    return elements * (rates.host_s_per_element + lp_bytes / rates.h2d_bps)
 
 
 def twinflow_update_s(

@@ -111,8 +111,7 @@ def iteration_floor(
     if total == 0:
         return {mode: forward_s + backward_s for mode in MODES}
     left = max(0, total - resident_room // footprint.device)
-    scaled = rates_for(rates, footprint)
-    per_element = 1.0 / scaled.host_adam_eps + 1.0 / scaled.host_cast_eps
+    per_element = rates_for(rates, footprint).host_s_per_element
     first_final = backward_s * sizes[-1] / total  # backward makes the last sub-group's gradient final first
     during_backward = min(left, (backward_s - first_final) / per_element)
 
@@ -188,8 +187,7 @@ def iteration_plan(
         device = set(free[:streamed] if first else free[len(free) - streamed :])
         candidates.append([DEVICE if i in device else role for i, role in enumerate(roles)])
     if mode == "auto":
-        scaled = rates_for(rates, footprint)
-        per_element = 1.0 / scaled.host_adam_eps + 1.0 / scaled.host_cast_eps
+        per_element = rates_for(rates, footprint).host_s_per_element
         candidates += _spread_candidates(sizes, roles, free, backward_s, per_element)
     best = min(((predicted(c), c) for c in candidates), key=lambda pair: pair[0])
     return _plan_of(_refined(best[1], best[0], free, predicted, late=mode == "auto"), buffers)
@@ -354,7 +352,7 @@ def predicted_timeline(
         d2h_free = slots[slot] = max(d2h_free, compute_free) + footprint.streamed_down * n / down
         land[i] = compute_free  # the 16-bit cast is on the device (the engine lands it there)
     device_end = max(h2d_free, compute_free, d2h_free)
-    per_element = 1.0 / rates.host_adam_eps + 1.0 / rates.host_cast_eps
+    per_element = rates.host_s_per_element
     ready, cpu = {}, 0.0
     for i in plan.host_indices:
         host[i] = sizes[i] * per_element

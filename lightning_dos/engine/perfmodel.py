@@ -80,6 +80,11 @@ class HardwareRates:
         """Every rate times ``factor`` (a machine that is uniformly slower or faster)."""
         return replace(self, **{f.name: getattr(self, f.name) * factor for f in fields(self) if f.name != "shared_cpu"})
 
+    @property
+    def host_s_per_element(self) -> float:
+        """CPU seconds one element's host update takes: the update rule, then the cast to 16 bits."""
+        return 1.0 / self.host_adam_eps + 1.0 / self.host_cast_eps
+
 
 @dataclass(frozen=True)
 class Prediction:
@@ -202,7 +207,7 @@ def _predict(
         d2h_bytes += (streamed_down + lp_down) * n
     device_s = max(h2d_free, compute_free, d2h_free)
     host_s, lp_free = 0.0, 0.0
-    per_element = 1.0 / rates.host_adam_eps + 1.0 / rates.host_cast_eps
+    per_element = rates.host_s_per_element
     for i in plan.host_indices:
         host_s += sizes[i] * per_element
         if not rates.shared_cpu and not lp_on_host:  # a 16-bit upload follows each host sub-group
@@ -336,7 +341,7 @@ def _scan(
     # Bytes per element as locals: the inner loop below is the planner's hot path.
     streamed_up_b, streamed_down_b = fp.streamed_up, fp.streamed_down
     resident_up_b, device_b = fp.resident_up, fp.device
-    per_element = 1.0 / rates.host_adam_eps + 1.0 / rates.host_cast_eps
+    per_element = rates.host_s_per_element
     up, down, adam = rates.duplex_h2d_bps, rates.duplex_d2h_bps, rates.device_adam_eps
     fastest_up, fastest_down = max(up, rates.h2d_bps), max(down, rates.d2h_bps)
     best = (bound, -1, 0, 1)
@@ -523,7 +528,7 @@ def floor(
     if resident_up_bytes is None:
         resident_up_bytes = footprint.resident_up
     n = float(total_elements)
-    host = 1.0 / rates.host_adam_eps + 1.0 / rates.host_cast_eps
+    host = rates.host_s_per_element
     if rates.shared_cpu:  # the parameters live on the CPU too: the cast writes them, nothing is uploaded
         return (0.0, n * host)
     best = (0.0, n * max(host, lp_bytes / rates.h2d_bps))
@@ -561,7 +566,7 @@ def least_update_s(elements: float, rates: HardwareRates, lp_bytes: int, *, foot
     crossing cannot be below."""
     rates = rates_for(rates, footprint)
     n = max(0.0, float(elements))
-    host = n * (1.0 / rates.host_adam_eps + 1.0 / rates.host_cast_eps)
+    host = n * rates.host_s_per_element
     if rates.shared_cpu:
         return host
     if rates.device_adam_eps <= 0:
@@ -634,7 +639,7 @@ class RateEstimator:
         span_bytes = float(self.footprint.master)
         if "host_adam" in med:  # the span covers the update and the cast
             per_element = span_bytes / med["host_adam"]
-            cast_share = (1.0 / own.host_cast_eps) / (1.0 / own.host_adam_eps + 1.0 / own.host_cast_eps)
+            cast_share = (1.0 / own.host_cast_eps) / own.host_s_per_element
             host = adam_equivalent(replace(own, host_adam_eps=1.0 / (per_element * (1 - cast_share))), self.footprint)
             rates = replace(rates, host_adam_eps=host.host_adam_eps, host_cast_eps=1.0 / (per_element * cast_share))
         if "device_adam" in med:
