@@ -42,8 +42,8 @@ REPORT_LINE = re.compile(r"host_adam\.c:(\d+):\d+: (optimized|missed): (.*)")
 CASTS = ("bf16 cast", "fp16 cast")
 #: Each rule's element loop, with its count of variants: one per storage (fp32, bf16 master weights, all bf16)
 #: and combination of loop-invariant choices (Adam: unscale, decoupled decay, lerp's form; Adagrad and Lion:
-#: unscale, decay).
-LOOPS = {"adam loop": 3 * 8, "adagrad loop": 3 * 4, "lion loop": 3 * 4}
+#: unscale, decay; Lion also DeepSpeed's two formulas, its vector body's and its scalar loop's).
+LOOPS = {"adam loop": 3 * 8, "adagrad loop": 3 * 4, "lion loop": 3 * 4 * 2}
 X86, ARM = "x86_64", "aarch64"
 #: name: (architecture, flags, the vectors GCC 12 vectorizes with there)
 TARGETS = {
@@ -186,7 +186,8 @@ def test_every_x86_build_runs_every_rule_and_storage_as_the_reference(
     build: str, x86_builds: dict[str, native.HostAdamKernel]
 ) -> None:
     """Every rule's loop variants (test_native_rules.CASES) in every storage, scaled into fp16 and unscaled into
-    bf16, on two threads: the bits of the reference (test_native_rules.reference_step)."""
+    bf16, on two threads: the bits of the reference (test_native_rules.reference_step; Lion: DeepSpeed's formula
+    as the build says DeepSpeed runs it on its CPU, its vector body's width and whether it fuses)."""
     if build not in x86_builds:
         pytest.skip(
             f"this CPU does not run {X86_BUILDS[build][0]}; "
@@ -195,7 +196,8 @@ def test_every_x86_build_runs_every_rule_and_storage_as_the_reference(
     for case in rules_test.CASES:
         for storage in rules_test.STORAGES:
             for scale, lp_dtype in ((1.0, torch.bfloat16), (3.7 * 2.0**12, torch.float16)):
-                reference = rules_test.run(case, storage, scale, lp_dtype, None, ours=False)
+                form = x86_builds[build].lion_form(*rules_test.STORAGES[storage])
+                reference = rules_test.run(case, storage, scale, lp_dtype, None, ours=False, lion_form=form)
                 result = rules_test.run(case, storage, scale, lp_dtype, 2, ours=True, update=x86_builds[build].update)
                 rules_test.assert_matches_reference(case, result, reference, f"{build}, {case}, {storage}, {lp_dtype}")
 
@@ -228,6 +230,9 @@ def arm_programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 _RULE_IDS = {"adam": 0, "adagrad": 1, "lion": 2}
+#: DeepSpeed's Lion on Arm (HostAdamKernel.lion_form): no vector body (cpu_lion.h's is AVX only), its scalar loop
+#: fused (every aarch64 CPU has FMA).
+ARM_LION_FORM = (0, True)
 _STORAGE_IDS = {"fp32": 0, "bf16-master": 1, "bf16": 2}
 
 
@@ -266,8 +271,9 @@ def test_the_aarch64_builds_under_qemu_are_bit_identical_to_torch_and_to_this_ma
     target: str, arm_programs: dict[str, Path], tmp_path: Path
 ) -> None:
     """Every rule's loop variants in every storage, scaled and not, into each copy dtype in turn: the reference's
-    bits (test_native_rules.reference_step; Adam on torch's vector body), and the bits of the engine's build on
-    this machine on every element."""
+    bits (test_native_rules.reference_step; Adam on torch's vector body; Lion as DeepSpeed runs it on Arm: its
+    scalar loop throughout, fused), and the bits of the engine's build on this machine on every element (Lion: where
+    this machine's DeepSpeed runs the same formula, as it does without a vector body for the storage)."""
     if not native.available():
         pytest.skip(f"the compiled kernel is unavailable here ({native.unavailable_reason()}) to compare with")
     copies = [None, torch.bfloat16, torch.float16, torch.float32]
@@ -279,8 +285,11 @@ def test_the_aarch64_builds_under_qemu_are_bit_identical_to_torch_and_to_this_ma
                 turn += 1
                 what = f"{target}, {case}, {storage}, {scale_name}, {lp_dtype}"
                 result = run_arm(arm_programs[target], case, storage, scale, lp_dtype, tmp_path)
-                reference = rules_test.run(case, storage, scale, lp_dtype, None, ours=False)
+                form = ARM_LION_FORM
+                reference = rules_test.run(case, storage, scale, lp_dtype, None, ours=False, lion_form=form)
                 rules_test.assert_matches_reference(case, result, reference, what)
+                if rules_test.CASES[case][0] == "lion" and native.lion_form(*rules_test.STORAGES[storage]) != form:
+                    continue
                 here = rules_test.run(case, storage, scale, lp_dtype, 2, ours=True)
                 for mine, theirs in zip(result, here):
                     assert torch.equal(rules_test.bits(mine), rules_test.bits(theirs)), f"{what}: this machine's"

@@ -1,6 +1,7 @@
 """The compiled host kernel for every rule (Adam, Adagrad, Lion) and every storage it takes (fp32; bf16 master
-weights and gradient with fp32 states; all bf16): the rule's torch formula (``UpdateRule.torch_update``) bit for
-bit, computed in fp32 from the 16-bit values and rounded back, with the unscale and the cast in the same pass."""
+weights and gradient with fp32 states; all bf16): the rule's torch formula (``UpdateRule.torch_update``; Lion:
+DeepSpeed's ``DeepSpeedCPULion``, checked against DeepSpeed's op itself) bit for bit, computed in fp32 from the
+16-bit values and rounded back, with the unscale and the cast in the same pass."""
 
 from __future__ import annotations
 
@@ -91,18 +92,71 @@ def reference_step(
     hyper: Hyper,
     inv_scale: float,
     lp_out: torch.Tensor | None,
+    lion_form: tuple[int, bool] | None = None,
 ) -> None:
-    """The kernel's definition: load into fp32, unscale in fp32, the rule's torch formula, store back (rounded to
-    nearest even for bf16), cast the stored master weights into ``lp_out`` (as DeepSpeed copies its 16-bit partition
-    from its master partition)."""
+    """The kernel's definition: load into fp32, unscale in fp32, the rule's torch formula (Lion: DeepSpeed's,
+    :func:`deepspeed_lion`, in ``lion_form``, by default the engine's build's), store back (rounded to nearest even
+    for bf16), cast the stored master weights into ``lp_out`` (as DeepSpeed copies its 16-bit partition from its
+    master partition)."""
     p32, states32 = param.float(), [s.float() for s in states]
     g32 = grad.float() * inv_scale
-    RULES[rule].torch_update(p32, g32, states32, torch.tensor(float(step)), hyper)
+    if rule == "lion":
+        width, fused = lion_form or native.lion_form(param.dtype, states[0].dtype)
+        deepspeed_lion(p32, g32, states32[0], hyper, width, fused)
+    else:
+        RULES[rule].torch_update(p32, g32, states32, torch.tensor(float(step)), hyper)
     param.copy_(p32)
     for s, s32 in zip(states, states32):
         s.copy_(s32)
     if lp_out is not None:
         lp_out.copy_(param)
+
+
+def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` of fp32 tensors rounded once (C's fmaf): the product is exact in fp64, the sum is rounded to
+    odd (to nearest, then one fp64 ulp towards the exact sum, known from TwoSum, when inexact and even), and an fp64
+    rounded to odd rounds to fp32 as the exact sum would (host_adam.c's fma_by_double)."""
+    product, addend = a.double() * b.double(), c.double()
+    total = product + addend
+    virtual = total - product
+    error = (product - (total - virtual)) + (addend - virtual)
+    bits = total.view(torch.int64)
+    inexact, even = (error > 0) | (error < 0), (bits & 1) == 0
+    toward = torch.where((error > 0) == (total > 0), 1, -1)
+    return torch.where(inexact & even, bits + toward, bits).view(torch.float64).float()
+
+
+def deepspeed_lion(
+    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, hyper: Hyper, width: int, fused: bool
+) -> None:
+    """One step of DeepSpeed's ``DeepSpeedCPULion`` on fp32 tensors, in place, as host_adam.c's Lion describes it:
+    the scalars derived in fp32 from fp32 hyperparameters, the vector body on the first ``numel - numel % width``
+    elements (none for ``width`` 0), the scalar loop on the rest (``fused``: as DeepSpeed's compiler contracts it
+    where the CPU has FMA; otherwise every product rounded)."""
+    b1, b2, lr, wd = (torch.tensor(x, dtype=torch.float32) for x in (hyper.beta1, hyper.beta2, hyper.lr,
+                                                                     hyper.weight_decay))  # fmt: skip
+    one = torch.tensor(1.0)
+    omb1, omb2 = one - b1, one - b2
+    after_decay = fma(-lr, wd, one) if fused else one - lr * wd
+    numel = param.numel()
+    body = numel - numel % width if width else 0
+    for span, vector in ((slice(0, body), True), (slice(body, numel), False)):
+        p, g, m = param[span], grad[span], exp_avg[span]
+        if vector:
+            c, m_next = fma(g, omb1, m * b1), fma(g, omb2, m * b2)
+        elif fused:
+            c, m_next = fma(m, b1, g * omb1), fma(m, b2, g * omb2)
+        else:
+            c, m_next = m * b1 + g * omb1, m * b2 + g * omb2
+        move = torch.copysign(lr.expand_as(c), c).neg()
+        if hyper.weight_decay <= 0:
+            p_next = p + move
+        elif vector or fused:
+            p_next = fma(p, after_decay, move)
+        else:
+            p_next = p * after_decay + move
+        p.copy_(p_next)
+        m.copy_(m_next)
 
 
 def run(
@@ -113,9 +167,11 @@ def run(
     threads: int | None,
     ours: bool,
     update: Callable[..., None] = native.host_update,
+    lion_form: tuple[int, bool] | None = None,
 ) -> list[torch.Tensor]:
     """The state and the copy after :data:`STEPS` of the kernel (``ours``: ``update``, called as
-    :func:`native.host_update`) or of the reference on one thread."""
+    :func:`native.host_update`) or of the reference on one thread (Lion: in ``lion_form``, see
+    :func:`reference_step`)."""
     rule, hyper = CASES[case]
     state = initial_state(rule, storage)
     lp = None if lp_dtype is None else torch.empty(NUMEL, dtype=lp_dtype)
@@ -127,7 +183,7 @@ def run(
             if ours:
                 update(rule, state[0], grad, state[1:], step, hyper, 1 / scale, lp, threads)
             else:
-                reference_step(rule, state[0], grad, state[1:], step, hyper, 1 / scale, lp)
+                reference_step(rule, state[0], grad, state[1:], step, hyper, 1 / scale, lp, lion_form)
             assert torch.equal(grad, before), "the gradient is read, not written"
     finally:
         torch.set_num_threads(torch_threads)
@@ -146,7 +202,8 @@ def test_bit_identical_to_the_rules_torch_formula_in_every_storage(case: str, st
     """Three steps from the same state, unscaled and scaled, into no copy, bf16, fp16 and fp32, on 1 and 2
     threads: the weights, the states and the copy have the reference's bits. For Adam, on torch's vector body (all
     but the last NUMEL % 16 elements: torch's fused Adam rounds its scalar tail differently, see
-    test_native_kernel.py); for Adagrad and Lion, on every element."""
+    test_native_kernel.py); for Adagrad and Lion (DeepSpeed's formula, :func:`deepspeed_lion`), on every
+    element."""
     for scale_name, scale in SCALES.items():
         for lp_dtype in LP_DTYPES:
             reference = run(case, storage, scale, lp_dtype, None, ours=False)
@@ -171,11 +228,14 @@ def assert_matches_reference(case: str, result: list[torch.Tensor], reference: l
 @pytest.mark.parametrize("case", ["adamw", "adagrad-l2-lr-decay", "lion-decay"])
 def test_the_result_does_not_depend_on_threads_or_where_a_sub_group_is_cut(case: str, storage: str) -> None:
     """1, 2 or 3 threads, or the tensors cut at odd offsets (bf16 pieces start anywhere, on any byte pair): the
-    same bits, NaN patterns included."""
+    same bits, NaN patterns included. Lion's cuts are at multiples of 64 elements, as the engine cuts DeepSpeed's
+    flat partitions: DeepSpeed's Lion rounds the last few elements of each call its own way, so a cut elsewhere
+    moves them (as it does for DeepSpeed's op)."""
     rule, hyper = CASES[case]
     numel = 3 * native.MIN_ELEMENTS_PER_THREAD + 4099
+    odd_cuts = [64, 1024, 20_032, 40_000] if rule == "lion" else [5, 1001, 20_003, 40_001]
     results = []
-    for threads, cuts in ((1, []), (2, []), (3, []), (1, [5, 1001, 20_003, 40_001])):
+    for threads, cuts in ((1, []), (2, []), (3, []), (1, odd_cuts)):
         state = initial_state(rule, storage, numel, seed=7)
         grad = gradients(storage, 2.0**8, numel)[1]
         lp = torch.empty(numel, dtype=torch.float16)
@@ -262,3 +322,57 @@ def test_the_kernel_bench_times_every_optimizer_against_deepspeeds_op(capsys: py
     for name in bench_kernels.OPTIMIZER_CASES:
         row = next(line for line in printed.splitlines() if line.startswith(f"| {name} |"))
         assert "n/a" not in row and row.rstrip(" |").endswith("x"), row
+
+
+#: Lion's loop-invariant choices against DeepSpeed's own op (DeepSpeed's defaults, its rounding of 1 - beta in
+#: float: 1 - 0.9 is 0.100000024 there, 0.100000001 from Python's double), and a decay whose factor
+#: 1 - lr * wd rounds differently fused (0.99910897, DeepSpeed's build with FMA) and as two roundings (0.999109).
+LION_CASES = {
+    "no-decay": Hyper(lr=1e-4, beta1=0.9, beta2=0.99),
+    "decay": Hyper(lr=3e-4, beta1=0.95, beta2=0.98, weight_decay=0.1),
+    "decay-fused-factor": Hyper(lr=2.7e-3, beta1=0.9, beta2=0.999, weight_decay=0.33),
+}
+#: Ten steps, so that states drift from where they started.
+LION_STEPS = range(1, 11)
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("case", LION_CASES)
+def test_lion_is_bit_identical_to_deepspeeds_cpu_lion(case: str, storage: str) -> None:
+    """``DeepSpeedCPULion`` on the same tensors (its vector body and its scalar loop: NUMEL is no multiple of any
+    vector width; bf16 runs DeepSpeed's scalar loop throughout on AVX2, its vector body on AVX-512), ten steps,
+    unscaled and scaled by a power of two (the unscaled gradient is then exact, DeepSpeed's input), on 1 and 2
+    threads: the engine's weights and moment have DeepSpeed's bits on every element, the sign of zero included."""
+    from deepspeed.ops.lion import DeepSpeedCPULion
+
+    hyper = LION_CASES[case]
+    master, state_dtype = STORAGES[storage]
+    param, exp_avg = initial_state("lion", storage)
+    grads = [torch.randn(NUMEL, generator=torch.Generator().manual_seed(20 + step)) for step in LION_STEPS]
+    grads[0][3::11] = 0.0  # where the moment starts at zero: the direction is +0, taken as positive
+    for grad in grads:
+        grad[5::13] = 0.0
+        grad[6::13] = -0.0
+    grads = [grad.to(master) for grad in grads]
+    # DeepSpeed's op, its state seeded with ours (it takes the state it finds).
+    theirs = torch.nn.Parameter(param.clone())
+    optimizer = DeepSpeedCPULion(
+        [theirs], lr=hyper.lr, betas=(hyper.beta1, hyper.beta2), weight_decay=hyper.weight_decay,
+        fp32_optimizer_states=state_dtype == torch.float32,
+    )  # fmt: skip
+    optimizer.state[theirs] = {"step": 0, "exp_avg": exp_avg.clone(), "exp_avg_sq": torch.zeros_like(exp_avg)}
+    expected = []
+    for grad in grads:
+        theirs.grad = grad.clone()
+        optimizer.step()
+        expected.append((bits(theirs.detach().clone()), bits(optimizer.state[theirs]["exp_avg"].clone())))
+    for scale in (1.0, 2.0**12):
+        for threads in (1, 2):
+            ours = [param.clone(), exp_avg.clone()]
+            for step, (grad, (param_bits, moment_bits)) in enumerate(zip(grads, expected), 1):
+                native.host_update("lion", ours[0], grad * scale, ours[1:], step, hyper, 1 / scale, None, threads)
+                what = f"{case}, {storage}, scale {scale}, {threads} thread(s), step {step}"
+                mismatched = (bits(ours[0]) != param_bits).sum().item()
+                assert mismatched == 0, f"{what}: {mismatched} of {NUMEL} weights differ from DeepSpeed's"
+                mismatched = (bits(ours[1]) != moment_bits).sum().item()
+                assert mismatched == 0, f"{what}: {mismatched} of {NUMEL} moments differ from DeepSpeed's"

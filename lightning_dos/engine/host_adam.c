@@ -3,17 +3,19 @@
  * by element, so each byte of gradient and state is read once and written once (30 bytes per element for Adam
  * into a bf16 target, against ~42 for unscale, Adam and cast as three kernels).
  *
- * Each rule's arithmetic is that of its torch formula (UpdateRule.torch_update) as torch's own build computes it
- * on its vector path, operation for operation, in float32. Adam: torch's CPU fused Adam kernel
+ * Adam's and Adagrad's arithmetic is that of their torch formula (UpdateRule.torch_update) as torch's own build
+ * computes it on its vector path, operation for operation, in float32. Adam: torch's CPU fused Adam kernel
  * (aten/src/ATen/native/cpu/FusedAdamKernel.cpp): the first moment as torch's lerp (one fused multiply-add), the
  * second moment and Adam's L2 decay each as one fused multiply-add (torch's compiler contracts
  * `v * beta2 + c * g * g` and `g + p * wd`), everything else as separate multiplies, adds, a square root and
- * divisions. Adagrad and Lion: see their loops. Each is checked bit for bit against torch 2.13 in
- * tests/test_native_kernel.py and tests/test_native_rules.py. The unscale is a multiply by the inverse scale, as
- * DeepSpeed unscales. Built with -ffp-contract=off, so the compiler fuses nothing else, and every element (vector
- * body or scalar remainder) rounds the same way: the result does not depend on where a sub-group starts, how it
- * is split over threads, or the machine's vector width. lightning_dos/engine/native.py builds this file with the
- * system C compiler on first use; without one the engine runs torch's kernels.
+ * divisions. Adagrad: see its loop. Each is checked bit for bit against torch 2.13 in tests/test_native_kernel.py
+ * and tests/test_native_rules.py. Lion's is DeepSpeed's DeepSpeedCPULion as DeepSpeed builds it for this CPU (see
+ * its loop; checked bit for bit against DeepSpeed's op in tests/test_native_rules.py). The unscale is a multiply
+ * by the inverse scale, as DeepSpeed unscales. Built with -ffp-contract=off, so the compiler fuses nothing else,
+ * and every element (vector body or scalar remainder) rounds the same way: the result does not depend on where a
+ * sub-group starts, how it is split over threads, or the machine's vector width. (Lion's last few elements of a
+ * call round as DeepSpeed's scalar loop rounds them, as DeepSpeed's op does.) lightning_dos/engine/native.py
+ * builds this file with the system C compiler on first use; without one the engine runs torch's kernels.
  *
  * Master weights and gradient are fp32 or bf16, the states fp32 or (beside bf16 master weights) bf16: a bf16
  * value is loaded into fp32 exactly, the step is computed as for fp32, and the result stored rounded to nearest
@@ -43,18 +45,17 @@ enum { RULE_ADAM = 0, RULE_ADAGRAD = 1, RULE_LION = 2 };
 enum { DTYPES_FP32 = 0, DTYPES_BF16_MASTER = 1, DTYPES_BF16 = 2 };
 
 /* The scalars of one step, each rule reading its own (float: rounded once from Python's double, as torch
- * rounds a scalar argument to the tensor's dtype). */
+ * rounds a scalar argument to the tensor's dtype, and as DeepSpeed's CPU ops take theirs). */
 typedef struct {
     int decoupled;      /* Adam: 1 for AdamW (decay on the weights), 0 for Adam with L2 (decay added to the
                          * gradient). Adagrad, Lion: 1 when there is a decay term at all. */
-    float decay_factor; /* AdamW, Lion: float(1 - lr * weight_decay) */
-    float weight_decay; /* Adam L2, Adagrad: float(weight_decay) */
+    float decay_factor; /* AdamW: float(1 - lr * weight_decay) */
+    float weight_decay; /* Adam L2, Adagrad, Lion: float(weight_decay) */
     int lerp_small;     /* Adam: |1 - beta1| < 0.5, torch's lerp takes its first form */
     float lerp_coeff;   /* Adam: float(1 - beta1), or that minus 1 for lerp's second form */
     float beta1;        /* Lion: float(beta1) */
-    float one_minus_beta1; /* Lion: float(1 - beta1) */
-    float beta2;        /* Adam, Lion */
-    float sq_coeff;     /* Adam: float(1 - beta2); Lion: float(1 - beta2) */
+    float beta2;        /* Adam, Lion: float(beta2) */
+    float sq_coeff;     /* Adam: float(1 - beta2) */
     float bc2_sqrt;     /* Adam: float(sqrt(1 - beta2^step)) */
     float eps;          /* Adam, Adagrad */
     float neg_step_size; /* Adam: float(-lr / (1 - beta1^step)); Adagrad: float(-lr / (1 + (step - 1) * lr_decay));
@@ -73,6 +74,7 @@ typedef struct {
     float inv_scale;    /* multiplies the gradient: 1 / (loss scale x clip), as DeepSpeed unscales */
     int unscale;        /* 0: inv_scale is 1, skip the multiply */
     Step s;
+    int64_t lion_vector_end; /* Lion: elements before this take DeepSpeed's vector body, the rest its scalar loop */
 } Job;
 
 /* fmaf, correctly rounded, where it is not one instruction (x86 before FMA3: x86-64-v2 and older). glibc's
@@ -299,24 +301,83 @@ static inline __attribute__((always_inline)) void adagrad_block(const Job *job, 
     }
 }
 
-/* Lion's block, DeepSpeed's scalar formula (every product rounded on its own, no fused multiply-add; torch's
- * separate mul, add and copysign kernels compute the same): c = b1 * m + (1 - b1) * g; p = p * (1 - lr * wd)
- * when wd > 0; p = p - copysign(lr, c) (+lr for c = +0); m = b2 * m + (1 - b2) * g. */
+/* Lion: what DeepSpeed's DeepSpeedCPULion (csrc/includes/cpu_lion.h, csrc/lion/cpu_lion_impl.cpp, DeepSpeed 0.19.8)
+ * computes when DeepSpeed builds it for the CPU this file is built for (its JIT build: g++ -O3 -march=native, with
+ * GCC's default -ffp-contract=fast). It derives its scalars in float: 1 - b1 and 1 - b2 by a float subtraction,
+ * after_decay = 1 - lr * wd (one fused multiply-add where the CPU has FMA, as the compiler contracts it; two
+ * roundings where it has none). Over the elements of one call it runs two formulas:
+ * - its vector body (Step_AVX: AVX-512 or AVX2 intrinsics), on the first numel - numel % width elements:
+ *   c = fma(g, 1 - b1, b1 * m); p = fma(p, after_decay, -copysign(lr, c)) with decay, p + -copysign(lr, c)
+ *   without; m = fma(g, 1 - b2, b2 * m). width is 16 with AVX-512 (every storage) and 8 with AVX2 (fp32 only:
+ *   Step_AVX returns at once for bf16 weights or states without AVX-512, so bf16 runs the scalar loop throughout);
+ * - its scalar loop (Step_1) on the rest. The compiler contracts `tmp = m * b1; tmp = g * (1 - b1) + tmp` across
+ *   the two statements, fusing the first product into the add: c = fma(m, b1, g * (1 - b1)), and likewise
+ *   m = fma(m, b2, g * (1 - b2)); the weight as above. Without FMA (x86-64-v2) nothing is fused: every product is
+ *   rounded on its own (and there is no vector body: DeepSpeed's needs AVX2).
+ * The direction's sign is its sign bit (c = +0 moves the weight by -lr, c = -0 by +lr). LION_VECTOR_WIDTH and
+ * LION_VECTOR_BF16 say which elements take the vector body here; dos_host_update cuts each call there, so the
+ * engine matches DeepSpeed called on the same tensors: a call's last numel % width elements take the scalar loop.
+ * (The engine cuts DeepSpeed's flat partitions into sub-groups at multiples of 64 elements, sub_group_size >= 64,
+ * so only a flat's last sub-group has such a remainder, the flat's own: what DeepSpeed's call on the flat has.) */
+#if defined(__AVX512F__)
+#define LION_VECTOR_WIDTH 16
+#define LION_VECTOR_BF16 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LION_VECTOR_WIDTH 8
+#define LION_VECTOR_BF16 0
+#else
+#define LION_VECTOR_WIDTH 0
+#define LION_VECTOR_BF16 0
+#endif
+#if defined(__FP_FAST_FMAF)
+#define LION_FUSED 1 /* the CPU has FMA: DeepSpeed's compiler fuses its scalar loop's products and after_decay */
+#else
+#define LION_FUSED 0
+#endif
+enum { LION_VECTOR = 0, LION_SCALAR = 1 };
+
+/* What this build's Lion takes DeepSpeed to run (for the engine's checks and tests): the width of the vector body
+ * for storage `dtypes` (0: DeepSpeed runs its scalar loop throughout), and whether its scalar loop and after_decay
+ * are fused (1) or rounded product by product (0). */
+int dos_lion_vector_width(int dtypes) { return (dtypes == DTYPES_FP32 || LION_VECTOR_BF16) ? LION_VECTOR_WIDTH : 0; }
+int dos_lion_fused(void) { return LION_FUSED; }
+
+/* The first element of a call of `numel` elements stored as `dtypes` that DeepSpeed's scalar loop updates. */
+static int64_t lion_vector_end(int dtypes, int64_t numel) {
+    const int width = dos_lion_vector_width(dtypes);
+    return width ? numel - numel % width : 0;
+}
+
+/* Lion's block [begin, end), all of it in DeepSpeed's vector body or all in its scalar loop (`form`). */
 static inline __attribute__((always_inline)) void lion_block(const Job *job, float *restrict fresh, int64_t begin,
                                                              int64_t end, const int unscale, const int decays,
-                                                             const int master16, const int states16) {
+                                                             const int master16, const int states16,
+                                                             const int form) {
     VIEWS(job);
-    const float decay_factor = job->s.decay_factor, beta1 = job->s.beta1, one_minus_beta1 = job->s.one_minus_beta1;
-    const float beta2 = job->s.beta2, one_minus_beta2 = job->s.sq_coeff, lr = job->s.neg_step_size;
+    const float beta1 = job->s.beta1, beta2 = job->s.beta2, lr = job->s.neg_step_size, wd = job->s.weight_decay;
+    const float one_minus_beta1 = 1.0f - beta1, one_minus_beta2 = 1.0f - beta2;
+    const float after_decay = LION_FUSED ? FMA(-lr, wd, 1.0f) : 1.0f - lr * wd;
     for (int64_t i = begin; i < end; i++) { /* vectorized: lion loop */
         float g = LOAD(master16, grad, grad_h, i);
         if (unscale) g = g * inv_scale;
         float m = LOAD(states16, state0, state0_h, i);
-        float c = m * beta1 + g * one_minus_beta1;
         float p = LOAD(master16, param, param_h, i);
-        if (decays) p = p * decay_factor;
-        STORE(states16, state0, state0_h, i, m * beta2 + g * one_minus_beta2);
-        STORE_WEIGHT(master16, i, p - copysignf(lr, c));
+        float c, m_next;
+        if (form == LION_VECTOR) {
+            c = FMA(g, one_minus_beta1, m * beta1);
+            m_next = FMA(g, one_minus_beta2, m * beta2);
+        } else if (LION_FUSED) {
+            c = FMA(m, beta1, g * one_minus_beta1);
+            m_next = FMA(m, beta2, g * one_minus_beta2);
+        } else {
+            c = m * beta1 + g * one_minus_beta1;
+            m_next = m * beta2 + g * one_minus_beta2;
+        }
+        const float move = -copysignf(lr, c);
+        if (decays) p = (form == LION_VECTOR || LION_FUSED) ? FMA(p, after_decay, move) : p * after_decay + move;
+        else p = p + move;
+        STORE(states16, state0, state0_h, i, m_next);
+        STORE_WEIGHT(master16, i, p);
     }
 }
 
@@ -328,7 +389,14 @@ static inline __attribute__((always_inline)) void run_blocks(const Job *job, con
         int64_t end = begin + BLOCK < job->end ? begin + BLOCK : job->end;
         if (rule == RULE_ADAM) adam_block(job, fresh, begin, end, unscale, flag0, flag1, master16, states16);
         else if (rule == RULE_ADAGRAD) adagrad_block(job, fresh, begin, end, unscale, flag0, master16, states16);
-        else lion_block(job, fresh, begin, end, unscale, flag0, master16, states16);
+        else {
+            /* DeepSpeed's vector body before job->lion_vector_end, its scalar loop from there (fresh[k] is
+             * element begin + k of the block in either part) */
+            int64_t cut = job->lion_vector_end;
+            cut = cut < begin ? begin : cut > end ? end : cut;
+            lion_block(job, fresh, begin, cut, unscale, flag0, master16, states16, LION_VECTOR);
+            lion_block(job, fresh + (cut - begin), cut, end, unscale, flag0, master16, states16, LION_SCALAR);
+        }
         const float *weights = master16 ? fresh : (const float *)job->param + begin;
         cast_block(job->lp, job->lp_kind, weights, begin, end - begin);
     }
@@ -388,7 +456,7 @@ int dos_host_update(int rule, int dtypes, void *param, const void *grad, void *s
     for (int t = 0; t < threads; t++) {
         Job job = {param, grad, state0, state1, lp, lp_kind, rule, dtypes,
                    t * share < numel ? t * share : numel, (t + 1) * share < numel ? (t + 1) * share : numel,
-                   inv_scale, inv_scale != 1.0f, *step};
+                   inv_scale, inv_scale != 1.0f, *step, lion_vector_end(dtypes, numel)};
         jobs[t] = job;
     }
 #if defined(_OPENMP)

@@ -3,17 +3,19 @@
 torch's fused CPU Adam reads and writes the state once, but the unscale before it and the cast after it are
 passes of their own; tiling them through cache (``kernels.tiled_host_update``) saves traffic but pays three
 kernel launches, and their barriers, per tile. ``host_adam.c`` does all three per element, in one loop, with
-torch's own formula (see the file's header), and splits the sub-group over threads once per call.
+torch's own formula (Lion: DeepSpeed's ``DeepSpeedCPULion``'s; see the file's header), and splits the sub-group
+over threads once per call.
 
-The build takes a few seconds (48 loops: each rule, storage and loop-invariant choice): ``cc -O3 -march=native
--fopenmp`` on one C file, no torch headers. It is
-loaded with ctypes after torch, so its OpenMP runtime is torch's and the sub-group is split over torch's
-threads, and it is called as the torch op ``lightning_dos::host_update`` (every rule and storage:
-:func:`host_update`; ``lightning_dos::host_adam`` is fp32 Adam, :func:`host_adam`), so dispatch modes see its
-reads and writes. The library is cached under ``~/.cache/lightning_dos/native`` (``$XDG_CACHE_HOME`` is honoured),
-keyed by the source, the compiler and this CPU's flags, so a machine never loads a library built for another
-CPU. Where there is no compiler, or the build fails, the engine uses torch's kernels (same formula; slower)
-and warns once. ``LIGHTNING_DOS_NATIVE=0`` turns the compiled kernel off without a warning.
+The build takes a few seconds (60 loops: each rule, storage and loop-invariant choice, and Lion's two formulas):
+``cc -O3 -march=native -fopenmp`` on one C file, no torch headers. It is loaded with ctypes after torch, so its
+OpenMP runtime is torch's and the sub-group is split over torch's threads, and it is called as the torch op
+``lightning_dos::host_update`` (every rule and storage: :func:`host_update`; ``lightning_dos::host_adam`` is fp32
+Adam, :func:`host_adam`), so dispatch modes see its reads and writes. The library is cached under
+``~/.cache/lightning_dos/native`` (``$XDG_CACHE_HOME`` is honoured), keyed by the source, the compiler and this
+CPU's flags, so a machine never loads a library built for another CPU. Where there is no compiler, or the build
+fails, the engine uses torch's kernels (the same formulas, slower; Lion's rounds as DeepSpeed's does only where it
+fuses nothing: see ``update_rules``) and warns once. ``LIGHTNING_DOS_NATIVE=0`` turns the compiled kernel off
+without a warning.
 """
 
 from __future__ import annotations
@@ -141,7 +143,6 @@ class Step(ctypes.Structure):
         ("lerp_small", ctypes.c_int),
         ("lerp_coeff", ctypes.c_float),
         ("beta1", ctypes.c_float),
-        ("one_minus_beta1", ctypes.c_float),
         ("beta2", ctypes.c_float),
         ("sq_coeff", ctypes.c_float),
         ("bc2_sqrt", ctypes.c_float),
@@ -159,22 +160,22 @@ def supports(rule: str, master_dtype: torch.dtype, state_dtype: torch.dtype) -> 
 
 
 def step_scalars(rule: str, step: float, hyper: Hyper) -> Step:
-    """The :class:`Step` of ``rule`` for step number ``step`` (1 for the first) and ``hyper``: derived in double
-    as torch's formula (:meth:`UpdateRule.torch_update`) derives them, rounded to float where used."""
+    """The :class:`Step` of ``rule`` for step number ``step`` (1 for the first) and ``hyper``. Adam and Adagrad:
+    derived in double as torch's formula (:meth:`UpdateRule.torch_update`) derives them, rounded to float where used;
+    Lion: the hyperparameters rounded to float, as DeepSpeed's ``DeepSpeedCPULion`` takes them (the kernel derives
+    the rest in float, as DeepSpeed's does)."""
     h = hyper
     if rule == "adam":
         constants = step_constants(step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled)[1:]
         decoupled, decay_factor, weight_decay, lerp_small, lerp_coeff, beta2, sq_coeff, bc2_sqrt, eps, neg = constants
-        return Step(decoupled, decay_factor, weight_decay, lerp_small, lerp_coeff, 0.0, 0.0, beta2, sq_coeff,
-                    bc2_sqrt, eps, neg)  # fmt: skip
+        return Step(decoupled, decay_factor, weight_decay, lerp_small, lerp_coeff, 0.0, beta2, sq_coeff, bc2_sqrt,
+                    eps, neg)  # fmt: skip
     if rule == "adagrad":  # torch's Adagrad: decay when weight_decay != 0; clr from the step as a Python float
         clr = h.lr / (1 + (step - 1) * h.lr_decay)
-        return Step(int(h.weight_decay != 0), 1.0, h.weight_decay, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, h.eps, -clr)
-    if rule == "lion":  # Lion decays only for weight_decay > 0, as DeepSpeed's and the torch formula do
-        decays = h.weight_decay > 0
-        decay_factor = 1 - h.lr * h.weight_decay if decays else 1.0
-        return Step(int(decays), decay_factor, 0.0, 0, 0.0, h.beta1, 1 - h.beta1, h.beta2, 1 - h.beta2, 1.0, 0.0,
-                    h.lr)  # fmt: skip
+        return Step(int(h.weight_decay != 0), 1.0, h.weight_decay, 0, 0.0, 0.0, 0.0, 0.0, 1.0, h.eps, -clr)
+    if rule == "lion":  # DeepSpeedCPULion's own float arguments (it decays only for weight_decay > 0); host_adam.c
+        # derives 1 - beta1, 1 - beta2 and 1 - lr * weight_decay from them in float, as DeepSpeed's kernel does
+        return Step(int(h.weight_decay > 0), 0.0, h.weight_decay, 0, 0.0, h.beta1, h.beta2, 0.0, 1.0, 0.0, h.lr)
     raise ValueError(f"unknown update rule {rule!r}; the compiled kernel runs {', '.join(_RULE_IDS)}")
 
 
@@ -216,10 +217,20 @@ class HostAdamKernel:
     def __init__(self, path: Path) -> None:
         """Load the library at ``path`` (built by :func:`build` or :func:`compile_library`)."""
         self.path = path
-        self._fn = ctypes.CDLL(str(path)).dos_host_update
+        library = ctypes.CDLL(str(path))
+        self._fn = library.dos_host_update
         self._fn.restype = ctypes.c_int
         i, p = ctypes.c_int, ctypes.c_void_p
         self._fn.argtypes = [i, i, p, p, p, p, p, i, ctypes.c_int64, ctypes.c_float, ctypes.POINTER(Step), i]
+        self._lion_width, self._lion_fused = library.dos_lion_vector_width, library.dos_lion_fused
+        self._lion_width.argtypes, self._lion_width.restype, self._lion_fused.restype = [i], i, i
+
+    def lion_form(self, master_dtype: torch.dtype, state_dtype: torch.dtype) -> tuple[int, bool]:
+        """How this build runs Lion, as DeepSpeed's ``DeepSpeedCPULion`` built for the same CPU runs it (see
+        host_adam.c): the width of DeepSpeed's vector body for these dtypes (0: its scalar loop runs every element;
+        otherwise the last ``numel % width`` of a call), and whether its scalar loop and its decay factor are
+        fused multiply-adds (True where the CPU has FMA) or rounded product by product."""
+        return self._lion_width(_DTYPES[master_dtype, state_dtype]), bool(self._lion_fused())
 
     def update(
         self,
@@ -392,6 +403,17 @@ def host_adam(
     )  # fmt: skip
 
 
+def lion_form(master_dtype: torch.dtype, state_dtype: torch.dtype) -> tuple[int, bool]:
+    """:meth:`HostAdamKernel.lion_form` of the engine's build.
+
+    Raises:
+        RuntimeError: the compiled kernel is unavailable (see :func:`unavailable_reason`).
+    """
+    if _load() is None:
+        raise RuntimeError(f"the compiled host update kernel is unavailable: {_failure}")
+    return _kernel.lion_form(master_dtype, state_dtype)
+
+
 def host_update(
     rule: str,
     param: torch.Tensor,
@@ -406,11 +428,12 @@ def host_update(
     """One step of ``rule`` over contiguous CPU tensors, with the unscale and the cast in the same pass.
 
     Computes, for every element, what ``RULES[rule].torch_update`` computes on this CPU (bit for bit; Adam: on
-    torch's vector body, see host_adam.c), from the gradient multiplied by ``inv_grad_scale`` in fp32 (the gradient
-    itself is left as it came). bf16 master weights, gradient or states are loaded into fp32, computed as fp32 ones
-    are, and stored rounded to nearest even; the copy in ``lp_out`` is cast from the stored master weights
-    (DeepSpeed copies its 16-bit partition from them). The caller checks :func:`available` (and :func:`supports`)
-    first.
+    torch's vector body, see host_adam.c), or for Lion what DeepSpeed's ``DeepSpeedCPULion`` computes on these
+    tensors on this CPU (bit for bit, its vector body and its scalar loop: :meth:`HostAdamKernel.lion_form`), from
+    the gradient multiplied by ``inv_grad_scale`` in fp32 (the gradient itself is left as it came). bf16 master
+    weights, gradient or states are loaded into fp32, computed as fp32 ones are, and stored rounded to nearest
+    even; the copy in ``lp_out`` is cast from the stored master weights (DeepSpeed copies its 16-bit partition from
+    them). The caller checks :func:`available` (and :func:`supports`) first.
 
     Args:
         rule: the :attr:`UpdateRule.name` (``adam``, ``adagrad`` or ``lion``).

@@ -18,7 +18,12 @@ rounded to nearest even, as DeepSpeed's CPU optimizers store bf16 state):
   then fuses the step; the two differ by float rounding).
 - ``lion``: DeepSpeed's ``DeepSpeedCPULion`` (Chen et al. 2023):
   ``c = b1 * m + (1 - b1) * g; p = p * (1 - lr * wd) - lr * sign(c); m = b2 * m + (1 - b2) * g``, where the
-  sign of ``c = 0`` is taken as DeepSpeed's ``copysign`` takes it (+1 for +0).
+  sign of ``c = 0`` is taken as DeepSpeed's ``copysign`` takes it (+1 for +0). The compiled host kernel rounds
+  it as DeepSpeed's op does on the CPU it runs on, bit for bit (fused multiply-adds in DeepSpeed's vector body
+  and, where the CPU has FMA, in its scalar loop; the scalars derived in fp32: see host_adam.c). The torch formula
+  here (the device side, and the host without a compiler) rounds every product on its own and derives
+  ``1 - b1``, ``1 - b2`` and ``1 - lr * wd`` in double: DeepSpeed's scalar loop on a CPU without FMA but for
+  those scalars' rounding, and within float rounding of DeepSpeed's op elsewhere.
 """
 
 from __future__ import annotations
@@ -138,7 +143,9 @@ def _sqrt(x: torch.Tensor) -> torch.Tensor:
 
 def _lion(param, grad, states, step, hyper: Hyper) -> None:  # noqa: ANN001, ARG001 - Lion has no bias correction
     (exp_avg,) = states
-    # DeepSpeed's scalar path: every product rounded on its own (no fused multiply-add), the sign by copysign.
+    # Lion's formula as DeepSpeed's scalar loop has it, every product rounded on its own (DeepSpeed's own op fuses
+    # where the CPU has FMA, and derives its scalars in fp32; the host kernel matches that: see the module's
+    # docstring), the sign by copysign.
     direction = exp_avg.mul(hyper.beta1).add_(grad.mul(1 - hyper.beta1))
     step_size = direction.new_full(direction.shape, hyper.lr).copysign_(direction)
     if hyper.weight_decay > 0:
