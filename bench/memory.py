@@ -16,12 +16,24 @@ DeepSpeed starts allocating the optimizer's state (its fp32 partitions), both wi
 handed back. The rest of "fit adds" is the device side, which on CPU is host memory too (ZeRO-3's 16-bit
 partitions, gathered parameters, gradients, buckets, activations, and freed heap glibc keeps).
 
+"start-up" is the peak resident set from where DeepSpeed starts allocating the optimizer's state to the end of
+set-up, less the resident set there (``VmHWM`` reset at that point through ``/proc/self/clear_refs``): what
+start-up adds at its highest, DeepSpeed's master copies and the engine's slabs included while both exist, which
+the pre-flight figure must cover (issue 32, point 5: registering the slabs, which faults in every page, before
+DeepSpeed's fp32 master copies were freed put start-up 4 B/param above it on a GPU node).
+
     python bench/memory.py                                    # 8x512 GPT (25M params), both precisions
     python bench/memory.py --precisions bf16-states          # bf16 master weights + bf16 Adam moments
 
 ``bf16-states`` is ``bf16-mixed`` with DeepSpeed's ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``
 and ``DeepSpeedCPUAdam(fp32_optimizer_states=False)``, for both systems (stock runs that optimizer anyway).
     python bench/memory.py --n-layer 4 --n-embd 256 --steps 2 --precisions 32-true
+    python bench/memory.py --simulated                       # ours on the simulated accelerator (CPU)
+    python bench/memory.py --accelerator cuda                # on a GPU: DeepSpeed's pinned buffers, registered slabs
+
+``--simulated`` runs ours on the simulated accelerator (``SimStreams``): the engine's GPU-side host memory (its
+16-bit staging ring), and slabs registered by a registrar that faults in every page as ``cudaHostRegister`` does.
+``--accelerator cuda`` trains on the GPU: host memory is then only what is offloaded (and CUDA's own).
 """
 
 from __future__ import annotations
@@ -57,6 +69,8 @@ def _record_before_optimizer_state(into: dict) -> None:
     def measured(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         return_freed_memory()
         into["before_state"] = resident_bytes()
+        into["peak_before"] = _status_bytes("VmHWM")  # the fit's peak so far; start-up's is measured from here
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         return original(self, *args, **kwargs)
 
     Stage3._create_fp32_partitions = measured
@@ -65,7 +79,8 @@ def _record_before_optimizer_state(into: dict) -> None:
 def child(args: argparse.Namespace) -> None:
     """One fit; prints one JSON line."""
     sys.path.insert(0, str(ROOT))
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    on_cuda = args.accelerator == "cuda"
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if on_cuda else "cpu")
     import lightning as L
     import torch
 
@@ -76,7 +91,13 @@ def child(args: argparse.Namespace) -> None:
     from lightning_dos.recipes.gpt import GPT
 
     class Held(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            marks["startup_peak"] = _status_bytes("VmHWM")
+
         def on_train_batch_end(self, trainer: L.Trainer, *rest: object) -> None:
+            engine = getattr(trainer.strategy, "dos_engine", None)
+            if engine is not None:  # while fitting: teardown unpins the slabs
+                marks["pinned_bytes"] = engine.pool.pinned_bytes
             return_freed_memory()
             marks["held"] = resident_bytes()
 
@@ -93,10 +114,14 @@ def child(args: argparse.Namespace) -> None:
         model = GPT(**shape, optimizer="deepspeed_adamw", fp32_optimizer_states=False)
     else:
         model = (GPT if ours else StockGPT)(**shape)
+    if ours and args.simulated:
+        from lightning_dos.sim.simstreams import SimStreams
+
+        strategy.streams_factory = SimStreams
     data = ByteCorpusDataModule(seq_len=args.seq, batch_size=1, max_bytes=200_000)
     trainer = L.Trainer(
         strategy=strategy,
-        accelerator="cpu",
+        accelerator="gpu" if on_cuda else "cpu",
         devices=1,
         precision=precision,
         max_steps=args.steps,
@@ -112,12 +137,12 @@ def child(args: argparse.Namespace) -> None:
     next(iter(data.train_dataloader()))  # the corpus is loaded before the baseline is taken
     baseline = _status_bytes("VmRSS")
     trainer.fit(model, datamodule=data)
-    peak = _status_bytes("VmHWM")
+    peak = max(_status_bytes("VmHWM"), marks["peak_before"])
     params = GPT.count_parameters(args.n_layer, args.n_embd, 256, args.seq)
     row = {"system": args.system, "precision": args.precision, "params": params, "baseline": baseline, "peak": peak}
     if ours:
         pool = strategy.dos_engine.pool
-        row.update(engine_host_bytes=pool.host_bytes, pinned_bytes=pool.pinned_bytes)
+        row.update(engine_host_bytes=pool.host_bytes, pinned_bytes=marks["pinned_bytes"])
         figure = strategy.dos_host_figure
     else:
         # Stock has no pre-flight: the same model of DeepSpeed's buffers, its own master weights and optimizer state
@@ -128,11 +153,15 @@ def child(args: argparse.Namespace) -> None:
             [{"params": list(model.parameters())}],
             strategy.config,
             world_size=1,
-            on_accelerator=False,
+            on_accelerator=on_cuda,
             engine_sub_group_size=args.sub_group_size,
             state_owner="deepspeed",
         )
-    row.update(preflight=figure.total, state_held=marks["held"] - marks["before_state"])
+    row.update(
+        preflight=figure.total,
+        state_held=marks["held"] - marks["before_state"],
+        startup=marks["startup_peak"] - marks["before_state"],
+    )
     del torch
     print("RESULT " + json.dumps(row), flush=True)
 
@@ -163,17 +192,19 @@ def preflight_table(rows: list[dict]) -> str:
     """The pre-flight figure beside what the run held, per (precision, system): medians over repeats."""
     lines = [
         "| precision | system | pre-flight B/param | state held B/param (range) | held / pre-flight "
-        "| fit adds B/param |",
-        "|" + "---|" * 6,
+        "| start-up peak B/param | start-up / pre-flight | fit adds B/param |",
+        "|" + "---|" * 8,
     ]
     for precision, system in dict.fromkeys((r["precision"], r["system"]) for r in rows):
         mine = [r for r in rows if (r["precision"], r["system"]) == (precision, system)]
         params = mine[0]["params"]
         held = [r["state_held"] / params for r in mine]
         pre = statistics.median(r["preflight"] for r in mine) / params
+        startup = statistics.median(r["startup"] for r in mine) / params
         lines.append(
             f"| {precision} | {system} | {pre:.2f} | {statistics.median(held):.2f} ({min(held):.2f}-{max(held):.2f}) "
-            f"| {statistics.median(held) / pre:.3f} | {statistics.median(_per_param(r) for r in mine):.2f} |"
+            f"| {statistics.median(held) / pre:.3f} | {startup:.2f} | {startup / pre:.3f} "
+            f"| {statistics.median(_per_param(r) for r in mine):.2f} |"
         )
     return "\n".join(lines)
 
@@ -216,6 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sub-group-size", type=int, default=2_000_000)
     parser.add_argument("--systems", default="stock,auto")
     parser.add_argument("--precisions", default="32-true,bf16-mixed")
+    parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu", help="where the model trains")
+    parser.add_argument("--simulated", action="store_true", help="ours on the simulated accelerator (CPU only)")
+    parser.add_argument(
+        "--max-startup-ratio",
+        type=float,
+        help="exit 1 when one of ours has a start-up peak above this many times its pre-flight figure",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", help=argparse.SUPPRESS)
     parser.add_argument("--precision", help=argparse.SUPPRESS)
@@ -230,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         f"--seq={args.seq}",
         f"--steps={args.steps}",
         f"--sub-group-size={args.sub_group_size}",
+        f"--accelerator={args.accelerator}",
+        *(["--simulated"] if args.simulated else []),
     ]
     rows = []
     for precision in args.precisions.split(","):
@@ -245,6 +285,15 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     print()
     print(preflight_table(rows))
+    if args.max_startup_ratio is not None:
+        over = [r for r in rows if r["system"] != "stock" and r["startup"] > args.max_startup_ratio * r["preflight"]]
+        for r in over:
+            print(
+                f"start-up above {args.max_startup_ratio}x the pre-flight figure: {r['system']} {r['precision']} "
+                f"{r['startup'] / r['params']:.2f} B/param against {r['preflight'] / r['params']:.2f}",
+                file=sys.stderr,
+            )
+        return 1 if over else 0
     return 0
 
 

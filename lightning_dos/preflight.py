@@ -214,6 +214,7 @@ def rank_host_figure(
     backend: str,
     state_owner: str = "engine",
     footprint: Footprint = ADAM_FP32,
+    engine_on_accelerator: bool | None = None,
 ) -> HostFigure:
     """Host bytes one rank holds once DeepSpeed and the engine have allocated (see the module's docstring).
 
@@ -232,6 +233,8 @@ def rank_host_figure(
             ``master_weights_and_grads_dtype``) and the states' (``bf16_optimizer_states``): DeepSpeed's gradient
             buffers take the master dtype, master weights and states ``footprint.optimizer_state`` bytes per
             element (12 for Adam in fp32).
+        engine_on_accelerator: the engine runs an accelerator's path (its 16-bit staging ring), where DeepSpeed
+            does not (the simulated accelerator on a CPU); None: ``on_accelerator``.
     """
     total = sum(sum(numels) for numels in group_numels)
     lp_size = torch.empty((), dtype=lp_dtype).element_size()
@@ -251,8 +254,9 @@ def rank_host_figure(
         figure.items.append(("DeepSpeed master weights and optimizer states", footprint.optimizer_state * total))
         figure.nominal += footprint.optimizer_state * total
         return figure
+    engine_accelerated = on_accelerator if engine_on_accelerator is None else engine_on_accelerator
     engine = engine_host_bytes(
-        total, lp_dtype, params_on_host or not on_accelerator, engine_sub_group_size, footprint=footprint
+        total, lp_dtype, params_on_host or not engine_accelerated, engine_sub_group_size, footprint=footprint
     )
     figure.items.append(("engine slabs", engine))
     figure.nominal += engine
@@ -285,6 +289,7 @@ def figure_for(
     env: Mapping[str, str] = os.environ,
     rule: UpdateRule = ADAM,
     footprint: Footprint | None = None,
+    engine_on_accelerator: bool | None = None,
 ) -> HostFigure:
     """:func:`rank_host_figure` for ``model`` trained with ``param_groups`` under DeepSpeed ``config``.
 
@@ -301,6 +306,7 @@ def figure_for(
             (:func:`config_footprint`).
         footprint: the rule and dtypes the engine runs, when the caller knows them (overrides ``rule`` and the
             config's dtypes).
+        engine_on_accelerator: see :func:`rank_host_figure`.
     """
     group_numels = partition_numels(model, param_groups, world_size)
     per_rank = sum(sum(numels) for numels in group_numels)
@@ -324,4 +330,5 @@ def figure_for(
         backend=pin_backend(on_accelerator, env),
         state_owner=state_owner,
         footprint=footprint if footprint is not None else config_footprint(config, rule),
+        engine_on_accelerator=engine_on_accelerator,
     )

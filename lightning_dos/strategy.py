@@ -532,6 +532,8 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             on_accelerator=on_cuda,
             engine_sub_group_size=self.engine_sub_group_size,
             footprint=footprint,
+            # The simulated accelerator (SimStreams) gives the engine a GPU's host side on a CPU: its ring too.
+            engine_on_accelerator=on_cuda or getattr(self.streams_factory, "is_async", False) is True,
         )
         local_ranks = max(1, len(self.parallel_devices or [None]))
         check_host_memory(

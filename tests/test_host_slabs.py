@@ -209,3 +209,27 @@ def test_a_refused_registration_falls_back_to_pageable_memory_with_one_warning(r
     assert quiet == []
     for key, value in pinned_params.items():
         assert torch.equal(params[key], value), key
+
+
+# -- issue 32, point 5: the simulated accelerator's registrar faults pages in, as cudaHostRegister does -----------
+
+
+def test_the_simulated_accelerators_registrar_faults_in_every_page_and_keeps_their_contents() -> None:
+    """``cudaHostRegister`` pins, so every page of the range becomes resident; the simulated accelerator's
+    registrar does the same on CPU (and pins nothing), so start-up's host peak shows on CPU where a GPU node's
+    would. An explicit ``use_registrar`` block still chooses its own."""
+    from lightning_dos.sim.simstreams import SimStreams
+
+    registrar = SimStreams(torch.device("cpu")).host_registrar()
+    assert isinstance(registrar, hostslab.FaultingRegistrar)
+    with hostslab.use_registrar(RecordingRegistrar()):
+        assert isinstance(SimStreams(torch.device("cpu")).host_registrar(), RecordingRegistrar)
+    slab = hostslab.HostSlab(32 << 20, torch.float32)  # 128 MB of zero pages: nothing resident yet
+    written = torch.arange(0, slab.tensor.numel(), 12345)
+    slab.tensor[written] = written.float()
+    before = hostslab_rss()
+    assert slab.pin(registrar) == 0 and slab.registered
+    assert hostslab_rss() - before > 0.9 * slab.nbytes
+    assert torch.equal(slab.tensor[written], written.float())  # the pages keep what they held ...
+    assert torch.count_nonzero(slab.tensor) == torch.count_nonzero(written)  # ... and nothing else is written
+    slab.close()

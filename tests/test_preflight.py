@@ -217,3 +217,45 @@ def test_the_pre_flight_figure_matches_what_a_real_run_holds(precision: str, tmp
     expected = {"32-true": 20, "bf16-mixed": 18}[precision]  # 4 + lp + 12 B/param, nothing pinned on CPU
     assert result["preflight"] == expected * params
     assert abs(result["state_held"] / result["preflight"] - 1) < 0.10, result
+
+
+# -- issue 32: bf16-mixed against stock offload, and start-up's peak ----------------------------------------------
+
+#: 8 layers of 1024x1024 (8.4M parameters, three DeepSpeed sub-groups): over calibration's least buffer
+#: (``MIN_HOST_NUMEL``, 8M elements), so the calibration buffers are sized to the partition, as in a real run.
+SHAPE = ("8", "1024")
+
+
+def _fit_in_own_process(precision: str, system: str, tmp_path: Path) -> dict:
+    """tests/jobs/host_peak.py for ``system`` (ours, sim or stock), glibc returning every block over 128 kB to
+    the kernel when freed (as bench/memory.py measures), so that peaks are the bytes held, not the heap kept."""
+    out = tmp_path / f"{system}-{precision}.json"
+    job = [sys.executable, str(ROOT / "tests" / "jobs" / "host_peak.py"), precision, *SHAPE, str(out), system]
+    env = {**clean_env(), "MALLOC_MMAP_THRESHOLD_": "131072"}
+    done = subprocess.run(job, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_bf16_mixed_host_memory_is_no_more_than_stock_offloads(tmp_path: Path) -> None:
+    """Issue 32: what a bf16-mixed fit adds to host memory at its peak is no more than stock ZeRO-3 offload's
+    (same model, DeepSpeedCPUAdam, 3 steps). Calibration held its update's buffers beside the copy's, six fp32
+    buffers and a bf16 one of the partition's size (26 B/param): set-up peaked above every step (26.2 B/param
+    against stock's 24.4 measured here). 1% allows for noise (measured: ours 0.99-1.00x stock's once fixed)."""
+    ours, stock = (_fit_in_own_process("bf16-mixed", system, tmp_path) for system in ("ours", "stock"))
+    assert ours["params"] == stock["params"]
+    per_param = {name: r["peak_added"] / r["params"] for name, r in (("ours", ours), ("stock", stock))}
+    assert per_param["ours"] <= 1.01 * per_param["stock"], (per_param, ours["trace"], stock["trace"])
+
+
+def test_start_up_host_peak_on_the_simulated_accelerator_is_the_pre_flight_figure(tmp_path: Path) -> None:
+    """Issue 32, point 5: on the simulated accelerator the slabs are registered by a registrar that faults in
+    every page, as cudaHostRegister does. Start-up's peak (from where DeepSpeed allocates the optimizer's state
+    to the end of set-up) is the pre-flight figure within 10%: registering them while DeepSpeed's fp32 master
+    partitions still existed put it 4 B/param above (24 against 20 B/param in bf16)."""
+    result = _fit_in_own_process("bf16-mixed", "sim", tmp_path)
+    params = result["params"]
+    # 4 (DeepSpeed's fp32 gradients) + 2 (its bf16 gradient partitions) + 12 (slabs) + the 16-bit ring: a slot of
+    # the largest sub-group per sub-group, 2 B/param and a little more.
+    assert 20 <= result["preflight"] / params < 20.5, result["items"]
+    assert abs(result["startup_added"] / result["preflight"] - 1) < 0.10, result

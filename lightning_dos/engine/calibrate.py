@@ -130,6 +130,10 @@ def host_rates(
     full_s = _best_seconds(_update(footprint, buffers, lp), busy=busy)
     # Noise must not make the cast look free: it always costs at least a small share of the pass.
     cast_s = max(full_s - adam_s, 0.02 * full_s)
+    # The update's buffers go before the copy's are allocated: held together they were six fp32 buffers and the
+    # cast's, 26 B per calibrated element, which for a partition under HOST_BUFFER_BYTES made set-up the run's
+    # host peak (issue 32: bf16-mixed at 1.11x stock offload's). Apart, the peak is the update's 18 B.
+    del buffers, lp
     p, m = (torch.full((numel,), 0.5) for _ in range(2))
     memcpy = 4 * numel / _best_seconds(lambda: m.copy_(p), busy=busy)
     return numel / adam_s, numel / cast_s, memcpy

@@ -98,6 +98,30 @@ def default_registrar() -> Registrar | None:
     return CudaRegistrar() if torch.cuda.is_available() else None
 
 
+def registrar_overridden() -> bool:
+    """Whether a :func:`use_registrar` block chooses the registrar now."""
+    return bool(_override)
+
+
+class FaultingRegistrar:
+    """The simulated accelerator's registrar: pins nothing, but faults in every page it is given, for writing,
+    as ``cudaHostRegister`` does (the driver pins pages, so they must be resident). On CPU the resident set
+    then rises where it would on a GPU node, so a start-up that registers while other copies still exist shows
+    that peak (issue 32, point 5). The pages keep their contents."""
+
+    name = "cudaHostRegister (simulated: pages faulted in, nothing pinned)"
+
+    def register(self, address: int, nbytes: int) -> int:
+        import ctypes
+
+        pages = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)[::PAGE]
+        pages.add_(0)  # a write to each page, of the value it holds: a write fault, the contents unchanged
+        return 0
+
+    def unregister(self, address: int) -> None:
+        pass
+
+
 @contextmanager
 def use_registrar(registrar: Registrar | None) -> Iterator[None]:
     """Pin the slabs created inside the block with ``registrar`` (None: pin nothing)."""

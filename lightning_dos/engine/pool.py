@@ -150,8 +150,9 @@ class BufferPool:
             self.lp_staging = StagingRing(self._ring_slab.tensor, slots)
         #: Host bytes really pinned (registered), exactly; 0 when nothing is pinned.
         self.pinned_bytes = 0
-        registrar = default_registrar() if pin else None
-        self.pinned = registrar is not None and self._pin(registrar)
+        self.pinned = False
+        if pin:
+            self.register_host(default_registrar())
         #: Device staging buffers of the update in flight (empty between updates).
         self.staging: list[DeviceBuffer] = []
         #: How many times device staging was allocated (once per update that streams), for tests and logs.
@@ -188,6 +189,17 @@ class BufferPool:
         lp_size = torch.empty((), dtype=lp_dtype).element_size()
         return optimizer_state_bytes * total_numel + lp_size * slots * slot
 
+    def register_host(self, registrar: Registrar | None) -> bool:
+        """Register every slab with ``registrar`` (None: nothing to pin); return whether they are pinned.
+
+        Registering faults in and pins every page of the slabs. A pool built with ``pin=False`` is registered
+        here later: the adapter does so once DeepSpeed's fp32 master partitions have been copied into the
+        slabs and freed, so that they and the registered slabs never coexist (issue 32, point 5).
+        """
+        if registrar is not None and not self.pinned:
+            self.pinned = self._pin(registrar)
+        return self.pinned
+
     def _pin(self, registrar: Registrar) -> bool:
         """Register every slab; on a refusal unregister those done and stay pageable, with one warning."""
         for slab in self._slabs:
@@ -201,7 +213,7 @@ class BufferPool:
                     f"{PAGEABLE_COST}. The locked-memory limit (ulimit -l) is not the cause: the NVIDIA driver does "
                     "not charge registrations to it; look at the container runtime's or the host's memory.",
                     RuntimeWarning,
-                    stacklevel=4,
+                    stacklevel=3,
                 )
                 self.pinned_bytes = 0
                 return False

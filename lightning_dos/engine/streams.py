@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from lightning_dos.engine.hostslab import Registrar, default_registrar
 from lightning_dos.engine.report import Span
 
 
@@ -60,6 +61,11 @@ class Streams:
         self.lp_h2d: Any = None
         self.d2h: Any = None
         self._timeline = Timeline(self, enabled=False)
+
+    def host_registrar(self) -> Registrar | None:
+        """What registers the engine's host slabs for this device's copies: ``cudaHostRegister`` where CUDA is
+        available, nothing on a CPU (:func:`~lightning_dos.engine.hostslab.default_registrar`)."""
+        return default_registrar()
 
     # -- issuing work: one operation of one lane at a time ------------------------------------------
 

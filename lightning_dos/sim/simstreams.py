@@ -27,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from lightning_dos.engine import hostslab
 from lightning_dos.engine.streams import Streams
 
 #: Stream ids. 0 is CUDA's default stream (the forward's and backward's, DeepSpeed's caller's); UPDATE is the
@@ -145,6 +146,14 @@ class SimStreams(Streams):
         self.allocated_bytes = 0
         #: The same, phase by phase of the iteration.
         self.memory = DeviceMemoryAccount()
+
+    def host_registrar(self) -> hostslab.Registrar | None:
+        """Faults in every page it registers, as ``cudaHostRegister`` does, so host memory on the simulated
+        accelerator peaks where a GPU node's does; a :func:`~lightning_dos.engine.hostslab.use_registrar`
+        block's registrar instead, where one is in force."""
+        if hostslab.registrar_overridden():
+            return hostslab.default_registrar()
+        return hostslab.FaultingRegistrar()
 
     @contextlib.contextmanager
     def lane(self, lane: str, sub_group: int, nbytes: int, stream: SimStream | None = None) -> Iterator[None]:
