@@ -97,7 +97,7 @@ def _update(
         if host:
             host_update(footprint.rule, param, grad, states, step, HYPER, factor[0], lp)
         else:
-            apply_update(footprint.rule, param, grad, states, step, HYPER)
+            apply_update(footprint.rule, param, grad, states, step, HYPER, step_number=1)
 
     return run
 

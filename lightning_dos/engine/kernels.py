@@ -65,6 +65,7 @@ def apply_update(
     hyper: Hyper,
     inv_grad_scale: float = 1.0,
     lp_out: torch.Tensor | None = None,
+    step_number: float | None = None,
 ) -> None:
     """The device side's update: unscale, one step of ``rule`` and the cast into ``lp_out``, in place on ``param``
     and ``states``, with the rule's torch formula (:func:`torch_update`) whatever device the tensors are on.
@@ -88,8 +89,10 @@ def apply_update(
         inv_grad_scale: what the gradient is multiplied by to unscale and clip it (1 / DeepSpeed's combined
             scale); 1.0 leaves it as it is.
         lp_out: where the fresh weights go in the model's dtype, as many elements as ``param``; None for no copy.
+        step_number: ``step``'s value as a host number, for rules whose formula takes it as one (Adagrad): the
+            engine passes it so that no formula reads ``step`` back (on a device, a host synchronisation).
     """
-    torch_update(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out)
+    torch_update(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, step_number)
 
 
 def torch_update(
@@ -101,6 +104,7 @@ def torch_update(
     hyper: Hyper,
     inv_grad_scale: float = 1.0,
     lp_out: torch.Tensor | None = None,
+    step_number: float | None = None,
 ) -> None:
     """:func:`apply_update` with torch's kernels: the rule's formula in fp32 whatever the storage dtypes.
 
@@ -113,13 +117,13 @@ def torch_update(
     if all(t.dtype == torch.float32 for t in (*stored, grad)):
         if inv_grad_scale != 1.0:
             grad.mul_(inv_grad_scale)
-        rule.torch_update(param, grad, states, step, hyper)
+        rule.torch_update(param, grad, states, step, hyper, step_number)
     else:
         work = [t.float() if t.dtype != torch.float32 else t for t in stored]
         grad32 = grad.float() if grad.dtype != torch.float32 else grad
         if inv_grad_scale != 1.0:
             grad32 = grad32 * inv_grad_scale
-        rule.torch_update(work[0], grad32, work[1:], step, hyper)
+        rule.torch_update(work[0], grad32, work[1:], step, hyper, step_number)
         for target, value in zip(stored, work, strict=True):
             if target is not value:
                 target.copy_(value)
@@ -146,8 +150,9 @@ def _native_fits(
     return native.supports(rule.name, param.dtype, state_dtype)
 
 
-def _native(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out) -> None:  # noqa: ANN001
-    native.host_update(rule.name, param, grad, states, float(step.item()), hyper, inv_grad_scale, lp_out)
+def _native(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, step_number=None) -> None:  # noqa: ANN001
+    number = float(step.item()) if step_number is None else float(step_number)
+    native.host_update(rule.name, param, grad, states, number, hyper, inv_grad_scale, lp_out)
 
 
 def adam_update(
@@ -184,6 +189,7 @@ def host_update(
     inv_grad_scale: float = 1.0,
     lp_out: torch.Tensor | None = None,
     tile: int = HOST_TILE_ELEMENTS,
+    step_number: float | None = None,
 ) -> None:
     """Unscale, the update and the copy into the model's partition in one pass over host memory.
 
@@ -205,6 +211,7 @@ def host_update(
         lp_out: where the updated weights go in the model's dtype (bf16, fp16, or fp32 for an fp32 model),
             as many elements as ``param``; None to skip the copy.
         tile: elements per tile of torch's path (positive); the default was measured on this project's CPU.
+        step_number: ``step``'s value as a host number (see :func:`apply_update`); None reads ``step``.
     """
     if tile < 1:
         raise ValueError(f"tile must be a positive number of elements, got {tile}")
@@ -212,9 +219,9 @@ def host_update(
     if lp_out is not None and lp_out.numel() != numel:
         raise ValueError(f"lp_out has {lp_out.numel()} elements where param has {numel}")
     if _native_fits(rule, param, grad, states, lp_out):
-        _native(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out)
+        _native(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, step_number)
         return
-    tiled_update(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, tile)
+    tiled_update(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, tile, step_number)
 
 
 def fused_host_update(
@@ -242,6 +249,7 @@ def tiled_update(
     inv_grad_scale: float = 1.0,
     lp_out: torch.Tensor | None = None,
     tile: int = HOST_TILE_ELEMENTS,
+    step_number: float | None = None,
 ) -> None:
     """:func:`host_update` with torch's kernels, for machines without a C compiler.
 
@@ -258,7 +266,7 @@ def tiled_update(
             span = slice(start, min(end, start + tile))
             torch_update(
                 rule, param[span], grad[span], [s[span] for s in states], step, hyper, inv_grad_scale,
-                None if lp_out is None else lp_out[span],
+                None if lp_out is None else lp_out[span], step_number,
             )  # fmt: skip
 
     pool = host_workers.workers()

@@ -634,8 +634,9 @@ class InterleavedUpdate:
                     step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], self.device)
                 hyper = inputs.hypers[sg.param_group]
                 self.device_update(
-                    self.rule, buf.param, buf.grad, buf.states, step_tensors[sg.ds_group], hyper, inputs.inv_grad_scale
-                )
+                    self.rule, buf.param, buf.grad, buf.states, step_tensors[sg.ds_group], hyper, inputs.inv_grad_scale,
+                    step_number=inputs.steps[sg.ds_group],
+                )  # fmt: skip
                 self._reached("updated", index)
             with streams.lane("cast", index, self.lp_bytes * sg.numel, streams.compute):
                 # Into the buffer's 16-bit slot when the 16-bit partition lives on the host (parameter offload).
@@ -781,7 +782,10 @@ class InterleavedUpdate:
                     step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], self.device)
                 hyper = inputs.hypers[sg.param_group]
                 step = step_tensors[sg.ds_group]
-                self.device_update(self.rule, d_param, d_grad, d_states, step, hyper, inputs.inv_grad_scale)
+                self.device_update(
+                    self.rule, d_param, d_grad, d_states, step, hyper, inputs.inv_grad_scale,
+                    step_number=inputs.steps[sg.ds_group],
+                )  # fmt: skip
                 self._reached("computed", index)
             # Cast on the device, straight into DeepSpeed's 16-bit partition: no 16-bit upload needed
             # (into the buffer's 16-bit slot instead when that partition lives on the host; it comes down below).
