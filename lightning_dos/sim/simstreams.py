@@ -140,6 +140,10 @@ class SimStreams(Streams):
         self._current: list[SimStream] = [self.default]
         #: The engine's (lane, sub-group) of the operations being issued, innermost last.
         self.operations: list[tuple[str, int]] = []
+        #: The stream of each of those operations (None: a host lane).
+        self.operation_streams: list[SimStream | None] = []
+        #: Why the host synchronises with the device inside the work being issued (``host_sync``), innermost last.
+        self.host_sync_reasons: list[str] = []
         self._event_ids = itertools.count(1)
         #: Bytes of simulated device memory allocated and not yet freed.
         self.allocated_bytes = 0
@@ -150,16 +154,41 @@ class SimStreams(Streams):
     def lane(self, lane: str, sub_group: int, nbytes: int, stream: SimStream | None = None) -> Iterator[None]:
         """As the base class; the operation's lane and sub-group are known to the checker meanwhile."""
         self.operations.append((lane, sub_group))
+        self.operation_streams.append(stream)
+        in_lane = getattr(self.listener, "in_lane", None)
         try:
-            with super().lane(lane, sub_group, nbytes, stream):
+            # A listener may watch the work of the lane while it is issued (``in_lane(stream)``, optional).
+            with (
+                super().lane(lane, sub_group, nbytes, stream),
+                in_lane(stream) if in_lane else contextlib.nullcontext(),
+            ):
                 yield
         finally:
             self.operations.pop()
+            self.operation_streams.pop()
 
     @property
     def operation(self) -> tuple[str, int] | None:
         """The engine's lane and sub-group of the work being issued now (None outside any)."""
         return self.operations[-1] if self.operations else None
+
+    @property
+    def device_operation(self) -> tuple[str, int] | None:
+        """The lane and sub-group of the work being issued now when its lane runs on a device stream (an upload,
+        the device update, a cast, a download): where a host synchronisation stalls the launch loop."""
+        if self.operation_streams and self.operation_streams[-1] is not None:
+            return self.operations[-1]
+        return None
+
+    @contextlib.contextmanager
+    def host_sync(self, reason: str) -> Iterator[None]:
+        """As the base class; the checker hears ``reason`` for the synchronisations issued meanwhile."""
+        with super().host_sync(reason):
+            self.host_sync_reasons.append(reason)
+            try:
+                yield
+            finally:
+                self.host_sync_reasons.pop()
 
     @property
     def current(self) -> SimStream:
