@@ -200,17 +200,12 @@ def test_a_host_read_put_into_a_device_formula_is_reported(formula: str, read: s
         checker.check()
 
 
-def test_adagrads_former_read_of_the_step_is_reported() -> None:
+def test_adagrads_former_read_of_the_step_is_reported(monkeypatch) -> None:  # noqa: ANN001
     """The formula as it was: the learning-rate decay computed from ``float(step.item())`` on the device."""
-    source = inspect.getsource(update_rules._adagrad)
-    assert "float(step_number)" in source
+    assert "float(step_number)" in inspect.getsource(update_rules._adagrad)
     mutated = _mutated(update_rules._adagrad, "step_number = None")  # the step read back from the device tensor
-    saved = update_rules._TORCH_UPDATES["adagrad"]
-    update_rules._TORCH_UPDATES["adagrad"] = mutated
-    try:
-        checker, _ = run("adagrad-lr-decay")
-    finally:
-        update_rules._TORCH_UPDATES["adagrad"] = saved
+    monkeypatch.setitem(update_rules._TORCH_UPDATES, "adagrad", mutated)
+    checker, _ = run("adagrad-lr-decay")
     assert checker.host_syncs and all("_local_scalar_dense" in s.what for s in checker.host_syncs)
     assert {s.lane for s in checker.host_syncs} == {"device_adam"}
     # One per device sub-group and step (the launch loop waited for the device each time).

@@ -201,9 +201,6 @@ class _Region:
     end: int
     name: str
     device: bool
-    #: Made by an op issued in a device lane from no device memory (the step-count scalars' fill): host memory
-    #: to the race checks (docs/stream-sanitizer.md), a device value to the host-sync check.
-    made_in_device_lane: bool = False
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int] | None:
@@ -293,6 +290,10 @@ class StreamSanitizer:
         self.host_syncs: list[HostSync] = []
         #: Declared ones, with the engine's reason.
         self.declared_host_syncs: list[HostSync] = []
+        #: Byte ranges of live tensors made by an op issued in a device lane from no device memory (the step-count
+        #: scalars' fill): host memory to the race checks (docs/stream-sanitizer.md), device values to this check.
+        self._made_in_lanes: dict[int, tuple[int, int]] = {}
+        self._made_ids = itertools.count()
 
     # -- setting up -------------------------------------------------------------------------------
 
@@ -374,19 +375,17 @@ class StreamSanitizer:
         extent = _byte_range(tensor)
         if extent is None:
             extent = (tensor.data_ptr(), tensor.data_ptr() + 1)
-        region = self._region(extent[0])
-        return region is not None and (region.device or region.made_in_device_lane)
+        if self._is_device([tensor]):
+            return True
+        return any(start <= extent[0] < end for start, end in self._made_in_lanes.values())
 
     def _made_in_device_lane(self, tensor: torch.Tensor) -> None:
         extent = _byte_range(tensor)
-        if extent is None or self._region(extent[0]) is not None:
+        if extent is None:
             return
-        region = _Region(*extent, f"tensor of {tensor.numel()} x {tensor.dtype} made in a device lane", False, True)
-        self.regions.append(region)
-        weakref.finalize(tensor, self._forget_region, region)
-
-    def _forget_region(self, region: _Region) -> None:
-        self.regions = [r for r in self.regions if r is not region]
+        key = next(self._made_ids)
+        self._made_in_lanes[key] = extent
+        weakref.finalize(tensor, self._made_in_lanes.pop, key, None)
 
     def on_host_wait(self, event: SimEvent) -> None:
         self._host_sync(f"a host wait on an event of {event.stream.name}")
