@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
+import threading
 from collections import defaultdict
 
 import pytest
@@ -231,6 +232,11 @@ def test_waits_and_synchronisations_count_inside_device_lanes_only_and_a_declare
             streams.host_wait(event)
             streams.device_synchronize()
             float(value[0])
+            # Another host thread's wait meanwhile (the training thread's wait for sub-groups, under overlap) is not
+            # the lane's.
+            other = threading.Thread(target=streams.host_wait, args=(event,))
+            other.start()
+            other.join()
         with streams.lane("download", 2, 0, streams.d2h):
             torch.empty(4).copy_(value)  # blocking: the host waits for the copy
             torch.empty(4).copy_(value, non_blocking=True)  # not a synchronisation

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -140,10 +141,10 @@ class SimStreams(Streams):
         self._current: list[SimStream] = [self.default]
         #: The engine's (lane, sub-group) of the operations being issued, innermost last.
         self.operations: list[tuple[str, int]] = []
-        #: The stream of each of those operations (None: a host lane).
-        self.operation_streams: list[SimStream | None] = []
-        #: Why the host synchronises with the device inside the work being issued (``host_sync``), innermost last.
-        self.host_sync_reasons: list[str] = []
+        #: Per host thread: its operations' (lane, sub-group, stream) and why it synchronises with the device on
+        #: purpose (``host_sync``), innermost last. Another thread (the training thread's wait for sub-groups, under
+        #: overlap) may wait while the update's thread is inside a lane: that wait is not the lane's.
+        self._thread = threading.local()
         self._event_ids = itertools.count(1)
         #: Bytes of simulated device memory allocated and not yet freed.
         self.allocated_bytes = 0
@@ -154,7 +155,8 @@ class SimStreams(Streams):
     def lane(self, lane: str, sub_group: int, nbytes: int, stream: SimStream | None = None) -> Iterator[None]:
         """As the base class; the operation's lane and sub-group are known to the checker meanwhile."""
         self.operations.append((lane, sub_group))
-        self.operation_streams.append(stream)
+        lanes = self._thread_lanes()
+        lanes.append((lane, sub_group, stream))
         in_lane = getattr(self.listener, "in_lane", None)
         try:
             # A listener may watch the work of the lane while it is issued (``in_lane(stream)``, optional).
@@ -165,7 +167,18 @@ class SimStreams(Streams):
                 yield
         finally:
             self.operations.pop()
-            self.operation_streams.pop()
+            lanes.pop()
+
+    def _thread_lanes(self) -> list[tuple[str, int, SimStream | None]]:
+        if not hasattr(self._thread, "lanes"):
+            self._thread.lanes, self._thread.reasons = [], []
+        return self._thread.lanes
+
+    @property
+    def host_sync_reasons(self) -> list[str]:
+        """Why the calling thread synchronises with the device on purpose (``host_sync``), innermost last."""
+        self._thread_lanes()
+        return self._thread.reasons
 
     @property
     def operation(self) -> tuple[str, int] | None:
@@ -175,9 +188,11 @@ class SimStreams(Streams):
     @property
     def device_operation(self) -> tuple[str, int] | None:
         """The lane and sub-group of the work being issued now when its lane runs on a device stream (an upload,
-        the device update, a cast, a download): where a host synchronisation stalls the launch loop."""
-        if self.operation_streams and self.operation_streams[-1] is not None:
-            return self.operations[-1]
+        the device update, a cast, a download) and the calling thread issues it: where a host synchronisation stalls
+        the launch loop."""
+        lanes = self._thread_lanes()
+        if lanes and lanes[-1][2] is not None:
+            return lanes[-1][:2]
         return None
 
     @contextlib.contextmanager
