@@ -144,7 +144,7 @@ def test_when_the_host_cannot_finish_either_the_engine_refuses_to_step_or_be_rea
     def broken(*args: object) -> None:
         raise MemoryError("host")
 
-    monkeypatch.setattr(recovery, "apply_update", broken)
+    monkeypatch.setattr(recovery, "host_update", broken)
     with pytest.raises(TornStateError, match="mixes two steps"):
         _run(("updated", 3, 1, Injected))
 

@@ -73,7 +73,8 @@ def test_calibration_of_another_rule_reports_rates_in_adam_fp32_units() -> None:
 
 
 def test_with_a_generic_kernel_calibration_times_the_engines_own_rule_and_dtypes(monkeypatch) -> None:  # noqa: ANN001
-    """Calibration times the engine's rule on buffers of its dtypes (through ``kernels.apply_update``), and
+    """Calibration times the engine's rule on buffers of its dtypes (through ``kernels.host_update`` and
+    ``kernels.apply_update``), and
     converts the rate to Adam fp32 units, so the model gives the measured rate back for that rule. The kernel is
     watched here: the rule's torch formula in fp32, stored back in the buffers' dtypes."""
     from lightning_dos.engine.perfmodel import adam_equivalent, rates_for
@@ -81,10 +82,12 @@ def test_with_a_generic_kernel_calibration_times_the_engines_own_rule_and_dtypes
 
     seen: list[tuple] = []
 
-    def apply_update(rule, param, grad, states, step, hyper, inv_grad_scale=1.0, lp_out=None) -> None:  # noqa: ANN001
+    def apply_update(
+        rule, param, grad, states, step, hyper, inv_grad_scale=1.0, lp_out=None, tile=0, step_number=None
+    ) -> None:  # noqa: ANN001, ARG001, E501
         seen.append((rule.name, param.dtype, grad.dtype, tuple(s.dtype for s in states), lp_out is not None))
         p, g, st = param.float(), grad.float() * inv_grad_scale, [s.float() for s in states]
-        rule.torch_update(p, g, st, step, hyper)
+        rule.torch_update(p, g, st, step, hyper, step_number)
         param.copy_(p)
         for dst, src in zip(states, st):
             dst.copy_(src)
@@ -92,6 +95,7 @@ def test_with_a_generic_kernel_calibration_times_the_engines_own_rule_and_dtypes
             lp_out.copy_(p)
 
     monkeypatch.setattr(calibration, "apply_update", apply_update)
+    monkeypatch.setattr(calibration, "host_update", apply_update)
     lion = Footprint(LION, 2, 2)
     measured = {}
     real_host_rates = calibration.host_rates

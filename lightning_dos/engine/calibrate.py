@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_dos.engine.kernels import AdamHyper, apply_update, step_tensor
+from lightning_dos.engine.kernels import AdamHyper, apply_update, host_update, step_tensor
 from lightning_dos.engine.perfmodel import HardwareRates, adam_equivalent
 from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
 
@@ -95,9 +95,9 @@ def _update(
         # The unscale factor alternates so repeated samples neither shrink the gradient towards denormals nor grow it.
         factor[0] = 1.0 / factor[0]
         if host:
-            apply_update(footprint.rule, param, grad, states, step, HYPER, factor[0], lp)
+            host_update(footprint.rule, param, grad, states, step, HYPER, factor[0], lp)
         else:
-            apply_update(footprint.rule, param, grad, states, step, HYPER)
+            apply_update(footprint.rule, param, grad, states, step, HYPER, step_number=1)
 
     return run
 

@@ -1,15 +1,18 @@
 """Functional optimizer kernels: each update rule (``update_rules``), the same formula on both sides.
 
-On the host, and on a CPU device, every update goes through one compiled loop per rule (``host_adam.c``, built
-with the system C compiler on first use; ``native``) that unscales the gradient, runs the rule and casts the
+On the host every update goes through one compiled loop per rule (``host_adam.c``, built with the system C
+compiler on first use; ``native``) that unscales the gradient, runs the rule and casts the
 fresh weights into the model's dtype in one pass over memory: ~30 bytes per element for Adam and a bf16 model,
 against ~42 for three kernels. Its arithmetic is the rule's torch formula, operation for operation (bit for bit
 with torch 2.13 on this project's CPU; tests/test_native_kernel.py), and it is the same for every element, so
-the result does not depend on how sub-groups are cut or split over threads. On a CUDA device the update is the
+the result does not depend on how sub-groups are cut or split over threads. On an accelerator the update is the
 rule's torch formula (for Adam torch's fused kernel, ``torch._fused_adamw_`` or ``torch._fused_adam_``): the
-same formula up to float rounding. bf16 master weights or states are computed in fp32 and stored rounded to
-nearest even on both sides. All of them are functional: the step count is passed in, so a sub-group's count is
-right whichever side updated it last.
+same formula up to float rounding. Which of the two runs follows where the engine placed the sub-group
+(:func:`apply_update` for a device's, :func:`host_update` for the host's), never the tensors' device, so the
+simulated accelerator, whose device memory is CPU memory, runs the device formula as a GPU does (without an
+accelerator the engine's device placements run on the CPU and call :func:`host_update`). bf16 master weights or
+states are computed in fp32 and stored rounded to nearest even on both sides. All of them are functional: the
+step count is passed in, so a sub-group's count is right whichever side updated it last.
 
 Without a C compiler (or with LIGHTNING_DOS_NATIVE=0) the host runs torch's kernels instead:
 :func:`tiled_update` unscales, updates and casts one cache-sized tile at a time (each kernel on torch's
@@ -62,12 +65,18 @@ def apply_update(
     hyper: Hyper,
     inv_grad_scale: float = 1.0,
     lp_out: torch.Tensor | None = None,
+    step_number: float | None = None,
 ) -> None:
-    """Unscale, one step of ``rule`` and the cast into ``lp_out``, in place on ``param`` and ``states`` (any device).
+    """The device side's update: unscale, one step of ``rule`` and the cast into ``lp_out``, in place on ``param``
+    and ``states``, with the rule's torch formula (:func:`torch_update`) whatever device the tensors are on.
 
-    On CPU tensors this is the compiled one-pass kernel when it runs the rule in these dtypes (the host's formula,
-    so a CPU device computes what the host computes, bit for bit), otherwise :func:`torch_update`. The gradient
-    may be left unscaled by the torch path (it is the engine's own copy or is rewritten by the next backward).
+    The engine calls it for the sub-groups it places on an accelerator (streamed and resident), real or
+    simulated, and :func:`host_update` for those it places on the host: the code path follows the placement, not
+    ``param.device``, so the simulated accelerator (whose device memory is CPU memory) runs the code a GPU runs.
+    On CPU tensors torch's fused Adam rounds the last ``numel % 16`` elements (its scalar tail) differently from
+    the compiled host kernel, which is why a CPU device without an accelerator runs :func:`host_update` for its
+    device placements. The gradient may be left unscaled (it is the engine's own copy or is rewritten by the next
+    backward). Nothing here reads a device value on the host: the step count stays a tensor on ``param``'s device.
 
     Args:
         rule: the optimizer's update rule.
@@ -80,11 +89,10 @@ def apply_update(
         inv_grad_scale: what the gradient is multiplied by to unscale and clip it (1 / DeepSpeed's combined
             scale); 1.0 leaves it as it is.
         lp_out: where the fresh weights go in the model's dtype, as many elements as ``param``; None for no copy.
+        step_number: ``step``'s value as a host number, for rules whose formula takes it as one (Adagrad): the
+            engine passes it so that no formula reads ``step`` back (on a device, a host synchronisation).
     """
-    if param.device.type == "cpu" and _native_fits(rule, param, grad, states, lp_out):
-        _native(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out)
-        return
-    torch_update(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out)
+    torch_update(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, step_number)
 
 
 def torch_update(
@@ -96,6 +104,7 @@ def torch_update(
     hyper: Hyper,
     inv_grad_scale: float = 1.0,
     lp_out: torch.Tensor | None = None,
+    step_number: float | None = None,
 ) -> None:
     """:func:`apply_update` with torch's kernels: the rule's formula in fp32 whatever the storage dtypes.
 
@@ -108,13 +117,13 @@ def torch_update(
     if all(t.dtype == torch.float32 for t in (*stored, grad)):
         if inv_grad_scale != 1.0:
             grad.mul_(inv_grad_scale)
-        rule.torch_update(param, grad, states, step, hyper)
+        rule.torch_update(param, grad, states, step, hyper, step_number)
     else:
         work = [t.float() if t.dtype != torch.float32 else t for t in stored]
         grad32 = grad.float() if grad.dtype != torch.float32 else grad
         if inv_grad_scale != 1.0:
             grad32 = grad32 * inv_grad_scale
-        rule.torch_update(work[0], grad32, work[1:], step, hyper)
+        rule.torch_update(work[0], grad32, work[1:], step, hyper, step_number)
         for target, value in zip(stored, work, strict=True):
             if target is not value:
                 target.copy_(value)
@@ -141,8 +150,9 @@ def _native_fits(
     return native.supports(rule.name, param.dtype, state_dtype)
 
 
-def _native(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out) -> None:  # noqa: ANN001
-    native.host_update(rule.name, param, grad, states, float(step.item()), hyper, inv_grad_scale, lp_out)
+def _native(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, step_number=None) -> None:  # noqa: ANN001
+    number = float(step.item()) if step_number is None else float(step_number)
+    native.host_update(rule.name, param, grad, states, number, hyper, inv_grad_scale, lp_out)
 
 
 def adam_update(
@@ -179,6 +189,7 @@ def host_update(
     inv_grad_scale: float = 1.0,
     lp_out: torch.Tensor | None = None,
     tile: int = HOST_TILE_ELEMENTS,
+    step_number: float | None = None,
 ) -> None:
     """Unscale, the update and the copy into the model's partition in one pass over host memory.
 
@@ -200,6 +211,7 @@ def host_update(
         lp_out: where the updated weights go in the model's dtype (bf16, fp16, or fp32 for an fp32 model),
             as many elements as ``param``; None to skip the copy.
         tile: elements per tile of torch's path (positive); the default was measured on this project's CPU.
+        step_number: ``step``'s value as a host number (see :func:`apply_update`); None reads ``step``.
     """
     if tile < 1:
         raise ValueError(f"tile must be a positive number of elements, got {tile}")
@@ -207,9 +219,9 @@ def host_update(
     if lp_out is not None and lp_out.numel() != numel:
         raise ValueError(f"lp_out has {lp_out.numel()} elements where param has {numel}")
     if _native_fits(rule, param, grad, states, lp_out):
-        _native(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out)
+        _native(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, step_number)
         return
-    tiled_update(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, tile)
+    tiled_update(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, tile, step_number)
 
 
 def fused_host_update(
@@ -237,6 +249,7 @@ def tiled_update(
     inv_grad_scale: float = 1.0,
     lp_out: torch.Tensor | None = None,
     tile: int = HOST_TILE_ELEMENTS,
+    step_number: float | None = None,
 ) -> None:
     """:func:`host_update` with torch's kernels, for machines without a C compiler.
 
@@ -253,7 +266,7 @@ def tiled_update(
             span = slice(start, min(end, start + tile))
             torch_update(
                 rule, param[span], grad[span], [s[span] for s in states], step, hyper, inv_grad_scale,
-                None if lp_out is None else lp_out[span],
+                None if lp_out is None else lp_out[span], step_number,
             )  # fmt: skip
 
     pool = host_workers.workers()

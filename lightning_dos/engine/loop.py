@@ -130,6 +130,11 @@ class InterleavedUpdate:
             state_dtype=state_dtype,
         )
         self.gpu_memory_budget = gpu_memory_budget
+        #: The update of a sub-group placed on the device (streamed or resident): the accelerator's, the rule's torch
+        #: formula (``kernels.apply_update``), whatever device its tensors are on, so a simulated accelerator runs
+        #: what a GPU runs; without one (a CPU device, synchronous streams) the device is the host's own CPU and runs
+        #: the host's compiled kernel, and every placement computes the same bits.
+        self.device_update = apply_update if self.streams.is_async else host_update
         # Build the compiled host update now, not in the first step; say so once if torch's kernels stand in.
         native.warn_if_unavailable()
         #: Record a span per operation (the monitor turns this on; off costs nothing).
@@ -628,9 +633,10 @@ class InterleavedUpdate:
                 if sg.ds_group not in step_tensors:
                     step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], self.device)
                 hyper = inputs.hypers[sg.param_group]
-                apply_update(
-                    self.rule, buf.param, buf.grad, buf.states, step_tensors[sg.ds_group], hyper, inputs.inv_grad_scale
-                )
+                self.device_update(
+                    self.rule, buf.param, buf.grad, buf.states, step_tensors[sg.ds_group], hyper, inputs.inv_grad_scale,
+                    step_number=inputs.steps[sg.ds_group],
+                )  # fmt: skip
                 self._reached("updated", index)
             with streams.lane("cast", index, self.lp_bytes * sg.numel, streams.compute):
                 # Into the buffer's 16-bit slot when the 16-bit partition lives on the host (parameter offload).
@@ -776,7 +782,10 @@ class InterleavedUpdate:
                     step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], self.device)
                 hyper = inputs.hypers[sg.param_group]
                 step = step_tensors[sg.ds_group]
-                apply_update(self.rule, d_param, d_grad, d_states, step, hyper, inputs.inv_grad_scale)
+                self.device_update(
+                    self.rule, d_param, d_grad, d_states, step, hyper, inputs.inv_grad_scale,
+                    step_number=inputs.steps[sg.ds_group],
+                )  # fmt: skip
                 self._reached("computed", index)
             # Cast on the device, straight into DeepSpeed's 16-bit partition: no 16-bit upload needed
             # (into the buffer's 16-bit slot instead when that partition lives on the host; it comes down below).

@@ -24,7 +24,7 @@ import torch
 
 from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, TornStateError, UpdateInterrupted, UpdateProgress
 from lightning_dos.engine.inputs import StepInputs
-from lightning_dos.engine.kernels import apply_update, step_tensor
+from lightning_dos.engine.kernels import host_update, step_tensor
 from lightning_dos.engine.plan import Place, Plan, SubGroup
 from lightning_dos.engine.pool import BufferPool
 from lightning_dos.engine.report import StepReport
@@ -149,7 +149,7 @@ def finish_on_host(engine: InterruptedEngine, inputs: StepInputs, progress: Upda
                 step = step_tensor(inputs.steps[sg.ds_group], torch.device("cpu"))
                 # A gradient already unscaled in place is not unscaled twice.
                 inv = 1.0 if index in progress.unscaled else inputs.inv_grad_scale
-                apply_update(engine.rule, param, grad, states, step, inputs.hypers[sg.param_group], inv)
+                host_update(engine.rule, param, grad, states, step, inputs.hypers[sg.param_group], inv)
                 progress.reached("unscaled", index)
                 progress.reached("updated", index)
             lp.copy_(param)

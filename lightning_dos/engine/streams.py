@@ -118,6 +118,16 @@ class Streams:
     def device_synchronize(self) -> None:
         """Wait for all work on the device, DeepSpeed's side streams included."""
 
+    @contextlib.contextmanager
+    def host_sync(self, reason: str) -> Iterator[None]:
+        """The enclosed work synchronises the host with the device on purpose (reads a device value, waits for
+        an event or the device), for ``reason``. Inside a lane issued on a device stream such a synchronisation
+        stalls the launch loop behind everything queued so far, so the simulated accelerator's checker reports
+        every one it finds there that is not declared here (docs/stream-sanitizer.md); nothing on a device."""
+        if not reason:
+            raise ValueError("a host synchronisation in the update's device lanes needs a reason")
+        yield
+
     def landed(self, sub_group: int) -> None:
         """The host thread running the update has issued ``sub_group``'s 16-bit result and lets other threads
         read it (after waiting for its event); nothing to do on a real device, a race checker notes the moment."""

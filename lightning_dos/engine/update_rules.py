@@ -89,8 +89,14 @@ class UpdateRule:
         states: Sequence[torch.Tensor],
         step: torch.Tensor,
         hyper: Hyper,
+        step_number: float | None = None,
     ) -> None:
         """One step of this rule with torch's kernels (any device), in place on fp32 ``param`` and ``states``.
+
+        No formula reads a device value on the host: a host read of a device tensor (``.item()``, ``float()``)
+        would make the host wait for the device's queue on every call, serialising the engine's launch loop
+        behind its uploads (the simulated accelerator reports one inside the engine's device lanes:
+        docs/stream-sanitizer.md).
 
         Args:
             param: fp32 master weights (1-D), updated in place.
@@ -99,11 +105,14 @@ class UpdateRule:
             states: the rule's fp32 state tensors, in :attr:`states` order, updated in place.
             step: 0-d float32 tensor on ``param``'s device, the step number being applied (1 for the first).
             hyper: the param group's hyperparameters.
+            step_number: the same step number as a host number (the engine's own count), for a rule whose formula
+                takes it as a Python number (Adagrad's learning-rate decay); None reads it from ``step``, which on
+                a device is a host synchronisation (the engine always passes it).
         """
-        _TORCH_UPDATES[self.name](param, grad, tuple(states), step, hyper)
+        _TORCH_UPDATES[self.name](param, grad, tuple(states), step, hyper, step_number)
 
 
-def _adam(param, grad, states, step, hyper: Hyper) -> None:  # noqa: ANN001
+def _adam(param, grad, states, step, hyper: Hyper, step_number: float | None) -> None:  # noqa: ANN001, ARG001
     exp_avg, exp_avg_sq = states
     import torch
 
@@ -115,12 +124,15 @@ def _adam(param, grad, states, step, hyper: Hyper) -> None:  # noqa: ANN001
     )  # fmt: skip
 
 
-def _adagrad(param, grad, states, step, hyper: Hyper) -> None:  # noqa: ANN001
+def _adagrad(param, grad, states, step, hyper: Hyper, step_number: float | None) -> None:  # noqa: ANN001
     (state_sum,) = states
-    # torch.optim.Adagrad's single-tensor step, operation for operation (it reads the step as a Python float).
+    # torch.optim.Adagrad's single-tensor step, operation for operation: it reads the step as a Python float and
+    # computes the decayed rate in double. The engine passes that number, so the device's formula never reads the
+    # step tensor back (a host synchronisation per sub-group); only a caller without it pays for the read.
+    number = float(step.item()) if step_number is None else float(step_number)
     if hyper.weight_decay != 0:
         grad = grad.add(param, alpha=hyper.weight_decay)
-    clr = hyper.lr / (1 + (float(step.item()) - 1) * hyper.lr_decay)
+    clr = hyper.lr / (1 + (number - 1) * hyper.lr_decay)
     state_sum.addcmul_(grad, grad, value=1)
     std = _sqrt(state_sum).add_(hyper.eps)
     param.addcdiv_(grad, std, value=-clr)
@@ -141,7 +153,7 @@ def _sqrt(x: torch.Tensor) -> torch.Tensor:
     return x.sqrt()
 
 
-def _lion(param, grad, states, step, hyper: Hyper) -> None:  # noqa: ANN001, ARG001 - Lion has no bias correction
+def _lion(param, grad, states, step, hyper: Hyper, step_number: float | None) -> None:  # noqa: ANN001, ARG001 - no bias correction
     (exp_avg,) = states
     # Lion's formula as DeepSpeed's scalar loop has it, every product rounded on its own (DeepSpeed's own op fuses
     # where the CPU has FMA, and derives its scalars in fp32; the host kernel matches that: see the module's

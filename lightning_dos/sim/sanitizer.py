@@ -16,6 +16,11 @@ copy a clock, waits that merge one) extended to what the engine needs checked on
 - **The caching allocator.** A device block may be freed only once every access to it is ordered before
   what the allocator may hand it to next (its allocation stream's later work); a new allocation starts a
   fresh history.
+- **Host synchronisations in the hot path.** Inside a lane the engine issues on a device stream (an upload,
+  the device update, a cast, a download), a host read of a device value (``.item()``, ``float()``, ``int()``,
+  ``bool()``, ``.tolist()``, ``.cpu()``, ``.numpy()``), a blocking copy between host and device, a host wait on
+  an event or a device synchronisation stalls the launch loop behind the device's queue: each is reported
+  (:class:`HostSync`) unless the engine declared why (``streams.host_sync(reason)``).
 - **DeepSpeed's side**, which never runs asynchronously on CPU, is modelled from its source
   (:meth:`StreamSanitizer.watch`): gradient copies into the host buffers on its reduce stream during
   backward (the host waits for that stream at the end of backward, unless the accelerator resolves data
@@ -28,6 +33,7 @@ libraries that do not go through aten, and every DeepSpeed access not modelled h
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -38,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -168,6 +175,26 @@ class LoggedOp:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class HostSync:
+    """A host synchronisation issued inside one of the engine's device lanes.
+
+    ``what`` is the synchronisation (the op or call), ``lane`` and ``sub_group`` the engine's operation it was
+    issued in, ``where`` the engine's line, ``reason`` what the engine declared (``streams.host_sync``; None
+    for an undeclared one, which is an error).
+    """
+
+    what: str
+    lane: str
+    sub_group: int
+    where: str
+    reason: str | None = None
+
+    def __str__(self) -> str:
+        why = f" (declared: {self.reason})" if self.reason else ""
+        return f"host sync in the {self.lane} lane of sub-group {self.sub_group}: {self.what} ({self.where}){why}"
+
+
 @dataclass
 class _Region:
     start: int
@@ -211,6 +238,23 @@ class _Mode(TorchDispatchMode):
         return self.checker._dispatch(func, args, kwargs or {})
 
 
+class _LaneFunctions(TorchFunctionMode):
+    """Inside a device lane: the host reads of a device tensor that never reach the dispatcher on a CPU tensor."""
+
+    READS = frozenset({"tolist", "cpu", "numpy"})
+
+    def __init__(self, checker: StreamSanitizer) -> None:
+        super().__init__()
+        self.checker = checker
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        name = getattr(func, "__name__", "")
+        if name in self.READS and args and isinstance(args[0], torch.Tensor):
+            if self.checker._device_value(args[0]):
+                self.checker._host_sync(f"Tensor.{name}() of a device tensor")
+        return func(*args, **(kwargs or {}))
+
+
 class StreamSanitizer:
     """Checks happens-before between every access the engine (and modelled DeepSpeed) makes.
 
@@ -242,6 +286,14 @@ class StreamSanitizer:
         self._accesses: dict[int, list[Access]] = {}
         self._sim: SimStreams | None = None
         self._depth = 0
+        #: Undeclared host synchronisations inside the engine's device lanes (errors: :meth:`check`).
+        self.host_syncs: list[HostSync] = []
+        #: Declared ones, with the engine's reason.
+        self.declared_host_syncs: list[HostSync] = []
+        #: Byte ranges of live tensors made by an op issued in a device lane from no device memory (the step-count
+        #: scalars' fill): host memory to the race checks (docs/stream-sanitizer.md), device values to this check.
+        self._made_in_lanes: dict[int, tuple[int, int]] = {}
+        self._made_ids = itertools.count()
 
     # -- setting up -------------------------------------------------------------------------------
 
@@ -300,11 +352,48 @@ class StreamSanitizer:
         self.syncs.stream_wait_for_event(stream.id, event.id)
         self._log(LoggedOp("wait", stream.id, event=event.id))
 
+    def in_lane(self, stream: SimStream | None) -> Any:
+        """While a lane on a device stream is issued under the checker, watch the host reads that a CPU tensor's
+        methods do without the dispatcher (``tolist``)."""
+        if stream is None or self._depth == 0:
+            return contextlib.nullcontext()
+        return _LaneFunctions(self)
+
+    def _host_sync(self, what: str) -> None:
+        """``what`` synchronises the host with the device: an error inside a device lane unless declared."""
+        operation = self._sim.device_operation if self._sim is not None else None
+        if operation is None:
+            return
+        reasons = self._sim.host_sync_reasons
+        sync = HostSync(what, *operation, where=_caller(), reason=reasons[-1] if reasons else None)
+        (self.declared_host_syncs if sync.reason else self.host_syncs).append(sync)
+        if sync.reason is None and self.raise_on_race:
+            raise HostSyncError([sync])
+
+    def _device_value(self, tensor: torch.Tensor) -> bool:
+        """``tensor`` lives on the device: device memory, or made in a device lane (the step-count scalars)."""
+        extent = _byte_range(tensor)
+        if extent is None:
+            extent = (tensor.data_ptr(), tensor.data_ptr() + 1)
+        if self._is_device([tensor]):
+            return True
+        return any(start <= extent[0] < end for start, end in self._made_in_lanes.values())
+
+    def _made_in_device_lane(self, tensor: torch.Tensor) -> None:
+        extent = _byte_range(tensor)
+        if extent is None:
+            return
+        key = next(self._made_ids)
+        self._made_in_lanes[key] = extent
+        weakref.finalize(tensor, self._made_in_lanes.pop, key, None)
+
     def on_host_wait(self, event: SimEvent) -> None:
+        self._host_sync(f"a host wait on an event of {event.stream.name}")
         self.syncs.stream_wait_for_event(self.host, event.id)
         self._log(LoggedOp("host_wait", event=event.id))
 
     def on_device_synchronize(self) -> None:
+        self._host_sync("a device synchronisation")
         host = self.syncs.current_sync_states[HOST]
         for state in list(self.syncs.current_sync_states.values()):
             self.syncs._state_wait_for_other(host, state)
@@ -456,6 +545,9 @@ class StreamSanitizer:
         if device:
             for t in fresh:
                 self._track_temporary(t)
+        elif fresh and self._sim is not None and self._sim.device_operation is not None:
+            for t in fresh:
+                self._made_in_device_lane(t)
         op = schema.name.split("::")[-1]
         self._launch(stream, op, reads, writes + fresh, where=_caller())
         logged = [self._classify(op, stream, reads, writes + fresh)]
@@ -465,6 +557,10 @@ class StreamSanitizer:
         for one in logged:
             self._log(dataclasses.replace(one, sub_group=operation[1]) if operation else one)
         crosses = device and not all(self._is_device([t]) for t in touched)
+        if op == "_local_scalar_dense" and self._device_value(reads[0]):
+            self._host_sync("aten._local_scalar_dense of a device tensor (.item(), float(), int(), bool())")
+        elif crosses and blocking and op == "copy_":
+            self._host_sync("a blocking copy between host and device")
         if crosses and (blocking and op == "copy_" or op == "_local_scalar_dense"):
             self.stream_synchronize(stream)  # a blocking transfer or a .item(): the host waits for the stream
         return out
@@ -616,9 +712,12 @@ class StreamSanitizer:
             self.host = HOST
 
     def check(self) -> None:
-        """Raise :class:`StreamRaceError` if any race was found."""
+        """Raise :class:`StreamRaceError` if any race was found, else :class:`HostSyncError` if any undeclared host
+        synchronisation was issued inside a device lane."""
         if self.races:
             raise StreamRaceError(self.races)
+        if self.host_syncs:
+            raise HostSyncError(self.host_syncs)
 
 
 class ModelledBackward(GradientArrivals):
@@ -683,12 +782,24 @@ class StreamRaceError(AssertionError):
         super().__init__(f"{len(self.races)} stream race(s):\n  {shown}{more}")
 
 
+class HostSyncError(AssertionError):
+    """The engine synchronises the host with the device inside its device lanes without saying why."""
+
+    def __init__(self, syncs: Sequence[HostSync]) -> None:
+        self.syncs = list(syncs)
+        shown = "\n  ".join(str(s) for s in self.syncs[:10])
+        more = f"\n  ... and {len(self.syncs) - 10} more" if len(self.syncs) > 10 else ""
+        super().__init__(f"{len(self.syncs)} host synchronisation(s) in the hot path:\n  {shown}{more}")
+
+
 __all__ = [
     "DS_ALLGATHER",
     "ModelledBackward",
     "DS_REDUCE",
     "HOST",
     "Access",
+    "HostSync",
+    "HostSyncError",
     "LoggedOp",
     "Race",
     "SanitizerUnavailableError",

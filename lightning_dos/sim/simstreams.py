@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -141,6 +142,10 @@ class SimStreams(Streams):
         self._current: list[SimStream] = [self.default]
         #: The engine's (lane, sub-group) of the operations being issued, innermost last.
         self.operations: list[tuple[str, int]] = []
+        #: Per host thread: its operations' (lane, sub-group, stream) and why it synchronises with the device on
+        #: purpose (``host_sync``), innermost last. Another thread (the training thread's wait for sub-groups, under
+        #: overlap) may wait while the update's thread is inside a lane: that wait is not the lane's.
+        self._thread = threading.local()
         self._event_ids = itertools.count(1)
         #: Bytes of simulated device memory allocated and not yet freed.
         self.allocated_bytes = 0
@@ -159,16 +164,55 @@ class SimStreams(Streams):
     def lane(self, lane: str, sub_group: int, nbytes: int, stream: SimStream | None = None) -> Iterator[None]:
         """As the base class; the operation's lane and sub-group are known to the checker meanwhile."""
         self.operations.append((lane, sub_group))
+        lanes = self._thread_lanes()
+        lanes.append((lane, sub_group, stream))
+        in_lane = getattr(self.listener, "in_lane", None)
         try:
-            with super().lane(lane, sub_group, nbytes, stream):
+            # A listener may watch the work of the lane while it is issued (``in_lane(stream)``, optional).
+            with (
+                super().lane(lane, sub_group, nbytes, stream),
+                in_lane(stream) if in_lane else contextlib.nullcontext(),
+            ):
                 yield
         finally:
             self.operations.pop()
+            lanes.pop()
+
+    def _thread_lanes(self) -> list[tuple[str, int, SimStream | None]]:
+        if not hasattr(self._thread, "lanes"):
+            self._thread.lanes, self._thread.reasons = [], []
+        return self._thread.lanes
+
+    @property
+    def host_sync_reasons(self) -> list[str]:
+        """Why the calling thread synchronises with the device on purpose (``host_sync``), innermost last."""
+        self._thread_lanes()
+        return self._thread.reasons
 
     @property
     def operation(self) -> tuple[str, int] | None:
         """The engine's lane and sub-group of the work being issued now (None outside any)."""
         return self.operations[-1] if self.operations else None
+
+    @property
+    def device_operation(self) -> tuple[str, int] | None:
+        """The lane and sub-group of the work being issued now when its lane runs on a device stream (an upload,
+        the device update, a cast, a download) and the calling thread issues it: where a host synchronisation stalls
+        the launch loop."""
+        lanes = self._thread_lanes()
+        if lanes and lanes[-1][2] is not None:
+            return lanes[-1][:2]
+        return None
+
+    @contextlib.contextmanager
+    def host_sync(self, reason: str) -> Iterator[None]:
+        """As the base class; the checker hears ``reason`` for the synchronisations issued meanwhile."""
+        with super().host_sync(reason):
+            self.host_sync_reasons.append(reason)
+            try:
+                yield
+            finally:
+                self.host_sync_reasons.pop()
 
     @property
     def current(self) -> SimStream:
