@@ -284,9 +284,15 @@ class InterleavedUpdate:
                 self._landing.notify_all()
 
     def _end_landing(self) -> None:
-        """The update is over (finished, or settled after an interruption): every sub-group is readable."""
+        """The update is over (finished, or settled after an interruption): every sub-group is readable.
+
+        Sub-groups not landed by then (an interruption finished or undid them on the host) are released here, after
+        the last write to their 16-bit partitions: nothing waiting for them may go on before."""
         with self._landing:
             if self._landed is not None:
+                for index in range(len(self.sub_groups)):
+                    if index not in self._landed:
+                        self.streams.landed(index)
                 self._last_landed = self._landed
             self._landed = None
             self._landing.notify_all()
@@ -390,7 +396,11 @@ class InterleavedUpdate:
             self.steps_taken += 1
             self._progress = progress = UpdateProgress()
             with self._landing:
-                self._landed = {} if self._landed is None else self._landed
+                # Run by start() (overlap), the step is part of work that may still rewrite the 16-bit partitions
+                # after it returns (its caller takes a step interrupted before any change whole on the host): the
+                # thread releases the waiters once that work is over. Called directly, the step releases them.
+                releases = self._landed is None
+                self._landed = {} if releases else self._landed
             try:
                 early = None
                 if arrivals is not None:
@@ -406,7 +416,8 @@ class InterleavedUpdate:
             finally:
                 self._progress = None
                 self._kept.clear()  # read by this step (or not at all): the next backward writes anew
-                self._end_landing()
+                if releases:
+                    self._end_landing()
 
     def _new_report(self, plan: Plan, inputs: StepInputs) -> StepReport:
         """This step's report for ``plan``, with the planner's predictions it was chosen by."""
