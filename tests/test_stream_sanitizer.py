@@ -450,15 +450,19 @@ def test_the_unmutated_engine_is_clean_under_both_deepspeed_models() -> None:
 def test_removing_any_wait_host_wait_or_tail_event_is_reported_as_a_race(case: str) -> None:
     """Every synchronisation in the engine's source is needed: removing any one of them is a race.
 
-    Each mutant runs under DeepSpeed's stock behaviour first. The engine's device-wide synchronise at the
-    start of a step is redundant there (DeepSpeed's host waits on its reduce stream at the end of backward),
-    so it is run again under DeepSpeed on an accelerator that resolves data dependencies itself, where
-    DeepSpeed skips that wait (``resolves_data_dependency()``): only the engine's synchronise then keeps host
-    Adam and the uploads from reading unfinished gradients. It must be the only synchronisation that needs it.
+    Each mutant runs under DeepSpeed's stock behaviour first. The step's host wait for the end-of-backward event
+    (recorded on DeepSpeed's reduce stream, :meth:`InterleavedUpdate.backward_ended`) is redundant there (DeepSpeed's
+    host waits on that stream at the end of backward), so it is run again under DeepSpeed on an accelerator that
+    resolves data dependencies itself, where DeepSpeed skips that wait (``resolves_data_dependency()``): only the
+    engine's wait then keeps host Adam, the uploads and the resident sub-groups' kept gradients from being read
+    unfinished. It must be the only synchronisation that needs it. The engine has no device-wide synchronise left:
+    nothing ties its update to other work on the device (the next forward, queued meanwhile under overlap).
     """
     mutations = find_mutations(inspect.getsource(loop_module))
     kinds = {what.split(" at ")[0] for _, what in mutations}
-    assert {"wait", "host_wait", "device_synchronize"} <= kinds and len(mutations) >= 9, mutations
+    assert {"wait", "host_wait"} <= kinds and len(mutations) >= 9, mutations
+    assert "device_synchronize" not in kinds, "a device-wide wait in the update ties it to the training thread's work"
+    backward_end = _backward_end_wait()
     missed, needs_unsynced_deepspeed = [], []
     for line, what in mutations:
         engine_class = mutant_engine(line)
@@ -470,8 +474,16 @@ def test_removing_any_wait_host_wait_or_tail_event_is_reported_as_a_race(case: s
         else:
             needs_unsynced_deepspeed.append((what, unsynced[0]))
     assert not missed, f"removing these synchronisations went unnoticed: {missed}"
-    assert [what.split(" at ")[0] for what, _ in needs_unsynced_deepspeed] == ["device_synchronize"]
+    assert [what for what, _ in needs_unsynced_deepspeed] == [f"host_wait at line {backward_end}"]
     assert "gradient buffer" in needs_unsynced_deepspeed[0][1]
+
+
+def _backward_end_wait() -> int:
+    """The line of the step's host wait for the end-of-backward events."""
+    source = inspect.getsource(loop_module).splitlines()
+    (line,) = [i + 1 for i, text in enumerate(source) if "for event in ended:" in text]
+    assert "host_wait(event)" in source[line], source[line]
+    return line + 1
 
 
 # -- through a real Trainer and DeepSpeed ZeRO-3 -------------------------------------------------------
@@ -526,13 +538,13 @@ def test_parameter_offload_on_the_simulated_accelerator_is_race_free_and_lands_1
     assert max_relative_error(full_parameters(model), reference) < 1e-5
 
 
-def test_a_gradient_kept_on_the_device_is_read_only_after_the_steps_device_wide_wait() -> None:
+def test_a_gradient_kept_on_the_device_is_read_only_after_the_end_of_backward_event() -> None:
     """Resident sub-groups read the gradient backward copied into their device slot (keep_gradient, modelled on
-    DeepSpeed's reduce stream): without the step's device-wide wait, on an accelerator where DeepSpeed does not
-    wait for its reduce stream either, the device update reads those slots unordered with that copy."""
+    DeepSpeed's reduce stream): without the step's wait for the end-of-backward event on that stream, on an
+    accelerator where DeepSpeed does not wait for its reduce stream either, the device update reads those slots
+    unordered with that copy."""
     all_resident = next(s for s in SCENARIOS if s.name == "all-resident")
-    line = next(line for line, what in find_mutations(inspect.getsource(loop_module)) if "device_synchronize" in what)
-    checker, _, _ = run(all_resident, mutant_engine(line), backward_sync=False)
+    checker, _, _ = run(all_resident, mutant_engine(_backward_end_wait()), backward_sync=False)
     assert any("lightning_dos.keep_gradient" in str(race) for race in checker.races), checker.races[:3]
     checker, _, engine = run(all_resident, backward_sync=False)
     assert checker.races == [] and engine.last_report.h2d_bytes == 0, "nothing uploaded once resident"

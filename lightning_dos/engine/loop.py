@@ -147,6 +147,8 @@ class InterleavedUpdate:
         #: Resident sub-groups whose gradient this backward wrote into their device buffer (:meth:`keep_gradient`):
         #: the buffer written and how many of its elements.
         self._kept: dict[int, tuple[DeviceBuffer, int]] = {}
+        #: When the gradient copies of the backwards since the last step land (:meth:`backward_ended`).
+        self._backward_ends: list[object] = []
         self._warned_fallback = False
         #: Readers of the optimizer state (checkpoints) wait on this while an update is in flight.
         self.guard = UpdateGuard()
@@ -372,6 +374,7 @@ class InterleavedUpdate:
     def skip(self, plan: Plan) -> StepReport:
         """Record a skipped step (fp16 overflow): nothing is touched."""
         self._kept.clear()
+        self._backward_ends.clear()
         self.steps_taken += 1
         self.last_report = StepReport(self.steps_taken, plan, self.sizes, skipped=True)
         return self.last_report
@@ -416,6 +419,7 @@ class InterleavedUpdate:
             finally:
                 self._progress = None
                 self._kept.clear()  # read by this step (or not at all): the next backward writes anew
+                self._backward_ends.clear()  # waited for by this step (or a step skipped during backward)
                 if releases:
                     self._end_landing()
 
@@ -509,10 +513,14 @@ class InterleavedUpdate:
         self, plan: Plan, inputs: StepInputs, progress: UpdateProgress, early: StepReport | None = None
     ) -> StepReport:
         streams = self.streams
-        # DeepSpeed copies gradients to the host buffers with non-blocking copies on its own side
-        # streams during backward. We cannot name those streams' events, so one device-wide wait marks
-        # them complete before any host Adam reads a gradient or any upload re-reads one.
-        streams.device_synchronize()
+        # DeepSpeed copies gradients into the host buffers (and keep_gradient into resident sub-groups' device slots)
+        # with non-blocking copies on its reduce stream during backward; the framework records an event there at the
+        # end of backward (backward_ended). The host waits for just that work before any host update reads a gradient,
+        # any upload re-reads one or any device update reads a kept one: not for the whole device, where (overlap) the
+        # training thread goes on queueing the next forward meanwhile.
+        ended, self._backward_ends = self._backward_ends, []
+        for event in ended:
+            streams.host_wait(event)
         if early is None:
             streams.start_timeline(self.timing)
         wall_start = time.perf_counter()
@@ -710,7 +718,8 @@ class InterleavedUpdate:
 
         A sub-group uses its kept gradient only if this backward wrote every one of its elements into the buffer
         it still has at the step (padding or a parameter without a gradient leave it to the host copy); the
-        step's device-wide wait for DeepSpeed's streams orders these copies before the update reads them."""
+        end-of-backward event on that stream (:meth:`backward_ended`) orders these copies before the update reads
+        them."""
         n = grad.numel()
         for index in self.sub_groups_of(flat, offset, n):
             buf = self.resident.get(index)
@@ -721,6 +730,15 @@ class InterleavedUpdate:
             buf.grad[lo - sg.ds_offset : hi - sg.ds_offset].copy_(grad[lo - offset : hi - offset], non_blocking=True)
             kept_in, count = self._kept.get(index, (buf, 0))
             self._kept[index] = (buf, (count if kept_in is buf else 0) + hi - lo)
+
+    def backward_ended(self, event: object) -> None:
+        """Backward has issued its last gradient copy (into the host buffers, or a kept gradient into a resident
+        sub-group's device slot, :meth:`keep_gradient`), and ``event`` was recorded after it on the stream it was
+        issued on (DeepSpeed's reduce stream): the next step waits for ``event`` before it reads any gradient, and
+        for nothing else queued on the device. None: the copies are complete already (a synchronous device). Called
+        after every backward; the step waits for every event handed over since the last step."""
+        if event is not None:
+            self._backward_ends.append(event)
 
     def discard_kept_gradients(self) -> None:
         """Forget the gradients kept so far (a new backward begins, or a step was skipped)."""

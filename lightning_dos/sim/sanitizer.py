@@ -233,6 +233,8 @@ class StreamSanitizer:
         #: Pseudo-events marking the update thread's program order when it let each sub-group be read.
         self._landings: dict[int, int] = {}
         self._landing_ids = -1
+        #: Ids of the modelled end-of-backward events (apart from the simulated streams' own).
+        self._backward_events = itertools.count(-2_000_000, -1)
         self.memory_limit = memory_limit
         self.raise_on_race = raise_on_race
         self.seq = 0
@@ -612,6 +614,14 @@ class StreamSanitizer:
         self.model_access(DS_REDUCE, "deepspeed.partition_grads", writes=inputs.grads)
         if backward_sync:
             self.stream_synchronize(DS_REDUCE)
+        self.end_of_backward(engine)
+
+    def end_of_backward(self, engine: Any) -> None:
+        """The adapter's event at the end of backward (after DeepSpeed's epilogue) on DeepSpeed's reduce stream,
+        handed to the engine: the step's only wait for backward's gradient copies (no device-wide wait)."""
+        event = SimEvent(next(self._backward_events), SimStream(DS_REDUCE, NAMES[DS_REDUCE]))
+        self.on_record(event)
+        engine.backward_ended(event)
 
     def modelled_backward(self, engine: Any, inputs: Any, backward_sync: bool) -> ModelledBackward:
         """Backward handed to a step begun during it (``overlap="auto"``)."""
@@ -667,7 +677,7 @@ class ModelledBackward(GradientArrivals):
 
     def __init__(self, checker: StreamSanitizer, engine: Any, inputs: Any, backward_sync: bool) -> None:
         super().__init__()
-        self.checker, self.inputs, self.backward_sync = checker, inputs, backward_sync
+        self.checker, self.inputs, self.backward_sync, self.engine = checker, inputs, backward_sync, engine
         self.order = [sg for sg in reversed(engine.sub_groups)]
         self.reduce = SimStream(DS_REDUCE, NAMES[DS_REDUCE])
         self.events = itertools.count(-1_000_000, -1)
@@ -677,6 +687,7 @@ class ModelledBackward(GradientArrivals):
         if not self.order:
             if self.backward_sync:
                 checker.stream_synchronize(DS_REDUCE)
+            checker.end_of_backward(self.engine)
             self.end(GradientArrivals.RUN)
             return None
         sg = self.order.pop(0)
