@@ -132,8 +132,11 @@ class InterleavedUpdate:
         self.gpu_memory_budget = gpu_memory_budget
         # Build the compiled host update now, not in the first step; say so once if torch's kernels stand in.
         native.warn_if_unavailable()
-        #: Record a span per operation (the monitor turns this on; off costs nothing).
+        #: Record a span per operation (the monitor turns this on; off costs nothing). Read when the step is called,
+        #: or when :meth:`start` is, for the update it starts: an overlapped update runs on past the batch that asked.
         self.timing = False
+        self._started_timing = False
+        self._step_timing = False
         #: How many step reports the engine has issued, and the most recent ones (an overlapped update issues its
         #: report after the step returned: a monitor fetches it by number, :meth:`report_number`).
         self.reports_issued = 0
@@ -201,6 +204,7 @@ class InterleavedUpdate:
         call returns only once the thread holds it. An exception ``work`` raises is raised by :meth:`wait_all`.
         """
         self.wait_all()
+        self._started_timing = self.timing
         with self._landing:
             self._landed = {}
         # Released once the thread holds the guard (a semaphore: a thread's start, not a stream's order).
@@ -404,6 +408,7 @@ class InterleavedUpdate:
                 # thread releases the waiters once that work is over. Called directly, the step releases them.
                 releases = self._landed is None
                 self._landed = {} if releases else self._landed
+            self._step_timing = self.timing if releases else self._started_timing
             try:
                 early = None
                 if arrivals is not None:
@@ -454,7 +459,7 @@ class InterleavedUpdate:
     ) -> StepReport:
         """Update the plan's host sub-groups as backward reports their gradients final, until backward ends; return
         what was done (``skipped`` when the step is skipped or abandoned, which must find nothing changed)."""
-        self.streams.start_timeline(self.timing)
+        self.streams.start_timeline(self._step_timing)
         report = self._new_report(plan, inputs)
         self.updated_early = early = []
         self._early_tail = None
@@ -522,7 +527,7 @@ class InterleavedUpdate:
         for event in ended:
             streams.host_wait(event)
         if early is None:
-            streams.start_timeline(self.timing)
+            streams.start_timeline(self._step_timing)
         wall_start = time.perf_counter()
 
         requested = plan
@@ -564,7 +569,7 @@ class InterleavedUpdate:
         # beyond resident state, which only an explicit budget plans).
         self.pool.release_staging()
         report.update_s += time.perf_counter() - wall_start
-        report.spans = streams.spans() if self.timing else []
+        report.spans = streams.spans() if self._step_timing else []
         self.last_report = report
         return report
 
