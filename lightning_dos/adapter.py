@@ -299,6 +299,7 @@ class ZeRO3Adapter:
         self._early: tuple[Plan, StepInputs, list[int]] | None = None
         if self.engine.footprint.grads_on_device:
             self._watch_gradients(z)
+        self._mark_backward_ends(z)
 
     # -- overlapping the update with the next forward ---------------------------------------------
 
@@ -409,6 +410,30 @@ class ZeRO3Adapter:
                     engine.grads_final(index, landed)
 
         z._offload_grad_partition_at_boundary = offload_at_boundary
+
+    def _mark_backward_ends(self, z: object) -> None:
+        """After DeepSpeed's end-of-backward epilogue, record an event on its reduce stream and hand it to the engine
+        (:meth:`~lightning_dos.engine.loop.InterleavedUpdate.backward_ended`): every gradient copy into the host buffers
+        and every kept gradient (``offload_at_boundary`` copies both on that stream) is queued before it, so the step
+        waits for that work alone instead of the whole device. Unmanaged accumulation's boundary copy
+        (``finalize_gradient_accumulation_boundary``) is issued on the caller's stream: marked there."""
+        engine = self.engine
+
+        def marked(method: Callable, stream: Callable[[], object]) -> Callable:
+            def mark_after(*args: object, **kwargs: object) -> object:
+                result = method(*args, **kwargs)
+                engine.backward_ended(engine.streams.record(stream()))
+                return result
+
+            return mark_after
+
+        z.independent_gradient_partition_epilogue = marked(
+            z.independent_gradient_partition_epilogue, lambda: getattr(z, "reduce_and_partition_stream", None)
+        )
+        if hasattr(z, "finalize_gradient_accumulation_boundary"):
+            z.finalize_gradient_accumulation_boundary = marked(
+                z.finalize_gradient_accumulation_boundary, lambda: engine.streams.current
+            )
 
     def _overlaps(self, flat: int, offset: int, numel: int) -> Iterator[tuple[int, int]]:
         """(sub-group, elements) of flat partition ``flat``'s elements ``[offset, offset + numel)`` in each."""

@@ -323,7 +323,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         streams_factory: builds the engine's streams for the model's device; None (the default) uses the
             real ones. Tests and tools pass ``lightning_dos.sim``'s simulated accelerator here to check the
             engine's stream ordering on CPU; it is never chosen automatically.
-        overlap: what the optimizer update overlaps; every mode gives bit-identical results. ``"auto"`` (the
+        overlap: what the optimizer update overlaps, not what it computes: on CPU every mode gives bit-identical
+            results; on a GPU placement depends on the mode, timings and free memory, so modes agree to float
+            precision, and bit for bit only for the same placement. ``"auto"`` (the
             default): ``"forward"``, and, when no step needs global information (no gradient clipping, no fp16
             loss scaling), the step begins during backward: each host sub-group is updated on a background
             thread as soon as backward has made its gradient final (the last layers' first); otherwise it runs as

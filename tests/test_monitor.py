@@ -382,3 +382,34 @@ def test_the_iteration_predicted_for_a_step_is_logged_beside_its_step_time() -> 
     assert monitor._report_metrics(report, 1.0)["dos/iteration_predicted_s"] == 2.5
     table = summary_table([{"dos/step_s": 2.0, "dos/iteration_predicted_s": 2.5}])
     assert [cell for cell in table.columns[0].cells] == ["step", "step predicted"]
+
+
+def _traced_lanes(root: Path, strategy: DeepOptimizerStatesStrategy) -> tuple[set[str], set[str]]:
+    """The lanes with spans in the trace DOSMonitor writes of step 3 of a 12-step run, and those the traced step's
+    plan implies (host sub-groups: host_adam; device ones: device_adam and cast, and streamed ones their copies)."""
+    run = _fit(root, strategy, steps=12, summary=False, log_every_n_steps=1)
+    trace = json.loads(run.monitor.trace_path.read_text())
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    (traced,) = run.monitor._traced
+    places = set(traced.report.plan.places)
+    implied = {PHASES_LANE} | ({"host_adam"} if Place.HOST in places else set())
+    implied |= {"device_adam", "cast"} if places & {Place.DEVICE, Place.RESIDENT} else set()
+    implied |= {"upload", "download"} if Place.DEVICE in places else set()
+    return {names[e["tid"]] for e in trace["traceEvents"] if e["ph"] == "X"}, implied
+
+
+@pytest.mark.parametrize("fraction", ["auto", 0.5])
+def test_under_the_default_overlap_the_trace_has_every_lane_it_has_under_off(tmp_path: Path, fraction: object) -> None:
+    """overlap="auto" (the default) runs the update on a thread of its own, on past the end of the batch that began
+    it (where the monitor turns timing off again): the traced step's spans must still come back, every lane that
+    "off" draws, and every lane the step's plan implies."""
+    off, implied_off = _traced_lanes(
+        tmp_path / "off", DeepOptimizerStatesStrategy(gpu_fraction=fraction, sub_group_size=SUB_GROUP, overlap="off")
+    )
+    assert off == implied_off
+    strategy = DeepOptimizerStatesStrategy(gpu_fraction=fraction, sub_group_size=SUB_GROUP)
+    lanes, implied = _traced_lanes(tmp_path / "auto", strategy)
+    assert strategy.overlap == "auto" and strategy.dos_adapter.overlap != "off"
+    assert lanes == implied and len(lanes) > 1, sorted(lanes)
+    if fraction == 0.5:  # the same placement: the same lanes as "off"
+        assert lanes == off == {PHASES_LANE, "host_adam", "upload", "device_adam", "cast", "download"}

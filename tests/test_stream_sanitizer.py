@@ -462,15 +462,19 @@ def test_the_unmutated_engine_is_clean_under_both_deepspeed_models() -> None:
 def test_removing_any_wait_host_wait_or_tail_event_is_reported_as_a_race(case: str) -> None:
     """Every synchronisation in the engine's source is needed: removing any one of them is a race.
 
-    Each mutant runs under DeepSpeed's stock behaviour first. The engine's device-wide synchronise at the
-    start of a step is redundant there (DeepSpeed's host waits on its reduce stream at the end of backward),
-    so it is run again under DeepSpeed on an accelerator that resolves data dependencies itself, where
-    DeepSpeed skips that wait (``resolves_data_dependency()``): only the engine's synchronise then keeps host
-    Adam and the uploads from reading unfinished gradients. It must be the only synchronisation that needs it.
+    Each mutant runs under DeepSpeed's stock behaviour first. The step's host wait for the end-of-backward event
+    (recorded on DeepSpeed's reduce stream, :meth:`InterleavedUpdate.backward_ended`) is redundant there (DeepSpeed's
+    host waits on that stream at the end of backward), so it is run again under DeepSpeed on an accelerator that
+    resolves data dependencies itself, where DeepSpeed skips that wait (``resolves_data_dependency()``): only the
+    engine's wait then keeps host Adam, the uploads and the resident sub-groups' kept gradients from being read
+    unfinished. It must be the only synchronisation that needs it. The engine has no device-wide synchronise left:
+    nothing ties its update to other work on the device (the next forward, queued meanwhile under overlap).
     """
     mutations = find_mutations(inspect.getsource(loop_module))
     kinds = {what.split(" at ")[0] for _, what in mutations}
-    assert {"wait", "host_wait", "device_synchronize"} <= kinds and len(mutations) >= 9, mutations
+    assert {"wait", "host_wait"} <= kinds and len(mutations) >= 9, mutations
+    assert "device_synchronize" not in kinds, "a device-wide wait in the update ties it to the training thread's work"
+    backward_end = _backward_end_wait()
     missed, needs_unsynced_deepspeed = [], []
     for line, what in mutations:
         engine_class = mutant_engine(line)
@@ -482,8 +486,16 @@ def test_removing_any_wait_host_wait_or_tail_event_is_reported_as_a_race(case: s
         else:
             needs_unsynced_deepspeed.append((what, unsynced[0]))
     assert not missed, f"removing these synchronisations went unnoticed: {missed}"
-    assert [what.split(" at ")[0] for what, _ in needs_unsynced_deepspeed] == ["device_synchronize"]
+    assert [what for what, _ in needs_unsynced_deepspeed] == [f"host_wait at line {backward_end}"]
     assert "gradient buffer" in needs_unsynced_deepspeed[0][1]
+
+
+def _backward_end_wait() -> int:
+    """The line of the step's host wait for the end-of-backward events."""
+    source = inspect.getsource(loop_module).splitlines()
+    (line,) = [i + 1 for i, text in enumerate(source) if "for event in ended:" in text]
+    assert "host_wait(event)" in source[line], source[line]
+    return line + 1
 
 
 # -- through a real Trainer and DeepSpeed ZeRO-3 -------------------------------------------------------
@@ -538,13 +550,13 @@ def test_parameter_offload_on_the_simulated_accelerator_is_race_free_and_lands_1
     assert max_relative_error(full_parameters(model), reference) < 1e-5
 
 
-def test_a_gradient_kept_on_the_device_is_read_only_after_the_steps_device_wide_wait() -> None:
+def test_a_gradient_kept_on_the_device_is_read_only_after_the_end_of_backward_event() -> None:
     """Resident sub-groups read the gradient backward copied into their device slot (keep_gradient, modelled on
-    DeepSpeed's reduce stream): without the step's device-wide wait, on an accelerator where DeepSpeed does not
-    wait for its reduce stream either, the device update reads those slots unordered with that copy."""
+    DeepSpeed's reduce stream): without the step's wait for the end-of-backward event on that stream, on an
+    accelerator where DeepSpeed does not wait for its reduce stream either, the device update reads those slots
+    unordered with that copy."""
     all_resident = next(s for s in SCENARIOS if s.name == "all-resident")
-    line = next(line for line, what in find_mutations(inspect.getsource(loop_module)) if "device_synchronize" in what)
-    checker, _, _ = run(all_resident, mutant_engine(line), backward_sync=False)
+    checker, _, _ = run(all_resident, mutant_engine(_backward_end_wait()), backward_sync=False)
     assert any("lightning_dos.keep_gradient" in str(race) for race in checker.races), checker.races[:3]
     checker, _, engine = run(all_resident, backward_sync=False)
     assert checker.races == [] and engine.last_report.h2d_bytes == 0, "nothing uploaded once resident"
@@ -570,3 +582,129 @@ def test_a_streamed_sub_group_lands_with_its_cast_not_its_download() -> None:
     assert any(
         "16-bit partition" in race.memory and "_launch_device_side" in race.previous.where for race in checker.races
     ), checker.races[:3]
+
+
+# -- failures under overlap: no forward read is released before its 16-bit partition is final ------------------
+
+#: Step 1 makes sub-groups resident; step 2, where the faults are injected, evicts some, brings others up, streams
+#: some through two buffers and updates the rest on the host: every phase of the update.
+FAULT_PLANS = (Plan(mixed(R, D, H)), Plan(mixed(H, D, R, D), 2))
+
+
+class FaultyStreams:
+    """Raise ``error`` once, at the simulated accelerator's seam ``at``: ``("alloc", None)`` (a device allocation of
+    step 2), ``(lane, sub_group)`` as the engine issues that operation (an upload, a kernel, a cast, a download, the
+    host update), or ``("point", name, sub_group)`` at the engine's ``on_point`` test seam. None injects nothing and
+    records the seams step 2 passes."""
+
+    def __init__(self, engine: object, at: tuple | None, error: BaseException) -> None:
+        self.engine, self.at, self.error = engine, at, error
+        self.armed, self.fired, self.seen = False, False, []
+        sim = engine.streams
+        lane, empty = sim.lane, sim.empty
+
+        def faulty_lane(name: str, sub_group: int, *args: object, **kwargs: object) -> object:
+            self._pass((name, sub_group))
+            return lane(name, sub_group, *args, **kwargs)
+
+        def faulty_empty(*args: object, **kwargs: object) -> torch.Tensor:
+            self._pass(("alloc", None))
+            return empty(*args, **kwargs)
+
+        sim.lane = faulty_lane
+        engine.pool._allocate = faulty_empty  # the pool allocates device memory through the streams' empty
+        engine.on_point = lambda point, index: self._pass(("point", point, index))
+
+    def _pass(self, seam: tuple) -> None:
+        if not self.armed:
+            return
+        if seam not in self.seen:
+            self.seen.append(seam)
+        if seam == self.at and not self.fired:
+            self.fired = True
+            raise self.error
+
+
+def overlapped_with_fault(at: tuple | None, engine_class: type | None = None) -> tuple[StreamSanitizer, object, list]:
+    """Two steps as the adapter's overlapped update runs them (``engine.start``: the step, then, when it was
+    interrupted before any change, the step taken whole on the host, as ``ZeRO3Adapter._apply`` does), the second
+    with a fault at ``at``; each next forward modelled once joined, ordered only by the engine's releases."""
+    from lightning_dos.engine.atomic import PRE_STEP
+    from lightning_dos.engine.recovery import take_on_host
+
+    engine_class = engine_class or loop_module.InterleavedUpdate
+    checker = StreamSanitizer()
+    engine = engine_class(NUMELS, GROUPS, SUB_GROUP, torch.device("cpu"), torch.float32, streams=checker.streams())
+    checker.watch(engine, threaded=True)
+    faults = FaultyStreams(engine, at, RuntimeError("injected"))
+    gen = torch.Generator().manual_seed(0)
+    for i in range(len(NUMELS)):
+        engine.param_view(i).copy_(torch.randn(NUMELS[i], generator=gen))
+    lp = [torch.zeros(n) for n in NUMELS]
+    interruptions: list = []
+    for step, plan in enumerate(FAULT_PLANS, start=1):
+        grads = [torch.randn(n, generator=gen) for n in NUMELS]
+        inputs = StepInputs(grads, lp, HYPERS, [step] * len(NUMELS), inv_grad_scale=0.5)
+        for flat, g in enumerate(grads):
+            engine.keep_gradient(flat, 0, g)
+        faults.armed = step == 2
+
+        def work(plan: Plan = plan, inputs: StepInputs = inputs) -> None:
+            try:
+                engine.step(plan, inputs)
+            except UpdateInterrupted as failure:
+                interruptions.append(failure.state)
+                if failure.state == PRE_STEP:  # the framework counted the step: taken whole on the host
+                    take_on_host(engine, inputs, failure)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine.start(work)
+            engine.wait_all()
+    faults.armed = False
+    assert at is None or faults.fired, f"{at} was never reached"
+    engine.flush_resident()
+    for i, target in enumerate(lp):  # every 16-bit partition is the post-step cast of the master weights
+        assert torch.equal(target, engine.param_view(i)), (at, i)
+    return checker, engine, faults.seen if at is None else interruptions
+
+
+def _seams() -> list[tuple]:
+    _, _, seen = overlapped_with_fault(None)
+    return seen
+
+
+FAULT_SEAMS = _seams()
+
+
+def test_faults_are_injected_at_every_phase_of_the_update() -> None:
+    lanes = {seam[0] for seam in FAULT_SEAMS if seam[0] != "point"}
+    points = {seam[1] for seam in FAULT_SEAMS if seam[0] == "point"}
+    assert {"alloc", "upload", "device_adam", "cast", "download", "host_adam", "lp_upload"} <= lanes, lanes
+    assert {"flush", "unscaled", "updated", "computed", "downloading", "done"} <= points, points
+
+
+@pytest.mark.parametrize("at", FAULT_SEAMS, ids=lambda seam: "-".join(map(str, seam)))
+def test_a_failure_at_any_phase_releases_no_forward_read_before_its_16_bit_partition_is_final(at: tuple) -> None:
+    """Under overlap, the next forward's all-gathers wait only for the sub-groups they read. A failure anywhere in the
+    update leaves every 16-bit partition final (pre-step then taken on the host, or finished on the host) before the
+    engine lets a reader of it go on: the race checker reports a write to a partition after its release."""
+    checker, engine, interruptions = overlapped_with_fault(at)
+    assert interruptions and interruptions[0] in ("pre-step", "post-step")
+    assert checker.races == [], checker.races[:3]
+    _, clean, _ = overlapped_with_fault(None)
+    assert torch.equal(engine.pool.param, clean.pool.param), "the step is taken exactly once"
+
+
+def test_releasing_the_waiters_when_the_step_returns_is_a_race_with_the_host_taking_it() -> None:
+    """The mutation that shows the check bites: a step run by start() releasing every waiter as it returns (before its
+    caller takes a step interrupted before any change whole on the host, which rewrites every 16-bit partition)."""
+    pre_step = [seam for seam in FAULT_SEAMS if seam in (("alloc", None), ("point", "flush", 0))]
+    assert pre_step, FAULT_SEAMS
+    early_release = _engine_with("if releases:", "if True:")
+    for at in pre_step:
+        checker, _, interruptions = overlapped_with_fault(at, early_release)
+        assert interruptions == ["pre-step"]
+        assert any(
+            "16-bit partition" in race.memory and "finish_on_host" in race.previous.where for race in checker.races
+        ), (at, checker.races[:3])

@@ -137,8 +137,11 @@ class InterleavedUpdate:
         self.device_update = apply_update if self.streams.is_async else host_update
         # Build the compiled host update now, not in the first step; say so once if torch's kernels stand in.
         native.warn_if_unavailable()
-        #: Record a span per operation (the monitor turns this on; off costs nothing).
+        #: Record a span per operation (the monitor turns this on; off costs nothing). Read when the step is called,
+        #: or when :meth:`start` is, for the update it starts: an overlapped update runs on past the batch that asked.
         self.timing = False
+        self._started_timing = False
+        self._step_timing = False
         #: How many step reports the engine has issued, and the most recent ones (an overlapped update issues its
         #: report after the step returned: a monitor fetches it by number, :meth:`report_number`).
         self.reports_issued = 0
@@ -152,6 +155,8 @@ class InterleavedUpdate:
         #: Resident sub-groups whose gradient this backward wrote into their device buffer (:meth:`keep_gradient`):
         #: the buffer written and how many of its elements.
         self._kept: dict[int, tuple[DeviceBuffer, int]] = {}
+        #: When the gradient copies of the backwards since the last step land (:meth:`backward_ended`).
+        self._backward_ends: list[object] = []
         self._warned_fallback = False
         #: Readers of the optimizer state (checkpoints) wait on this while an update is in flight.
         self.guard = UpdateGuard()
@@ -204,6 +209,7 @@ class InterleavedUpdate:
         call returns only once the thread holds it. An exception ``work`` raises is raised by :meth:`wait_all`.
         """
         self.wait_all()
+        self._started_timing = self.timing
         with self._landing:
             self._landed = {}
         # Released once the thread holds the guard (a semaphore: a thread's start, not a stream's order).
@@ -289,9 +295,15 @@ class InterleavedUpdate:
                 self._landing.notify_all()
 
     def _end_landing(self) -> None:
-        """The update is over (finished, or settled after an interruption): every sub-group is readable."""
+        """The update is over (finished, or settled after an interruption): every sub-group is readable.
+
+        Sub-groups not landed by then (an interruption finished or undid them on the host) are released here, after
+        the last write to their 16-bit partitions: nothing waiting for them may go on before."""
         with self._landing:
             if self._landed is not None:
+                for index in range(len(self.sub_groups)):
+                    if index not in self._landed:
+                        self.streams.landed(index)
                 self._last_landed = self._landed
             self._landed = None
             self._landing.notify_all()
@@ -371,6 +383,7 @@ class InterleavedUpdate:
     def skip(self, plan: Plan) -> StepReport:
         """Record a skipped step (fp16 overflow): nothing is touched."""
         self._kept.clear()
+        self._backward_ends.clear()
         self.steps_taken += 1
         self.last_report = StepReport(self.steps_taken, plan, self.sizes, skipped=True)
         return self.last_report
@@ -395,7 +408,12 @@ class InterleavedUpdate:
             self.steps_taken += 1
             self._progress = progress = UpdateProgress()
             with self._landing:
-                self._landed = {} if self._landed is None else self._landed
+                # Run by start() (overlap), the step is part of work that may still rewrite the 16-bit partitions
+                # after it returns (its caller takes a step interrupted before any change whole on the host): the
+                # thread releases the waiters once that work is over. Called directly, the step releases them.
+                releases = self._landed is None
+                self._landed = {} if releases else self._landed
+            self._step_timing = self.timing if releases else self._started_timing
             try:
                 early = None
                 if arrivals is not None:
@@ -411,7 +429,9 @@ class InterleavedUpdate:
             finally:
                 self._progress = None
                 self._kept.clear()  # read by this step (or not at all): the next backward writes anew
-                self._end_landing()
+                self._backward_ends.clear()  # waited for by this step (or a step skipped during backward)
+                if releases:
+                    self._end_landing()
 
     def _new_report(self, plan: Plan, inputs: StepInputs) -> StepReport:
         """This step's report for ``plan``, with the planner's predictions it was chosen by."""
@@ -444,7 +464,7 @@ class InterleavedUpdate:
     ) -> StepReport:
         """Update the plan's host sub-groups as backward reports their gradients final, until backward ends; return
         what was done (``skipped`` when the step is skipped or abandoned, which must find nothing changed)."""
-        self.streams.start_timeline(self.timing)
+        self.streams.start_timeline(self._step_timing)
         report = self._new_report(plan, inputs)
         self.updated_early = early = []
         self._early_tail = None
@@ -503,12 +523,16 @@ class InterleavedUpdate:
         self, plan: Plan, inputs: StepInputs, progress: UpdateProgress, early: StepReport | None = None
     ) -> StepReport:
         streams = self.streams
-        # DeepSpeed copies gradients to the host buffers with non-blocking copies on its own side
-        # streams during backward. We cannot name those streams' events, so one device-wide wait marks
-        # them complete before any host Adam reads a gradient or any upload re-reads one.
-        streams.device_synchronize()
+        # DeepSpeed copies gradients into the host buffers (and keep_gradient into resident sub-groups' device slots)
+        # with non-blocking copies on its reduce stream during backward; the framework records an event there at the
+        # end of backward (backward_ended). The host waits for just that work before any host update reads a gradient,
+        # any upload re-reads one or any device update reads a kept one: not for the whole device, where (overlap) the
+        # training thread goes on queueing the next forward meanwhile.
+        ended, self._backward_ends = self._backward_ends, []
+        for event in ended:
+            streams.host_wait(event)
         if early is None:
-            streams.start_timeline(self.timing)
+            streams.start_timeline(self._step_timing)
         wall_start = time.perf_counter()
 
         requested = plan
@@ -550,7 +574,7 @@ class InterleavedUpdate:
         # beyond resident state, which only an explicit budget plans).
         self.pool.release_staging()
         report.update_s += time.perf_counter() - wall_start
-        report.spans = streams.spans() if self.timing else []
+        report.spans = streams.spans() if self._step_timing else []
         self.last_report = report
         return report
 
@@ -705,7 +729,8 @@ class InterleavedUpdate:
 
         A sub-group uses its kept gradient only if this backward wrote every one of its elements into the buffer
         it still has at the step (padding or a parameter without a gradient leave it to the host copy); the
-        step's device-wide wait for DeepSpeed's streams orders these copies before the update reads them."""
+        end-of-backward event on that stream (:meth:`backward_ended`) orders these copies before the update reads
+        them."""
         n = grad.numel()
         for index in self.sub_groups_of(flat, offset, n):
             buf = self.resident.get(index)
@@ -716,6 +741,15 @@ class InterleavedUpdate:
             buf.grad[lo - sg.ds_offset : hi - sg.ds_offset].copy_(grad[lo - offset : hi - offset], non_blocking=True)
             kept_in, count = self._kept.get(index, (buf, 0))
             self._kept[index] = (buf, (count if kept_in is buf else 0) + hi - lo)
+
+    def backward_ended(self, event: object) -> None:
+        """Backward has issued its last gradient copy (into the host buffers, or a kept gradient into a resident
+        sub-group's device slot, :meth:`keep_gradient`), and ``event`` was recorded after it on the stream it was
+        issued on (DeepSpeed's reduce stream): the next step waits for ``event`` before it reads any gradient, and
+        for nothing else queued on the device. None: the copies are complete already (a synchronous device). Called
+        after every backward; the step waits for every event handed over since the last step."""
+        if event is not None:
+            self._backward_ends.append(event)
 
     def discard_kept_gradients(self) -> None:
         """Forget the gradients kept so far (a new backward begins, or a step was skipped)."""

@@ -277,6 +277,8 @@ class StreamSanitizer:
         #: Pseudo-events marking the update thread's program order when it let each sub-group be read.
         self._landings: dict[int, int] = {}
         self._landing_ids = -1
+        #: Ids of the modelled end-of-backward events (apart from the simulated streams' own).
+        self._backward_events = itertools.count(-2_000_000, -1)
         self.memory_limit = memory_limit
         self.raise_on_race = raise_on_race
         self.seq = 0
@@ -590,7 +592,14 @@ class StreamSanitizer:
 
     # -- DeepSpeed's side around the engine's calls -------------------------------------------------
 
-    def watch(self, engine: Any, backward_sync: bool = True, overlap: bool = False, early: bool = False) -> None:
+    def watch(
+        self,
+        engine: Any,
+        backward_sync: bool = True,
+        overlap: bool = False,
+        early: bool = False,
+        threaded: bool = False,
+    ) -> None:
         """Run ``engine``'s step, flush and drop under the checker, with DeepSpeed's accesses modelled.
 
         Args:
@@ -602,6 +611,12 @@ class StreamSanitizer:
             early: begin each step during backward, as ``overlap="auto"`` does: the step is handed the modelled
                 backward (:class:`ModelledBackward`), which copies one sub-group's gradient at a time on
                 DeepSpeed's reduce stream and reports it final with that copy's event.
+            threaded: the step runs inside work given to ``engine.start`` (as the adapter's overlapped update runs:
+                the step, then what its caller does after it, such as taking a step interrupted before any change
+                whole on the host), all of it checked on the update thread; the next forward is modelled once the
+                training thread has joined it (``engine.wait_all``), each sub-group's reads ordered only by the
+                engine's release of that sub-group (its wait returning), so that a write to a 16-bit partition
+                after its release is a race, wherever in the work it comes. Implies ``overlap``.
         """
         pool = engine.pool
         slabs = [pool.param, *pool.states]
@@ -610,6 +625,9 @@ class StreamSanitizer:
         if pool.lp_staging is not None:
             self.name(pool.lp_staging.storage, "16-bit staging ring")
         step, flush, drop = engine.step, engine.flush_resident, engine.drop_resident
+        start, wait_all = engine.start, engine.wait_all
+        #: The inputs of the threaded update whose next forward is still to model.
+        joined: list[Any] = []
 
         def watched_step(plan: Any, inputs: Any, arrivals: Any = None) -> Any:
             # The training thread starts the update (on a thread of its own under overlap) after waiting for the
@@ -637,8 +655,12 @@ class StreamSanitizer:
             elif arrivals is None:
                 self.backward(engine, inputs, backward_sync)
             self._landings.clear()
+            if threaded:
+                joined[:] = [inputs]
             with self.active():
                 report = step(plan, inputs, arrivals)
+            if threaded:
+                return report  # the forward comes once the whole work is joined (watched_wait_all)
             if overlap:
                 self._overlapped_forward(engine, inputs)
                 # The training thread's backward, checkpoints and evaluation come after it joined the update.
@@ -660,7 +682,25 @@ class StreamSanitizer:
             with self.active():
                 drop()
 
+        def watched_start(work: Any) -> None:
+            def checked() -> None:
+                with self.active():  # dispatch modes are per thread: check the update thread's work
+                    work()
+
+            start(checked)
+
+        def watched_wait_all() -> None:
+            try:
+                wait_all()
+            finally:
+                if joined:
+                    self._overlapped_forward(engine, joined.pop())
+                    states = self.syncs.current_sync_states
+                    self.syncs._state_wait_for_other(states[TRAINING], states[HOST])
+
         engine.step, engine.flush_resident, engine.drop_resident = watched_step, watched_flush, watched_drop
+        if threaded:
+            engine.start, engine.wait_all = watched_start, watched_wait_all
 
     # -- DeepSpeed's backward and the next forward, as watch() models them (a timed replay adds their work) ------
 
@@ -670,6 +710,14 @@ class StreamSanitizer:
         self.model_access(DS_REDUCE, "deepspeed.partition_grads", writes=inputs.grads)
         if backward_sync:
             self.stream_synchronize(DS_REDUCE)
+        self.end_of_backward(engine)
+
+    def end_of_backward(self, engine: Any) -> None:
+        """The adapter's event at the end of backward (after DeepSpeed's epilogue) on DeepSpeed's reduce stream,
+        handed to the engine: the step's only wait for backward's gradient copies (no device-wide wait)."""
+        event = SimEvent(next(self._backward_events), SimStream(DS_REDUCE, NAMES[DS_REDUCE]))
+        self.on_record(event)
+        engine.backward_ended(event)
 
     def modelled_backward(self, engine: Any, inputs: Any, backward_sync: bool) -> ModelledBackward:
         """Backward handed to a step begun during it (``overlap="auto"``)."""
@@ -694,12 +742,11 @@ class StreamSanitizer:
         try:
             for sg in engine.sub_groups:
                 landing = self._landings.get(sg.index)
-                states = self.syncs.current_sync_states
-                if landing is not None:  # the condition variable the engine's wait blocks on
+                # The condition variable the engine's wait blocks on. A sub-group the update never released
+                # (it would wait for ever) is read unordered, so that whatever wrote it is reported.
+                if landing is not None:
                     self.syncs.stream_wait_for_event(TRAINING, landing)
                     self._log(LoggedOp("host_wait", event=landing))
-                else:  # finished by recovery after an interruption: readable once the update is over
-                    self.syncs._state_wait_for_other(states[TRAINING], states[HOST])
                 partition = inputs.lp_targets[sg.ds_group][sg.ds_offset : sg.ds_offset + sg.numel]
                 # The coordinator's all-gather, as on a GPU: its stream waits for the sub-group's landing event.
                 engine.wait_sub_groups([sg.index], gather_stream)
@@ -729,7 +776,7 @@ class ModelledBackward(GradientArrivals):
 
     def __init__(self, checker: StreamSanitizer, engine: Any, inputs: Any, backward_sync: bool) -> None:
         super().__init__()
-        self.checker, self.inputs, self.backward_sync = checker, inputs, backward_sync
+        self.checker, self.inputs, self.backward_sync, self.engine = checker, inputs, backward_sync, engine
         self.order = [sg for sg in reversed(engine.sub_groups)]
         self.reduce = SimStream(DS_REDUCE, NAMES[DS_REDUCE])
         self.events = itertools.count(-1_000_000, -1)
@@ -739,6 +786,7 @@ class ModelledBackward(GradientArrivals):
         if not self.order:
             if self.backward_sync:
                 checker.stream_synchronize(DS_REDUCE)
+            checker.end_of_backward(self.engine)
             self.end(GradientArrivals.RUN)
             return None
         sg = self.order.pop(0)
