@@ -10,10 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import pytest
 
 from lightning_dos.engine.agree import agreed_plan_inputs
 from lightning_dos.engine.calibrate import MIN_HOST_NUMEL, calibrate

@@ -144,7 +144,7 @@ class CollectiveRecorder:
             group=str(getattr(group, "group_name", "?")),
             ranks=tuple(dist.get_process_group_ranks(group)),
             thread=threading.current_thread().name,
-            in_backward=torch._C._current_graph_task_id() != -1 or _inside_backward(),
+            in_backward=torch._C._current_graph_task_id() != -1 or inside_backward(),
             origin=origin,
             where=where,
         )
@@ -177,10 +177,10 @@ def _caller() -> tuple[str, str]:
     return origin, f"{'/'.join(parts[-2:])}:{frame.f_lineno} {frame.f_code.co_name}"
 
 
-def _inside_backward() -> bool:
+def inside_backward() -> bool:
     """A ``backward`` of torch (``Tensor.backward``, ``torch.autograd.backward``) or of DeepSpeed's engine is on
     the calling thread's stack."""
-    frame = sys._getframe(2)
+    frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "backward":
             parts = Path(frame.f_code.co_filename).parts

@@ -52,7 +52,7 @@ class Record(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         adapter = trainer.strategy.dos_adapter
-        group = getattr(adapter, "process_group", None)
+        group = adapter.process_group
         self.record.update(
             setup_calls=len(RECORDER.calls),
             overlap=adapter.overlap,
