@@ -297,6 +297,11 @@ class ZeRO3Adapter:
             self._wait_before_gathers(z)
         #: The step begun during this backward (plan, inputs, step counts); None when none was.
         self._early: tuple[Plan, StepInputs, list[int]] | None = None
+        #: Under overlap="backward", the plan made before backward for the step it begins: (step, plan, prediction).
+        self._upcoming: tuple[int, Plan, float | None] | None = None
+        #: Device bytes the update may use, sampled where the device holds what it holds during the update: at each
+        #: step, after backward and before the update allocates; before the first, now (no forward has run).
+        self._budget_at_update: int | None = self.engine.device_budget()
         if self.engine.footprint.grads_on_device:
             self._watch_gradients(z)
         self._mark_backward_ends(z)
@@ -443,9 +448,17 @@ class ZeRO3Adapter:
             yield index, min(offset + numel, sg.ds_offset + sg.numel) - max(offset, sg.ds_offset)
 
     def _begin_early(self) -> None:
-        """The first gradient of the step is final: choose the plan, read the inputs, start the engine's step."""
+        """The first gradient of the step is final: take the plan made before backward, read the inputs, start the
+        engine's step."""
         self._missing = list(self._expected)
-        plan, predicted = self.next_plan()
+        upcoming, self._upcoming = self._upcoming, None
+        if upcoming is None or upcoming[0] != self.engine.steps_taken + 1:
+            # Planning here would run the planner's collectives inside backward, in an order no rank agrees on.
+            raise RuntimeError(
+                "lightning-dos: a step began during backward with no plan made before it; the framework must call "
+                "ZeRO3Adapter.before_backward before each backward"
+            )
+        _, plan, predicted = upcoming
         # No clipping and no fp16 loss scaling (backward_overlap_blocker): the unscale factor needs no norm.
         steps, inputs = self._inputs(predicted, 0.0)
         self._early = (plan, inputs, steps)
@@ -466,7 +479,17 @@ class ZeRO3Adapter:
     def before_backward(self) -> None:
         """Called on the main thread before each backward: the step may begin during it, so signals are held from
         here (on an accelerator backward's hooks run on other threads, and the main thread runs Python handlers
-        only once backward returns, inside DeepSpeed's backward, where they would cut the begun step short)."""
+        only once backward returns, inside DeepSpeed's backward, where they would cut the begun step short).
+
+        Under overlap="backward" the step's plan is made here, once per step (the first micro-batch's backward),
+        on the training thread (the previous update is over): the planner's collectives must not run inside
+        backward, where each rank reaches a gradient hook when its own buckets fill, and its re-plan holds the GIL.
+        It plans in the device memory free at the update (sampled at the previous step), not what backward's
+        activations leave free here."""
+        if self.overlap == "backward":
+            step = self.engine.steps_taken + 1
+            if self._upcoming is None or self._upcoming[0] != step:
+                self._upcoming = (step, *self._plan_now())
         if self._phases is not None:
             self._phases.backward_begins()
         # Gradients kept by an earlier backward belong to a step that was read or dropped already.
@@ -684,6 +707,19 @@ class ZeRO3Adapter:
             combined_scale = clip * z.loss_scale
         return float(1.0 / combined_scale)
 
+    @property
+    def process_group(self) -> object:
+        """DeepSpeed's data-parallel process group, where its gradients are reduced: the planner's collectives run
+        on it too, so that every rank enters one communicator in one order (None: the default group)."""
+        return getattr(self.zero, "dp_process_group", None)
+
+    def _plan_now(self) -> tuple[Plan, float | None]:
+        """The next step's plan, made in the device memory free at the update (handed to a planner that takes it)."""
+        observe = getattr(self.planner, "observe_budget", None)
+        if observe is not None:
+            observe(self._budget_at_update)
+        return self.next_plan()
+
     def next_plan(self) -> tuple[Plan, float | None]:
         if self.planner is None:
             from lightning_dos.engine.plan import all_host
@@ -713,7 +749,15 @@ class ZeRO3Adapter:
             scaled_norm = combine_grad_norm_groups(z._get_norm_groups())
             if is_invalid_grad_norm(scaled_norm):
                 z.overflow = True
-        plan, predicted = self.next_plan() if early is None else (early[0], early[1].predicted_s)
+        # Backward's activations are gone and this step's update has allocated nothing yet: the device memory free
+        # here is the update's, which the next plan made before backward (overlap="backward") is made in.
+        self._budget_at_update = self.engine.device_budget()
+        if early is not None:
+            plan, predicted = early[0], early[1].predicted_s
+        else:
+            upcoming, self._upcoming = self._upcoming, None
+            planned = upcoming is not None and upcoming[0] == self.engine.steps_taken + 1
+            plan, predicted = (upcoming[1], upcoming[2]) if planned else self._plan_now()
         if z._loss_scale_update_and_overflow_cleanup():
             # fp16 overflow, or a gradient norm that is not finite: the step is skipped on every sub-group.
             if early is None:

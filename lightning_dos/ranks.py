@@ -59,22 +59,27 @@ def _destroy_default_process_group() -> None:
             signal.signal(signal.SIGINT, previous)
 
 
-def reduce_min_over_ranks(device: torch.device) -> ReduceMin | None:
-    """Element-wise minimum over every rank of the default process group; None with a single process.
+def reduce_min_over_ranks(device: torch.device, group: object = None) -> ReduceMin | None:
+    """Element-wise minimum over every rank of ``group``; None with a single process.
+
+    Call it on the training thread, outside backward, at a point every rank reaches in the same order: ranks that
+    entered it and another communicator (DeepSpeed's) in different orders would wait for each other for ever.
 
     Args:
         device: this rank's device; NCCL reduces tensors on it, other backends (gloo) reduce host tensors.
+        group: the process group (None: the default one). Once DeepSpeed runs, the strategy passes its data-parallel
+            group, whose collectives (the gradients' reduce-scatters) then share one communicator with these.
     """
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() <= 1:
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) <= 1:
         return None
-    where = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    where = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
     def reduce_min(values: list[float]) -> list[float]:
         # float64 holds every size and byte count exactly (below 2**53) and infinity for "no limit".
         tensor = torch.tensor(values, dtype=torch.float64, device=where)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
         return tensor.tolist()  # waits for the collective on every backend
 
     return reduce_min

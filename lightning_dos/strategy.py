@@ -583,8 +583,10 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             self.fraction,
             self.dos_adapter.engine,
             calibrate=lambda device: calibrated.agreed if calibrated else _calibrated_rates(device, numel),
-            # "auto" plans from inputs agreed by every rank, so all ranks run the same plan.
-            reduce_min=reduce_min_over_ranks(self.root_device),
+            # "auto" plans from inputs agreed by every rank, so all ranks run the same plan; on DeepSpeed's
+            # data-parallel group, where its own collectives run (the adapter plans on the training thread, outside
+            # backward, at points every rank reaches in the same order).
+            reduce_min=reduce_min_over_ranks(self.root_device, adapter.process_group),
             # What the plan minimises: the update alone, or the iteration it overlaps.
             overlap={"off": "off", "forward": "forward", "backward": "auto"}[adapter.overlap],
         )

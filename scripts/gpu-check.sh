@@ -15,6 +15,9 @@
 #                against stock offload are bench-1b/3b's peak-GPU column)
 #   startup-memory  bench/memory.py --accelerator cuda: on the GPU, start-up's host peak (registration faults in
 #                the slabs' pages) beside the pre-flight figure, ours and stock; fails above 1.1x the figure
+#   threads      tests/jobs/gpu_threads.py: the update's thread selects the engine's GPU before any stream operation
+#                (no CUDA context on a GPU the process does not use; with one GPU only the call is checked), and
+#                overlap="auto" plans in the memory free at the step, not what backward's activations leave
 # Python: .venv/bin/python if there is one, else $PYTHON or python3: on the GPU machine its own torch (a CUDA
 # torch wheel cannot be carried there), under which tests that pin this project's torch internals skip by name
 # (tests/conftest.py, PINNED_TORCH_TESTS). On a bare GPU machine that reaches no registry, ship the missing
@@ -41,7 +44,7 @@ if [ -n "$missing" ]; then
   exit 2
 fi
 
-all_steps=(cuda-tests cpu-tests-1 cpu-tests-2 cpu-tests-3 calibrate bench-1b bench-3b memory startup-memory)
+all_steps=(cuda-tests cpu-tests-1 cpu-tests-2 cpu-tests-3 calibrate bench-1b bench-3b memory startup-memory threads)
 # The CPU pass in three parts of a few minutes each on 16 cores; part 3 is every file not named in 1 or 2.
 cpu_part1=(test_equivalence test_engine_behaviour test_atomic_training test_stream_sanitizer)
 cpu_part2=(test_monitor test_reliability test_cli test_evaluation test_recipes test_device_memory test_resources
@@ -113,6 +116,12 @@ for step in "${steps[@]}"; do
       grep -E '^(#|\||start-up)' "$out/startup-memory.txt" > "$out/startup-memory-table.txt"
       section "bench/memory.py --accelerator cuda (start-up host peak against the pre-flight figure)" \
         "$out/startup-memory-table.txt" ;;
+    threads)
+      for part in binding budget; do
+        run_logged "$out/threads-$part.txt" env DS_ACCELERATOR=cuda timeout 280 $py tests/jobs/gpu_threads.py "$part"
+      done
+      grep -hvE '^(\[|INFO|WARNING|Seed set)' "$out/threads-binding.txt" "$out/threads-budget.txt" > "$out/threads-summary.txt"
+      section "update thread's device and auto's plan budget (tests/jobs/gpu_threads.py)" "$out/threads-summary.txt" ;;
   esac
 done
 echo "gpu-check: tables appended to bench/RESULTS.md; logs in $out"

@@ -110,3 +110,13 @@ def test_the_cuda_tests_collect_and_skip_cleanly_without_a_gpu() -> None:
     )
     assert done.returncode == 0, done.stdout[-3000:]
     assert " skipped" in done.stdout and "passed" not in done.stdout and "error" not in done.stdout.lower()
+
+
+def test_the_threads_step_runs_a_job_that_compiles_with_both_of_its_checks() -> None:
+    """``gpu-check.sh threads`` cannot run here; its job must at least compile and name the checks the step runs."""
+    script = SCRIPT.read_text()
+    job = ROOT / "tests" / "jobs" / "gpu_threads.py"
+    assert "tests/jobs/gpu_threads.py" in script and "for part in binding budget" in script
+    source = job.read_text()
+    compile(source, str(job), "exec")
+    assert 'check_binding() if what == "binding" else check_budget()' in source

@@ -29,6 +29,7 @@ from lightning_dos.engine.plan import Place, Plan
 from lightning_dos.engine.scheduler import PlacementScheduler
 from lightning_dos.errors import DOSConfigError
 from lightning_dos.profiles import load_profile
+from lightning_dos.sim.collectives import inside_backward
 from tests.helpers import RandomPlacement, TinyLM, full_parameters, loader, trainer
 
 SUB_GROUP = 700
@@ -388,7 +389,7 @@ def test_auto_placement_measures_forward_and_backward_and_plans_the_whole_iterat
     assert forward_s > 0 and backward_s > 0 and scheduler.phases == (forward_s, backward_s)
     assert not any(model.in_flight[2:4]), "the timed iteration's micro-batches began with no update in flight"
     # Plans are made at step 1, when the phases arrive (step 2 under "forward", whose plan is chosen at the step;
-    # step 3 under "auto", whose plan is chosen during backward), and again whenever prediction and measurement
+    # step 3 under "auto", whose plan is chosen before its backward), and again whenever prediction and measurement
     # drift apart (this CPU is no paper node).
     first = 2 if overlap == "forward" else 3
     steps = [step for step, *_ in scheduler.replans]
@@ -404,3 +405,61 @@ def test_auto_placement_measures_forward_and_backward_and_plans_the_whole_iterat
     assert [engine.report_number(n).predicted_iteration_s for n in range(1, first)] == [None] * (first - 1)
     assert engine.report_number(first).predicted_iteration_s == scheduler.predictions[steps.index(first)] > 0
     assert any(plan != update_plan for _, update_plan, plan, _, _ in scheduler.replans[1:]), "no iteration plan"
+
+
+class _ActivationsOnTheDevice(L.Callback):
+    """A device with FREE bytes free, less ACTIVATIONS from each forward's start to the end of its backward (what
+    ``torch.cuda.mem_get_info`` would say, through the engine's ``device_budget``)."""
+
+    FREE, ACTIVATIONS = 64 << 20, 48 << 20
+
+    def __init__(self) -> None:
+        self.live = False
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.strategy.dos_engine.device_budget = lambda: self.FREE - (self.ACTIVATIONS if self.live else 0)
+
+    def on_train_batch_start(self, *args: object) -> None:
+        self.live = True
+
+    def on_after_backward(self, *args: object) -> None:
+        self.live = False
+
+
+class _RecordsWherePlanned(_PlansAsOnTheNode):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        #: (step, device budget planned in, inside backward, thread) of every re-plan.
+        self.where: list[tuple[int, int | None, bool, str]] = []
+
+    def _replan(self, step: int) -> None:
+        super()._replan(step)
+        self.where.append((step, self.budget_bytes, inside_backward(), threading.current_thread().name))
+
+
+class _OnTheNodeRecordingPlans(_OnTheNode):
+    def _on_optimizer_ready(self, ds_optimizer: object) -> None:
+        super()._on_optimizer_ready(ds_optimizer)
+        s = self.dos_scheduler
+        self.dos_scheduler = _RecordsWherePlanned(s.spec, s.engine, s._calibrate, overlap=s.overlap)
+        self.dos_adapter.planner = self.dos_scheduler
+
+
+@pytest.mark.parametrize("overlap", ["auto", "forward"])
+def test_plans_are_made_on_the_training_thread_outside_backward_in_the_memory_free_at_the_update(overlap: str) -> None:
+    """Under "auto" the step begins during backward, but its plan is made before backward, on the training thread,
+    in the device memory free at the update (sampled at the previous step, after backward), not what backward's
+    activations leave free: the update may only shrink a plan, so a plan made inside backward would use less of the
+    device than "forward" does."""
+    L.seed_everything(0, verbose=False)
+    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    ours = _OnTheNodeRecordingPlans(gpu_fraction="auto", sub_group_size=SUB_GROUP, overlap=overlap, config=config)
+    device = _ActivationsOnTheDevice()
+    run = trainer(ours, steps=5, accumulate_grad_batches=2, gradient_clip_val=None, callbacks=[device])
+    run.fit(TinyLM(), loader())
+    where = ours.dos_scheduler.where
+    assert [step for step, *_ in where][:2] == [1, 2 if overlap == "forward" else 3], where
+    assert all(thread == "MainThread" and not backward for _, _, backward, thread in where), where
+    # From step 2 on every plan was made in the budget of the update (step 1's, under "auto", in that sampled
+    # before any forward, with no limit on a CPU device).
+    assert [budget for step, budget, *_ in where if step > 1] == [device.FREE] * (len(where) - 1), where

@@ -1,5 +1,6 @@
 """Ranks calibrate and plan together, over a real two-process gloo group (the Trainer runs are in
-tests/test_reliability.py, through tests/jobs/train_ranks.py)."""
+tests/test_reliability.py, through tests/jobs/train_ranks.py), and enter the same collectives in the same order
+(tests/jobs/collectives_ranks.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -17,6 +19,7 @@ from lightning_dos.engine.agree import agreed_plan_inputs
 from lightning_dos.engine.calibrate import MIN_HOST_NUMEL, calibrate
 from lightning_dos.engine.perfmodel import HardwareRates
 from lightning_dos.ranks import calibrate_together, reduce_min_over_ranks
+from lightning_dos.sim.collectives import CollectiveRecorder, per_thread
 from tests.helpers import clean_env
 
 LATE_S = 2.0
@@ -68,3 +71,36 @@ def test_the_process_group_is_destroyed_at_exit_before_the_interpreter_ends() ->
     assert "process group destroyed before the interpreter ends: True" in done.stdout, done.stdout + done.stderr[-2000:]
     assert done.returncode == 0, done.stderr[-2000:]
     assert "terminate called" not in done.stderr
+
+
+@pytest.mark.parametrize("overlap", ["auto", "forward"])
+def test_ranks_enter_the_same_collectives_in_the_same_order_none_from_backward_or_the_update_thread(
+    tmp_path: Path, overlap: str
+) -> None:
+    """Two ranks train with gpu_fraction="auto" (planned as on an accelerator: together at step 1, when forward and
+    backward are measured, and at the drift check of step 10), every collective recorded. Each thread's sequence of
+    (process group, op, caller) must be the same on both ranks; lightning-dos' own collectives run on the training
+    thread, outside backward (where a rank reaches a gradient hook whenever its buckets fill), on DeepSpeed's
+    data-parallel group (the communicator of its reduce-scatters); nothing is issued from the update's thread."""
+    job = Path(__file__).parent / "jobs" / "collectives_ranks.py"
+    out = tmp_path / "ranks"
+    done = subprocess.run(
+        [sys.executable, str(job), "2", overlap, str(out)], env=clean_env(), capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    calls = [CollectiveRecorder.load(f"{out}.rank{r}.json") for r in range(2)]
+    meta = [json.loads(Path(f"{out}.rank{r}.meta.json").read_text()) for r in range(2)]
+    assert meta[0]["overlap"] == {"auto": "backward", "forward": "forward"}[overlap]
+    if overlap == "auto":
+        assert sum(meta[0]["early"]) > 0, "host sub-groups were updated during backward"
+    assert per_thread(calls[0]) == per_thread(calls[1]), "the ranks entered collectives in different orders"
+    for rank, (mine, info) in enumerate(zip(calls, meta, strict=True)):
+        ours = [c for c in mine[info["setup_calls"] :] if c.origin == "lightning_dos"]
+        # Step 1's agreement of the plan's inputs, the phases at step 3, the drift check at step 10.
+        assert len(ours) >= 3, ours
+        inside = [c for c in ours if c.in_backward]
+        assert inside == [], f"rank {rank}: collectives issued from backward: {inside}"
+        assert any(c.in_backward for c in mine if c.origin == "deepspeed"), "DeepSpeed reduces inside backward"
+        assert {c.group for c in ours} == {info["dp_group"]}, f"rank {rank}: not on DeepSpeed's group: {ours}"
+        off_thread = [c for c in mine if c.thread != "MainThread"]
+        assert off_thread == [], f"rank {rank}: collectives issued off the training thread: {off_thread}"

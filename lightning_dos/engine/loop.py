@@ -219,6 +219,9 @@ class InterleavedUpdate:
             try:
                 with self.guard.updating():
                     holding.release()
+                    # A new thread's current device is device 0, not the engine's: select it before any stream
+                    # operation (leaving a stream context would otherwise make a CUDA context on GPU 0).
+                    self.streams.bind_thread()
                     work()
             except BaseException as error:  # noqa: BLE001 - raised on the caller's thread by wait_all
                 self._background_error = error

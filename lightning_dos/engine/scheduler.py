@@ -16,7 +16,12 @@
 With several ranks (a ``reduce_min`` given), "auto" plans together: every rank plans at the same steps from
 the same inputs (:func:`~lightning_dos.engine.agree.agreed_plan_inputs`), so all run the same plan. Drift seen
 by any rank is agreed on every :data:`DRIFT_CHECK_EVERY` steps rather than acted on alone: a re-plan is a
-collective, which every rank must enter at the same step.
+collective, which every rank must enter at the same step. The framework calls the scheduler on its training
+thread, never from an autograd hook, at a point every rank reaches in the same order.
+
+The device budget a plan is made in is the memory free *at the update* (backward's activations gone, the update's
+buffers not yet allocated), which the update may only shrink: the framework samples it there and hands it over
+(:meth:`PlacementScheduler.observe_budget`) when it plans elsewhere (under ``overlap="auto"``, before backward).
 
 Every mode gets a prediction when rates are known, so the monitor can put it beside the measurement.
 """
@@ -78,6 +83,10 @@ class PlacementScheduler:
         self._calibrate = calibrate
         self._reduce_min = reduce_min
         self._drifted = False  # seen here, not yet agreed with the other ranks
+        #: The device budget handed over by :meth:`observe_budget` (a 1-tuple; None: sample the device when planning).
+        self._budget: tuple[int | None] | None = None
+        #: The (agreed) device budget the plan in force was made in; None: no limit, or no plan made yet.
+        self.budget_bytes: int | None = None
         self.estimator: RateEstimator | None = None
         self._plan: Plan | None = None
         self._planned_at = 0
@@ -110,6 +119,12 @@ class PlacementScheduler:
         observe at the same step (they plan together), so a rank that could not measure passes zeros: the ranks
         plan with the largest times any of them measured."""
         self._new_phases = (max(0.0, float(forward_s)), max(0.0, float(backward_s)))
+
+    def observe_budget(self, budget: int | None) -> None:
+        """Device bytes the update may use (:meth:`~lightning_dos.engine.loop.InterleavedUpdate.device_budget`),
+        sampled by the framework where the device holds what it holds during the update; re-plans use it from now
+        on instead of sampling the device where they run (None: no limit)."""
+        self._budget = (budget,)
 
     def _ensure_rates(self) -> HardwareRates:
         if self.estimator is None:
@@ -149,11 +164,12 @@ class PlacementScheduler:
 
     def _replan(self, step: int) -> None:
         rates = self._ensure_rates()
-        budget = self.engine.device_budget()
+        budget = self._budget[0] if self._budget is not None else self.engine.device_budget()
         sizes = list(self.engine.sizes)
         if self._reduce_min is not None:
             # The same inputs on every rank, hence the same plan (choose_plan is deterministic).
             sizes, budget, rates = agreed_plan_inputs(sizes, budget, rates, self._reduce_min)
+        self.budget_bytes = budget
         self._drifted = False
         # Resident state stays on the device through forward and backward too, so it is only planned inside a
         # budget the user set; memory that is free at update time (activations gone) is for staging alone.

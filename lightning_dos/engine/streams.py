@@ -20,6 +20,11 @@ The engine issues every operation as ``with streams.lane(lane, sub_group, nbytes
 call switches streams, records the operation's span for the monitor's timeline, and tells a simulation
 which operation is being issued, so the engine's loop reads as the algorithm alone.
 
+A thread that issues work (the engine's update runs on a thread of its own under overlap) first calls
+:meth:`Streams.bind_thread`: a new thread's current CUDA device is device 0, and leaving ``torch.cuda.stream(s)``
+restores device 0's current stream, which creates a CUDA context on GPU 0 in a process whose GPU is another (about
+0.5 GB on GPU 0 per rank; an error on a GPU in EXCLUSIVE_PROCESS mode).
+
 Whether the engine stages its 16-bit uploads in pinned host memory is :attr:`Streams.is_async`, a
 property of the streams object, not of the device type, so a simulated accelerator takes the same
 path as CUDA.
@@ -68,6 +73,10 @@ class Streams:
         return default_registrar()
 
     # -- issuing work: one operation of one lane at a time ------------------------------------------
+
+    def bind_thread(self) -> None:
+        """Select ``device`` as the calling thread's current device, before the thread issues any stream operation
+        (nothing to select when synchronous)."""
 
     def start_timeline(self, enabled: bool) -> None:
         """Start this step's timeline; with ``enabled`` False nothing is recorded (no extra events)."""
@@ -184,6 +193,9 @@ class CudaStreams(Streams):
         self.lp_h2d = torch.cuda.Stream(device)
         self.d2h = torch.cuda.Stream(device)
         self.update = torch.cuda.Stream(device)
+
+    def bind_thread(self) -> None:
+        torch.cuda.set_device(self.device)
 
     @property
     def compute(self) -> torch.cuda.Stream:

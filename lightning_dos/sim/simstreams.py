@@ -11,6 +11,15 @@ by phase (forward, backward, update, between steps, named by
 :class:`~lightning_dos.sim.iteration.IterationMemory` under a Trainer): the update window alone cannot
 show memory held into the next forward.
 
+Threads. On a GPU a stream or an event belongs to a device, and a CUDA call made from a thread that never
+selected that device runs against device 0 (a new thread's current device): on a machine whose every rank shares
+its GPUs that creates a context on GPU 0 in every rank. So the simulation keeps, per thread, whether it has bound
+the engine's device (:meth:`SimStreams.bind_thread`, which on CUDA is ``torch.cuda.set_device``), and a stream
+operation (switching streams, recording, waiting for an event, synchronising the device, allocating device memory)
+from a thread that has not is an error (:class:`UnboundThreadError`, also listed in :attr:`SimStreams.unbound`).
+The thread that builds the streams is taken as bound: the framework selected the device there before building the
+engine (Lightning's accelerator ``setup_device``).
+
 Never chosen automatically: a test or tool passes it to the engine (``streams=``) or to the strategy
 (``streams_factory=``).
 """
@@ -103,6 +112,10 @@ class DeviceMemoryAccount:
         self.held_bytes -= nbytes
 
 
+class UnboundThreadError(RuntimeError):
+    """A stream operation from a thread that has not bound the engine's device (:meth:`SimStreams.bind_thread`)."""
+
+
 class StreamListener(Protocol):
     """What a checker hears from :class:`SimStreams` (every method is called synchronously)."""
 
@@ -151,6 +164,29 @@ class SimStreams(Streams):
         self.allocated_bytes = 0
         #: The same, phase by phase of the iteration.
         self.memory = DeviceMemoryAccount()
+        self._threads = threading.local()
+        #: Every stream operation issued from a thread that had not bound the device: what, and from which thread.
+        self.unbound: list[str] = []
+        #: The names of the threads that issued stream operations (bound or not).
+        self.issuers: set[str] = set()
+        self.bind_thread()  # the framework's thread, which selected the device before building the engine
+
+    def bind_thread(self) -> None:
+        """The calling thread selects the engine's device (``torch.cuda.set_device`` on CUDA)."""
+        self._threads.bound = True
+
+    def _require_bound(self, what: str) -> None:
+        """Refuse a stream operation from a thread that never bound the device, as CUDA would misplace it."""
+        thread = threading.current_thread().name
+        self.issuers.add(thread)
+        if getattr(self._threads, "bound", False):
+            return
+        message = (
+            f"simulated accelerator: {what} from thread {thread!r}, which never bound the engine's device "
+            f"({self.device}); on CUDA it would run against device 0 (bind it first: Streams.bind_thread)"
+        )
+        self.unbound.append(message)
+        raise UnboundThreadError(message)
 
     def host_registrar(self) -> hostslab.Registrar | None:
         """Faults in every page it registers, as ``cudaHostRegister`` does, so host memory on the simulated
@@ -228,6 +264,7 @@ class SimStreams(Streams):
         if stream is None:
             yield
             return
+        self._require_bound(f"switching to the {stream.name} stream")
         self._current.append(stream)
         try:
             yield
@@ -237,20 +274,26 @@ class SimStreams(Streams):
     def record(self, stream: SimStream | None) -> SimEvent | None:
         if stream is None:
             return None
+        self._require_bound(f"recording an event on the {stream.name} stream")
         event = SimEvent(next(self._event_ids), stream)
         if self.listener is not None:
             self.listener.on_record(event)
         return event
 
     def wait(self, stream: SimStream | None, event: SimEvent | None) -> None:
-        if stream is not None and event is not None and self.listener is not None:
-            self.listener.on_wait(stream, event)
+        if stream is not None and event is not None:
+            self._require_bound(f"making the {stream.name} stream wait for an event")
+            if self.listener is not None:
+                self.listener.on_wait(stream, event)
 
     def host_wait(self, event: SimEvent | None) -> None:
-        if event is not None and self.listener is not None:
-            self.listener.on_host_wait(event)
+        if event is not None:
+            self._require_bound(f"waiting on the host for an event of the {event.stream.name} stream")
+            if self.listener is not None:
+                self.listener.on_host_wait(event)
 
     def device_synchronize(self) -> None:
+        self._require_bound("synchronising the device")
         if self.listener is not None:
             self.listener.on_device_synchronize()
 
@@ -261,6 +304,7 @@ class SimStreams(Streams):
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Device memory: a CPU tensor the listener knows as device memory, freed when it is dropped."""
+        self._require_bound("allocating device memory")
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if self.memory_limit is not None and self.allocated_bytes + nbytes > self.memory_limit:
             raise torch.OutOfMemoryError(
