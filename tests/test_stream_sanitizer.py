@@ -237,14 +237,16 @@ PLAN_SCENARIOS = [
 
 @pytest.mark.parametrize("case", [c for c in CASES if c != "adam-fp32"])
 @pytest.mark.parametrize("scenario", PLAN_SCENARIOS, ids=[s.name for s in PLAN_SCENARIOS])
-def test_every_rule_and_dtype_is_race_free_and_any_placement_matches_the_host_to_the_bit_but_adams_tails(
+def test_every_rule_and_dtype_is_race_free_and_any_placement_matches_the_host_to_the_bit_but_where_kernels_round(
     scenario: Scenario, case: str
 ) -> None:
     """The simulated accelerator runs the device's formula (the rule's torch formula) on its device sub-groups and
-    the host's compiled kernel on the others. Adagrad and Lion: the two agree on every element (as
+    the host's compiled kernel on the others. Adagrad: the two agree on every element (as
     tests/test_native_rules.py pins), so any placement gives the all-host bits. Adam: torch's fused CPU kernel
     rounds its scalar tail (the last ``numel % 16`` elements of each call) differently from its vector body, which
-    the compiled kernel follows; the host's bits everywhere else, float precision there."""
+    the compiled kernel follows; the host's bits everywhere else, float precision there. Lion: the host kernel
+    rounds as DeepSpeed's CPU Lion does (fused multiply-adds), the device formula rounds each product as torch's
+    kernels (and CUDA's) do: every sub-group that was on the device agrees to float precision, the rest to the bit."""
     checker, _, engine = run(scenario, case=case)
     checker.check()
     all_host = Scenario(
@@ -258,14 +260,18 @@ def test_every_rule_and_dtype_is_race_free_and_any_placement_matches_the_host_to
     assert engine.pool.param.dtype == master_dtype and len(engine.pool.states) == len(rule.states)
     assert all(state.dtype == state_dtype for state in engine.pool.states)
     tails = torch.zeros(engine.pool.param.numel(), dtype=torch.bool)
-    if rule is ADAM:
-        on_device = {i for step in scenario.steps for i, place in enumerate(step.places) if place != H}
-        for sg in (engine.sub_groups[i] for i in on_device):
-            end = sg.slab_offset + sg.numel
+    on_device = {i for step in scenario.steps for i, place in enumerate(step.places) if place != H}
+    for sg in (engine.sub_groups[i] for i in on_device):
+        end = sg.slab_offset + sg.numel
+        if rule is ADAM:
             tails[end - sg.numel % 16 : end] = True
+        elif rule is LION:
+            tails[sg.slab_offset : end] = True
     for ours, theirs in zip((engine.pool.param, *engine.pool.states), (twin.pool.param, *twin.pool.states)):
         assert torch.equal(ours[~tails], theirs[~tails]), f"{scenario.name}, {case}"
-        torch.testing.assert_close(ours[tails], theirs[tails], rtol=1e-6, atol=0, msg=f"{scenario.name}, {case}")
+        # Lion's last bits differ anywhere in a device sub-group (a few ulps of values near 1: 1.2e-7 measured).
+        atol = 1e-6 if rule is LION else 0.0
+        torch.testing.assert_close(ours[tails], theirs[tails], rtol=1e-6, atol=atol, msg=f"{scenario.name}, {case}")
 
 
 def test_the_lp_h2d_branch_runs_and_its_upload_is_what_the_next_forward_reads() -> None:
