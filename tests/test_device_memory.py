@@ -8,6 +8,7 @@ buffers must be gone before the next forward; only resident state, planned insid
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 
@@ -17,12 +18,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_dos import DeepOptimizerStatesStrategy
+from lightning_dos.engine import loop as loop_module
 from lightning_dos.engine.kernels import torch_update
 from lightning_dos.engine.perfmodel import device_bytes
 from lightning_dos.engine.plan import Place, Plan
 from lightning_dos.engine.pool import STAGING_BYTES_PER_ELEMENT
 from lightning_dos.engine.update_rules import RULES, Footprint, Hyper
-from lightning_dos.sim.iteration import BACKWARD, BETWEEN, FORWARD, UPDATE, IterationMemory
+from lightning_dos.sim.iteration import BACKWARD, BETWEEN, FORWARD, UPDATE, IterationMemory, ModelMemory
 from lightning_dos.sim.simstreams import SimStreams
 from tests.helpers import TinyLM, full_parameters, loader, max_relative_error, trainer
 
@@ -205,3 +207,60 @@ def test_the_plan_counts_the_temporaries_of_the_device_update_formula(rule: str,
         # A few scalars (0-d tensors) beside the per-element temporaries.
         assert measured <= counted + 256, (rule, dtypes, inv_grad_scale, measured / n, counted / n)
     assert counted <= max(measured, 256) + 4 * n, "and not counted far above what is measured"
+
+
+#: Device bytes of the simulated accelerator in the iteration test: the model's forward/backward peak (~149 KB) and
+#: a few staging buffers.
+CAPACITY = 400_000
+
+
+def test_over_the_iteration_the_engine_never_raises_the_device_peak_above_overlap_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Memory over the iteration (issue 32): the simulated device's account holds the model's own bytes (activations
+    recorded as autograd saves them, ZeRO-3's gathered parameters modelled) beside the engine's, in a device of
+    ``CAPACITY`` bytes the engine plans from. With the defaults (no budget), under every overlap mode, the
+    iteration's device peak is no higher than with ``overlap="off"``, and the most the engine holds at once (staging
+    and its kernels' temporaries, on the device's torch formula) is inside what its plan counted.
+
+    Lion (12 bytes of temporaries per element); device sub-groups run ``kernels.torch_update``, as on a GPU."""
+    monkeypatch.setattr(loop_module, "apply_update", torch_update)
+    peaks, engines = {}, {}
+    for overlap in ("off", "forward", "auto"):
+        L.seed_everything(0, verbose=False)
+        strategy = DeepOptimizerStatesStrategy(
+            gpu_fraction=0.5, streams_factory=functools.partial(SimStreams, capacity=CAPACITY), overlap=overlap
+        )
+        memory = IterationMemory()
+        trainer(strategy, steps=STEPS, callbacks=[ModelMemory(), memory], clip=None).fit(
+            TinyLM(optimizer="ds_lion"), loader()
+        )
+        engine = engines[overlap] = strategy.dos_engine
+        reports = [engine.report_number(n) for n in range(1, engine.reports_issued + 1)]
+        planned = max(engine.device_bytes(r.plan, r.plan.device_buffers) for r in reports)
+        held = max(p.peak_bytes for p in memory.phases())
+        assert all(r.plan.streamed_indices and not r.fallback_host for r in reports), overlap
+        staging = max(r.device_staging_bytes for r in reports)
+        assert engine.footprint.temporaries == 12 and planned > staging > 0, "the plan counts temporaries beside it"
+        # A few 0-d tensors (the step count) beside the per-element temporaries.
+        assert held <= planned + 256, (overlap, held, planned)
+        assert memory.iteration_peak() <= CAPACITY and engine.streams.memory.model_bytes == 0
+        peaks[overlap] = memory.iteration_peak()
+    assert engines["auto"].overlapping and engines["auto"].forward_backward_peak is not None
+    assert peaks["forward"] <= peaks["off"] and peaks["auto"] <= peaks["off"], peaks
+
+
+def test_under_overlap_the_update_is_sized_within_what_was_spare_at_the_forward_backward_peak() -> None:
+    """With no budget, the update's device budget is what is free now, less 10%; when it overlaps the next forward
+    (where its staging may still be allocated while activations grow), no more than what was spare at the last
+    forward/backward peak, less 10%; and the plan is trimmed to it."""
+    streams = SimStreams(torch.device("cpu"), capacity=100_000)
+    engine = loop_module.InterleavedUpdate([4000], [0], 1000, torch.device("cpu"), torch.float32, streams=streams)
+    streams.memory.model_allocated(10_000)  # what the model still holds after backward (its parameters)
+    assert engine.device_budget() == int(90_000 * 0.9)
+    engine.forward_backward_peak = 70_000
+    assert engine.device_budget() == int(90_000 * 0.9), "overlap off: the peak does not matter"
+    engine.overlapping = True
+    assert engine.device_budget() == int(30_000 * 0.9)
+    plan = engine.fit_to_budget(Plan((Place.DEVICE,) * 4, 4), engine.device_budget())
+    assert engine.device_bytes(plan, plan.device_buffers) <= 27_000 and plan.device_buffers == 1, plan

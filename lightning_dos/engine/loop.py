@@ -66,8 +66,9 @@ class InterleavedUpdate:
         gpu_memory_budget: bytes of device memory the engine may hold at any point of the iteration: resident
             state (kept through forward and backward) plus, during the update, its streaming buffers; so it is
             memory spare at the forward/backward peak. None: the update's streaming buffers are sized from the
-            memory free at its start, less a 10% margin, and freed at its end. Streaming buffers are never
-            held between updates.
+            memory free at its start (and, with :attr:`overlapping`, from what was spare at the last forward/backward
+            peak), less a 10% margin, and freed once its device side is issued. Streaming buffers are never held
+            between updates.
         streams: the streams all asynchronous work is issued through; None picks the real ones for
             ``device`` (CUDA streams on a GPU, synchronous no-ops on CPU). Tests and tools pass a simulated
             accelerator (``lightning_dos.sim``) here; it must be for ``device``.

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_dos.engine.streams import Streams
 
@@ -145,6 +146,25 @@ class DeviceMemoryAccount:
             self.peak_since_reset = self.total_bytes
 
 
+class _DeviceTemporaries(TorchDispatchMode):
+    """Counts every tensor an op allocates (a result that aliases no input) on ``account`` until it is dropped: the
+    temporaries of a kernel on the simulated device (this thread's ops only: dispatch modes are per thread)."""
+
+    def __init__(self, account: DeviceMemoryAccount) -> None:
+        super().__init__()
+        self.account = account
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        returns = func._schema.returns
+        for result, value in zip(returns, (out,) if len(returns) == 1 else (out or ()), strict=False):
+            if result.alias_info is None and isinstance(value, torch.Tensor):
+                nbytes = value.untyped_storage().nbytes()
+                self.account.allocated(nbytes)
+                weakref.finalize(value, self.account.freed, nbytes)
+        return out
+
+
 class StreamListener(Protocol):
     """What a checker hears from :class:`SimStreams` (every method is called synchronously)."""
 
@@ -202,11 +222,17 @@ class SimStreams(Streams):
 
     @contextlib.contextmanager
     def lane(self, lane: str, sub_group: int, nbytes: int, stream: SimStream | None = None) -> Iterator[None]:
-        """As the base class; the operation's lane and sub-group are known to the checker meanwhile."""
+        """As the base class; the operation's lane and sub-group are known to the checker meanwhile. Work issued on
+        the engine's compute stream allocates device memory: what its kernels allocate (an update formula's
+        temporaries) is counted on the device account until it is freed."""
         self.operations.append((lane, sub_group))
         try:
             with super().lane(lane, sub_group, nbytes, stream):
-                yield
+                if stream is self.update:
+                    with _DeviceTemporaries(self.memory):
+                        yield
+                else:
+                    yield
         finally:
             self.operations.pop()
 
