@@ -210,7 +210,8 @@ def test_each_rule_and_dtype_moves_and_holds_its_own_bytes_per_element() -> None
         assert p.d2h_bytes == 2 * 1000 * down, footprint
         # One resident sub-group and two staging buffers on the device, and one sub-group's temporaries.
         assert footprint.temporaries == temporaries, footprint
-        assert p.peak_device_bytes == device_bytes(sizes, plan, footprint=footprint) == 1000 * (3 * device + temporaries)
+        expected_device = 1000 * (3 * device + temporaries)
+        assert p.peak_device_bytes == device_bytes(sizes, plan, footprint=footprint) == expected_device
     # The default is Adam in fp32, positionally as the engine's loop calls it.
     assert predict(sizes, plan, GPU, 2, False) == predict(sizes, plan, GPU, 2, False, footprint=ADAM_FP32)
 
