@@ -81,7 +81,9 @@ def test_with_the_default_overlap_only_the_update_in_flight_holds_its_streaming_
     # The staging an update holds, from its own reports (under overlap it may be allocated after the step returned).
     staging = max(engine.report_number(n).device_staging_bytes for n in range(1, engine.reports_issued + 1))
     assert staging >= STAGING_BYTES_PER_ELEMENT * max(engine.sizes), "the updates streamed"
-    assert memory.held_outside_updates() <= staging, [(p.name, p.peak_bytes) for p in memory.phases()]
+    # Its kernels' temporaries (none for fused AdamW in fp32) and 0-d step counts are device memory too.
+    in_flight = staging + engine.footprint.temporaries * max(engine.sizes) + 64
+    assert memory.held_outside_updates() <= in_flight, [(p.name, p.peak_bytes) for p in memory.phases()]
     assert strategy.dos_engine.pool.staging_allocations == STEPS and not strategy.dos_engine.resident
     assert strategy.dos_engine.streams.memory.held_bytes == 0, "nothing is held once training is over"
 
