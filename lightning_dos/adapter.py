@@ -280,6 +280,11 @@ class ZeRO3Adapter:
         self._steps_called = 0
         #: This iteration's forward and backward marks, when it is measured for the planner.
         self._phases: IterationPhases | None = None
+        # Under overlap the update's staging may be allocated beside the next forward: the engine sizes it within
+        # what is spare at the forward/backward peak, which is measured every iteration (_measure_peak).
+        self.engine.overlapping = overlap != "off"
+        self._peak_window = False
+        self._peak = 0
         #: SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 arriving during an update are held until :meth:`deliver`.
         self.signals = SignalHold()
         #: Deliver held signals (and raise what interrupted the update) at the end of :meth:`step`. A
@@ -451,6 +456,7 @@ class ZeRO3Adapter:
         """The first gradient of the step is final: take the plan made before backward, read the inputs, start the
         engine's step."""
         self._missing = list(self._expected)
+        self._measure_peak()
         upcoming, self._upcoming = self._upcoming, None
         if upcoming is None or upcoming[0] != self.engine.steps_taken + 1:
             # Planning here would run the planner's collectives inside backward, in an order no rank agrees on.
@@ -465,10 +471,31 @@ class ZeRO3Adapter:
         self.signals.hold()  # the update has begun (a no-op off the main thread: see before_backward)
         self.engine.begin_early(lambda arrivals: self._apply(plan, inputs, steps, arrivals))
 
+    def _measure_peak(self, begins: bool = False) -> None:
+        """Under overlap, the most device memory held at once over this iteration's forwards and backwards (an
+        accumulation's micro-batches together), handed to the engine as it is read (``forward_backward_peak``): the
+        window opens at the first forward after a step (``begins``) and is read before and after each backward and
+        at the step. On a GPU, ``torch.cuda.max_memory_allocated`` since a reset there (DOSMonitor resets it only at
+        the batch's start and before backward, so each read still covers what came since the last)."""
+        if self.overlap == "off":
+            return
+        streams = self.engine.streams
+        if begins:
+            if not self._peak_window:
+                streams.reset_peak()
+                self._peak_window, self._peak = True, 0
+            return
+        if self._peak_window:
+            peak = streams.peak_allocated()
+            if peak is not None:
+                self._peak = max(self._peak, peak)
+                self.engine.forward_backward_peak = self._peak
+
     def forward_begins(self) -> None:
         """Called on the main thread as each training forward begins. In an iteration measured for the planner
         (see :data:`MEASURE_PHASES_EVERY`), the update in flight is waited for first, so that the forward's time
         is its own."""
+        self._measure_peak(begins=True)
         if not getattr(self.planner, "wants_phases", False) or self._steps_called % MEASURE_PHASES_EVERY != 1:
             return
         if self._phases is None:
@@ -486,6 +513,7 @@ class ZeRO3Adapter:
         backward, where each rank reaches a gradient hook when its own buckets fill, and its re-plan holds the GIL.
         It plans in the device memory free at the update (sampled at the previous step), not what backward's
         activations leave free here."""
+        self._measure_peak()
         if self.overlap == "backward":
             step = self.engine.steps_taken + 1
             if self._upcoming is None or self._upcoming[0] != step:
@@ -500,6 +528,7 @@ class ZeRO3Adapter:
     def after_backward(self) -> None:
         """Called after each backward that returned: with no step begun (not an accumulation boundary), the
         signals held since :meth:`before_backward` are delivered now."""
+        self._measure_peak()
         if self._phases is not None:
             self._phases.backward_ends()
         if self.overlap == "backward" and not self.engine.in_flight:
@@ -734,6 +763,8 @@ class ZeRO3Adapter:
 
         early, self._early = self._early, None
         self._steps_called += 1
+        self._measure_peak()
+        self._peak_window = False  # the next forward opens the next iteration's window
         self._hand_over_phases()
         if early is None:
             # Signals held by the previous step and not yet delivered by the framework go now: that step is fully

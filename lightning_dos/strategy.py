@@ -319,7 +319,8 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             hold: ``"auto"`` may then keep optimizer state resident on the accelerator across iterations, and
             resident state plus the update's streaming buffers stay inside it. None (the default): nothing is
             kept on the accelerator between updates; each update's streaming buffers are sized from the memory
-            free after backward, less a 10% margin, and given back to torch's caching allocator at its end.
+            free after backward (with overlap on, also within what was spare at the last forward/backward peak),
+            less a 10% margin, and given back to torch's caching allocator once its device side is issued.
         streams_factory: builds the engine's streams for the model's device; None (the default) uses the
             real ones. Tests and tools pass ``lightning_dos.sim``'s simulated accelerator here to check the
             engine's stream ordering on CPU; it is never chosen automatically.

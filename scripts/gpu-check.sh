@@ -18,6 +18,8 @@
 #   threads      tests/jobs/gpu_threads.py: the update's thread selects the engine's GPU before any stream operation
 #                (no CUDA context on a GPU the process does not use; with one GPU only the call is checked), and
 #                overlap="auto" plans in the memory free at the step, not what backward's activations leave
+#   forward-peak bench/forward_peak.py: the next forward's peak GPU memory with overlap="forward" and "auto"
+#                against overlap="off" (a small LM, a few steps, default settings); fails if above off's
 # Python: .venv/bin/python if there is one, else $PYTHON or python3: on the GPU machine its own torch (a CUDA
 # torch wheel cannot be carried there), under which tests that pin this project's torch internals skip by name
 # (tests/conftest.py, PINNED_TORCH_TESTS). On a bare GPU machine that reaches no registry, ship the missing
@@ -44,7 +46,8 @@ if [ -n "$missing" ]; then
   exit 2
 fi
 
-all_steps=(cuda-tests cpu-tests-1 cpu-tests-2 cpu-tests-3 calibrate bench-1b bench-3b memory startup-memory threads)
+all_steps=(cuda-tests cpu-tests-1 cpu-tests-2 cpu-tests-3 calibrate bench-1b bench-3b memory startup-memory threads
+           forward-peak)
 # The CPU pass in three parts of a few minutes each on 16 cores; part 3 is every file not named in 1 or 2.
 cpu_part1=(test_equivalence test_engine_behaviour test_atomic_training test_stream_sanitizer)
 cpu_part2=(test_monitor test_reliability test_cli test_evaluation test_recipes test_device_memory test_resources
@@ -122,6 +125,10 @@ for step in "${steps[@]}"; do
       done
       grep -hvE '^(\[|INFO|WARNING|Seed set)' "$out/threads-binding.txt" "$out/threads-budget.txt" > "$out/threads-summary.txt"
       section "update thread's device and auto's plan budget (tests/jobs/gpu_threads.py)" "$out/threads-summary.txt" ;;
+    forward-peak)
+      run_logged "$out/forward-peak.txt" env DS_ACCELERATOR=cuda $py bench/forward_peak.py
+      grep -E '^(#|\|)' "$out/forward-peak.txt" > "$out/forward-peak-table.txt"
+      section "bench/forward_peak.py (forward peak with overlap against off)" "$out/forward-peak-table.txt" ;;
   esac
 done
 echo "gpu-check: tables appended to bench/RESULTS.md; logs in $out"

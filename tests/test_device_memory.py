@@ -8,13 +8,23 @@ buffers must be gone before the next forward; only resident state, planned insid
 
 from __future__ import annotations
 
+import functools
+import threading
+from collections.abc import Callable
+
 import lightning as L
 import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
 
 from lightning_dos import DeepOptimizerStatesStrategy
+from lightning_dos.engine import loop as loop_module
+from lightning_dos.engine.kernels import torch_update
+from lightning_dos.engine.perfmodel import device_bytes
 from lightning_dos.engine.plan import Place, Plan
 from lightning_dos.engine.pool import STAGING_BYTES_PER_ELEMENT
-from lightning_dos.sim.iteration import BACKWARD, BETWEEN, FORWARD, UPDATE, IterationMemory
+from lightning_dos.engine.update_rules import RULES, Footprint, Hyper
+from lightning_dos.sim.iteration import BACKWARD, BETWEEN, FORWARD, UPDATE, IterationMemory, ModelMemory
 from lightning_dos.sim.simstreams import SimStreams
 from tests.helpers import TinyLM, full_parameters, loader, max_relative_error, trainer
 
@@ -71,7 +81,9 @@ def test_with_the_default_overlap_only_the_update_in_flight_holds_its_streaming_
     # The staging an update holds, from its own reports (under overlap it may be allocated after the step returned).
     staging = max(engine.report_number(n).device_staging_bytes for n in range(1, engine.reports_issued + 1))
     assert staging >= STAGING_BYTES_PER_ELEMENT * max(engine.sizes), "the updates streamed"
-    assert memory.held_outside_updates() <= staging, [(p.name, p.peak_bytes) for p in memory.phases()]
+    # Its kernels' temporaries (none for fused AdamW in fp32) and 0-d step counts are device memory too.
+    in_flight = staging + engine.footprint.temporaries * max(engine.sizes) + 64
+    assert memory.held_outside_updates() <= in_flight, [(p.name, p.peak_bytes) for p in memory.phases()]
     assert strategy.dos_engine.pool.staging_allocations == STEPS and not strategy.dos_engine.resident
     assert strategy.dos_engine.streams.memory.held_bytes == 0, "nothing is held once training is over"
 
@@ -104,3 +116,153 @@ def test_iteration_memory_refuses_a_strategy_without_the_simulated_accelerator()
     strategy = DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=SUB_GROUP)
     with pytest.raises(ValueError, match="streams_factory=SimStreams"):
         fit(strategy)
+
+
+class HeldAtNextBatch(L.Callback):
+    """At the start of every batch after the first, the device bytes the engine holds while the update that
+    overlaps it is still running its host side (the device side is all issued by then: it is launched first).
+
+    The update thread is held at its first host sub-group's update, after the device side, until the batch
+    start has read the account, so the reading does not depend on how the two threads are scheduled."""
+
+    def __init__(self) -> None:
+        self.held: list[int] = []
+        self._host_side = threading.Event()
+        self._read = threading.Event()
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        engine = trainer.strategy.dos_engine
+
+        def on_point(point: str, index: int) -> None:
+            if point == "unscaled" and engine.in_flight and not self._host_side.is_set():
+                self._host_side.set()
+                self._read.wait(timeout=60)
+
+        engine.on_point = on_point
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:  # noqa: ANN001
+        engine = trainer.strategy.dos_engine
+        if batch_idx > 0:
+            while engine.in_flight and engine._background.is_alive() and not self._host_side.wait(timeout=0.01):
+                pass
+            self.held.append(engine.streams.memory.held_bytes)
+        self._host_side.clear()
+        self._read.set()
+        self._read = threading.Event()
+
+
+@pytest.mark.parametrize("gpu_fraction", [0.5, "stride:2"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_with_the_defaults_the_engine_holds_nothing_at_the_start_of_the_next_batch(
+    precision: str, gpu_fraction: float | str
+) -> None:
+    """Issue 32's acceptance: default settings (overlap on), a real Trainer on the simulated accelerator: the device
+    side's staging goes back as soon as its last download is issued, so the next batch starts with none of it held
+    while the host side still runs (it used to be held until the host side ended: 32,256 B here)."""
+    L.seed_everything(0, verbose=False)
+    strategy = DeepOptimizerStatesStrategy(gpu_fraction=gpu_fraction, streams_factory=SimStreams)
+    held = HeldAtNextBatch()
+    trainer(strategy, steps=STEPS, precision=precision, callbacks=[held]).fit(TinyLM(), loader())
+    engine = strategy.dos_engine
+    assert strategy.dos_adapter.overlap != "off" and engine.pool.staging_allocations == STEPS, "every update streamed"
+    assert len(held.held) == STEPS - 1 and held.held == [0] * (STEPS - 1), held.held
+
+
+def _peak_allocated(fn: Callable[[], None]) -> int:
+    """The most bytes ``fn`` holds allocated at once beyond what existed before it (torch's CPU allocator, as the
+    profiler records every allocation and free)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    held = peak = 0
+    for event in prof.profiler.kineto_results.events():
+        if event.name() == "[memory]":
+            held += event.nbytes()
+            peak = max(peak, held)
+    return peak
+
+
+DTYPES = {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch.float32)}
+DTYPES["bf16-states"] = (torch.bfloat16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtypes", list(DTYPES))
+@pytest.mark.parametrize("rule", list(RULES))
+def test_the_plan_counts_the_temporaries_of_the_device_update_formula(rule: str, dtypes: str) -> None:
+    """Issue 32 (6): the device runs each rule's torch formula (``kernels.torch_update``), which allocates fp32 copies
+    of bf16 tensors and the rule's own intermediates. Measured on torch's allocator, one sub-group's update holds
+    no more than the device memory the plan counts beyond its stored tensors (``perfmodel.device_bytes`` for one
+    streamed sub-group, less its staging buffer), with an unscaled gradient and weight decay (every term there)."""
+    master, state = DTYPES[dtypes]
+    footprint = Footprint.of(RULES[rule], master, state)
+    n = 50_000
+    plan = Plan((Place.DEVICE, Place.HOST), device_buffers=1)
+    counted = device_bytes([n, n], plan, footprint=footprint) - footprint.device * n
+    for inv_grad_scale in (0.5, 1.0):
+        gen = torch.Generator().manual_seed(0)
+        param = torch.randn(n, generator=gen).to(master)
+        grad = torch.randn(n, generator=gen).to(master)
+        states = [torch.rand(n, generator=gen).to(state) for _ in RULES[rule].states]
+        step, hyper = torch.tensor(3.0), Hyper(lr=1e-3, weight_decay=0.1)
+        measured = _peak_allocated(
+            lambda: torch_update(RULES[rule], param, grad, states, step, hyper, inv_grad_scale)  # noqa: B023
+        )
+        # A few scalars (0-d tensors) beside the per-element temporaries.
+        assert measured <= counted + 256, (rule, dtypes, inv_grad_scale, measured / n, counted / n)
+    assert counted <= max(measured, 256) + 4 * n, "and not counted far above what is measured"
+
+
+#: Device bytes of the simulated accelerator in the iteration test: the model's forward/backward peak (~149 KB) and
+#: a few staging buffers.
+CAPACITY = 400_000
+
+
+def test_over_the_iteration_the_engine_never_raises_the_device_peak_above_overlap_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Memory over the iteration (issue 32): the simulated device's account holds the model's own bytes (activations
+    recorded as autograd saves them, ZeRO-3's gathered parameters modelled) beside the engine's, in a device of
+    ``CAPACITY`` bytes the engine plans from. With the defaults (no budget), under every overlap mode, the
+    iteration's device peak is no higher than with ``overlap="off"``, and the most the engine holds at once (staging
+    and its kernels' temporaries, on the device's torch formula) is inside what its plan counted.
+
+    Lion (12 bytes of temporaries per element); device sub-groups run ``kernels.torch_update``, as on a GPU."""
+    monkeypatch.setattr(loop_module, "apply_update", torch_update)
+    peaks, engines = {}, {}
+    for overlap in ("off", "forward", "auto"):
+        L.seed_everything(0, verbose=False)
+        strategy = DeepOptimizerStatesStrategy(
+            gpu_fraction=0.5, streams_factory=functools.partial(SimStreams, capacity=CAPACITY), overlap=overlap
+        )
+        memory = IterationMemory()
+        trainer(strategy, steps=STEPS, callbacks=[ModelMemory(), memory], clip=None).fit(
+            TinyLM(optimizer="ds_lion"), loader()
+        )
+        engine = engines[overlap] = strategy.dos_engine
+        reports = [engine.report_number(n) for n in range(1, engine.reports_issued + 1)]
+        planned = max(engine.device_bytes(r.plan, r.plan.device_buffers) for r in reports)
+        held = max(p.peak_bytes for p in memory.phases())
+        assert all(r.plan.streamed_indices and not r.fallback_host for r in reports), overlap
+        staging = max(r.device_staging_bytes for r in reports)
+        assert engine.footprint.temporaries == 12 and planned > staging > 0, "the plan counts temporaries beside it"
+        # A few 0-d tensors (the step count) beside the per-element temporaries.
+        assert held <= planned + 256, (overlap, held, planned)
+        assert memory.iteration_peak() <= CAPACITY and engine.streams.memory.model_bytes == 0
+        peaks[overlap] = memory.iteration_peak()
+    assert engines["auto"].overlapping and engines["auto"].forward_backward_peak is not None
+    assert peaks["forward"] <= peaks["off"] and peaks["auto"] <= peaks["off"], peaks
+
+
+def test_under_overlap_the_update_is_sized_within_what_was_spare_at_the_forward_backward_peak() -> None:
+    """With no budget, the update's device budget is what is free now, less 10%; when it overlaps the next forward
+    (where its staging may still be allocated while activations grow), no more than what was spare at the last
+    forward/backward peak, less 10%; and the plan is trimmed to it."""
+    streams = SimStreams(torch.device("cpu"), capacity=100_000)
+    engine = loop_module.InterleavedUpdate([4000], [0], 1000, torch.device("cpu"), torch.float32, streams=streams)
+    streams.memory.model_allocated(10_000)  # what the model still holds after backward (its parameters)
+    assert engine.device_budget() == int(90_000 * 0.9)
+    engine.forward_backward_peak = 70_000
+    assert engine.device_budget() == int(90_000 * 0.9), "overlap off: the peak does not matter"
+    engine.overlapping = True
+    assert engine.device_budget() == int(30_000 * 0.9)
+    plan = engine.fit_to_budget(Plan((Place.DEVICE,) * 4, 4), engine.device_budget())
+    assert engine.device_bytes(plan, plan.device_buffers) <= 27_000 and plan.device_buffers == 1, plan

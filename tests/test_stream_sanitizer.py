@@ -360,6 +360,21 @@ def test_freeing_a_block_before_its_last_use_is_ordered_is_a_race() -> None:
     assert len(checker.races) == 1 and "freed" in str(checker.races[0])
 
 
+def test_a_block_freed_after_record_stream_on_the_stream_still_using_it_is_not_a_race() -> None:
+    """The engine frees its staging once the device side is issued, its downloads still queued: recorded on the
+    download stream (CUDA's ``record_stream``), the block is reused only after them; not recorded, it is a race."""
+    for recorded, races in ((True, 0), (False, 1)):
+        checker = StreamSanitizer()
+        sim = checker.streams()
+        block = sim.empty(32, torch.float32)
+        with checker.active(), sim.on(sim.d2h):
+            torch.zeros(16).copy_(block[:16], non_blocking=True)
+        if recorded:
+            sim.record_stream(block[:16], sim.d2h)
+        del block
+        assert len(checker.races) == races, (recorded, [str(r) for r in checker.races])
+
+
 def test_a_changed_torch_sanitizer_fails_with_a_clear_message(monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.cuda import _sanitizer
 
@@ -373,7 +388,7 @@ def test_a_changed_torch_sanitizer_fails_with_a_clear_message(monkeypatch: pytes
 
 # -- the mutation test -------------------------------------------------------------------------------
 
-SYNC_CALLS = {"wait", "host_wait", "device_synchronize"}
+SYNC_CALLS = {"wait", "host_wait", "device_synchronize", "record_stream"}
 
 
 def _tail_lists(tree: ast.AST) -> set[str]:
@@ -478,7 +493,7 @@ def test_removing_any_wait_host_wait_or_tail_event_is_reported_as_a_race(case: s
     """
     mutations = find_mutations(inspect.getsource(loop_module))
     kinds = {what.split(" at ")[0] for _, what in mutations}
-    assert {"wait", "host_wait"} <= kinds and len(mutations) >= 9, mutations
+    assert {"wait", "host_wait", "record_stream"} <= kinds and len(mutations) >= 10, mutations
     assert "device_synchronize" not in kinds, "a device-wide wait in the update ties it to the training thread's work"
     backward_end = _backward_end_wait()
     missed, needs_unsynced_deepspeed = [], []

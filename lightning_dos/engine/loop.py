@@ -39,7 +39,7 @@ from lightning_dos.engine.arrivals import GradientArrivals
 from lightning_dos.engine.atomic import TornStateError, UpdateGuard, UpdateProgress
 from lightning_dos.engine.inputs import StepInputs
 from lightning_dos.engine.kernels import apply_update, host_update, step_tensor
-from lightning_dos.engine.perfmodel import FREE_MEMORY_MARGIN, predict
+from lightning_dos.engine.perfmodel import FREE_MEMORY_MARGIN, device_bytes, predict
 from lightning_dos.engine.plan import Place, Plan, SubGroup, split_into_sub_groups
 from lightning_dos.engine.pool import BufferPool, DeviceBuffer
 from lightning_dos.engine.recovery import settle_interrupted_update
@@ -66,8 +66,9 @@ class InterleavedUpdate:
         gpu_memory_budget: bytes of device memory the engine may hold at any point of the iteration: resident
             state (kept through forward and backward) plus, during the update, its streaming buffers; so it is
             memory spare at the forward/backward peak. None: the update's streaming buffers are sized from the
-            memory free at its start, less a 10% margin, and freed at its end. Streaming buffers are never
-            held between updates.
+            memory free at its start (and, with :attr:`overlapping`, from what was spare at the last forward/backward
+            peak), less a 10% margin, and freed once its device side is issued. Streaming buffers are never held
+            between updates.
         streams: the streams all asynchronous work is issued through; None picks the real ones for
             ``device`` (CUDA streams on a GPU, synchronous no-ops on CPU). Tests and tools pass a simulated
             accelerator (``lightning_dos.sim``) here; it must be for ``device``.
@@ -135,6 +136,12 @@ class InterleavedUpdate:
         #: what a GPU runs; without one (a CPU device, synchronous streams) the device is the host's own CPU and runs
         #: the host's compiled kernel, and every placement computes the same bits.
         self.device_update = apply_update if self.streams.is_async else host_update
+        #: The update overlaps the next forward (the framework's ``overlap`` is on): with no ``gpu_memory_budget`` its
+        #: staging is sized within what was spare at the forward/backward peak too (:meth:`device_budget`).
+        self.overlapping = False
+        #: The most device bytes held at once during the last forward and backward (the framework measures it:
+        #: ``torch.cuda.max_memory_allocated`` over them); None until known.
+        self.forward_backward_peak: int | None = None
         # Build the compiled host update now, not in the first step; say so once if torch's kernels stand in.
         native.warn_if_unavailable()
         #: Record a span per operation (the monitor turns this on; off costs nothing). Read when the step is called,
@@ -330,24 +337,30 @@ class InterleavedUpdate:
         return (rates.h2d_bps, rates.d2h_bps) if rates is not None else None
 
     def device_budget(self) -> int | None:
-        """Bytes the update may use on the device now; None means no limit (a CPU device)."""
+        """Bytes the update may use on the device now; None means no limit (a CPU device).
+
+        An explicit ``gpu_memory_budget``, or else the memory free now (the activations backward just freed, and
+        what the caching allocator holds unused, count as free) less :data:`FREE_MEMORY_MARGIN`. When the update
+        overlaps the next forward (:attr:`overlapping`), its staging may still be allocated while that forward's
+        activations grow, so it also stays within what was spare at the last forward/backward peak
+        (:attr:`forward_backward_peak`), less the same margin."""
         if self.gpu_memory_budget is not None:
             return self.gpu_memory_budget
-        if self.device.type != "cuda":
+        memory = self.streams.device_memory()
+        if memory is None:
             return None
-        free, _ = torch.cuda.mem_get_info(self.device)
-        # Memory the caching allocator holds but no tensor uses (the activations backward just freed, the
-        # last update's staging) is free for this update's staging too.
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return int((free + cached) * (1.0 - FREE_MEMORY_MARGIN))
+        free, capacity = memory
+        if self.overlapping and self.forward_backward_peak is not None:
+            free = min(free, capacity - self.forward_backward_peak)
+        return int(max(0, free) * (1.0 - FREE_MEMORY_MARGIN))
 
     def device_bytes(self, plan: Plan, buffers: int) -> int:
-        """Device memory ``plan`` needs during the update: resident state plus streaming buffers."""
-        resident = sum(self.sizes[i] for i in plan.resident_indices)
-        streamed = [self.sizes[i] for i in plan.streamed_indices]
-        largest = max(streamed, default=0)
-        per_element = self.footprint.device + (self.lp_bytes if self.lp_downloads else 0)
-        return (resident + min(buffers, len(streamed)) * largest) * per_element
+        """Device memory ``plan`` needs during the update with ``buffers`` staging buffers: resident state, streaming
+        buffers and one sub-group's temporaries (the performance model's count, :func:`perfmodel.device_bytes`)."""
+        lp_slot = self.lp_bytes if self.lp_downloads else 0
+        return device_bytes(
+            self.sizes, replace(plan, device_buffers=buffers), footprint=self.footprint, lp_slot=lp_slot
+        )
 
     def fit_to_budget(self, plan: Plan, budget: int | None) -> Plan:
         """Shrink the plan's device side until it fits ``budget``, one trim at a time.
@@ -562,6 +575,9 @@ class InterleavedUpdate:
 
         tails = self._run_resident(plan, inputs, streams, report)
         tails += self._launch_device_side(plan, buffers, inputs, streams, report)
+        # The device side is all issued (it is launched first, and ends long before the host side): its staging goes
+        # back to the caching allocator now, not with the host side's end, so the next forward has that memory.
+        self._release_staging(buffers)
         skip = set(self.updated_early) if early is not None else set()
         tails += self._run_host_side(plan, inputs, streams, report, skip)
         # Resident sub-groups end on the compute stream (their cast); with parameter offload their 16-bit
@@ -572,14 +588,25 @@ class InterleavedUpdate:
         # 16-bit parameter in place for the next forward.
         for event in tails:
             streams.host_wait(event)
-        # Nothing queued touches the staging buffers any more: back to the caching allocator, so the next
-        # forward's activations can have that memory (the engine holds no device memory between updates
-        # beyond resident state, which only an explicit budget plans).
-        self.pool.release_staging()
         report.update_s += time.perf_counter() - wall_start
         report.spans = streams.spans() if self._step_timing else []
         self.last_report = report
         return report
+
+    def _release_staging(self, buffers: list[DeviceBuffer]) -> None:
+        """Give this update's staging buffers back to the caching allocator as soon as its device side is issued
+        (``buffers`` is emptied: the engine keeps no reference). Work queued on them may still be running, so each
+        block is first recorded on the streams that use it (``record_stream``): the allocator hands it out again
+        only once that work has run, whatever stream asks for it next (the next forward's, on which it was
+        allocated, would otherwise get it at once). Nothing else is held between updates but resident state,
+        which only an explicit budget plans."""
+        streams = self.streams
+        for buf in buffers:
+            for tensor in (buf.param, buf.grad, *buf.states, *(() if buf.lp is None else (buf.lp,))):
+                for stream in (streams.h2d, streams.compute, streams.d2h):
+                    streams.record_stream(tensor, stream)
+        buffers.clear()
+        self.pool.release_staging()
 
     def _allocate(self, plan: Plan) -> list[DeviceBuffer] | None:
         """This update's streaming buffers (the plan fits the budget already); None (after one warning) when

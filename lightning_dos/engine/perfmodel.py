@@ -137,13 +137,17 @@ def adam_equivalent(rates: HardwareRates, footprint: Footprint = ADAM_FP32) -> H
     return replace(rates, host_adam_eps=rates.host_adam_eps * factor, device_adam_eps=rates.device_adam_eps * factor)
 
 
-def device_bytes(sizes: Sequence[int], plan: Plan, *, footprint: Footprint = ADAM_FP32) -> int:
-    """Device memory ``plan`` needs during the update (as the engine allocates it), ``footprint.device`` bytes per
-    element of every resident sub-group and staging buffer."""
+def device_bytes(sizes: Sequence[int], plan: Plan, *, footprint: Footprint = ADAM_FP32, lp_slot: int = 0) -> int:
+    """Device memory ``plan`` needs during the update, as the engine allocates it: ``footprint.device`` bytes per
+    element of every resident sub-group and staging buffer (and ``lp_slot`` more for the 16-bit cast's slot, when
+    the 16-bit parameters live on the host), plus the update's temporaries (``footprint.temporaries``) for its
+    largest device sub-group: the kernels run one at a time on the engine's compute stream, so one sub-group's
+    temporaries are allocated at once, whatever the number of buffers."""
     streamed = [sizes[i] for i in plan.streamed_indices]
-    resident = sum(sizes[i] for i in plan.resident_indices)
+    resident = [sizes[i] for i in plan.resident_indices]
     buffers = min(plan.device_buffers, len(streamed))
-    return footprint.device * (resident + buffers * max(streamed, default=0))
+    stored = (footprint.device + lp_slot) * (sum(resident) + buffers * max(streamed, default=0))
+    return stored + footprint.temporaries * max(streamed + resident, default=0)
 
 
 def link_seconds(h2d_bytes: float, d2h_bytes: float, rates: HardwareRates) -> float:
@@ -232,6 +236,7 @@ def _fitting_buffers(
     most: int,
     *,
     footprint: Footprint = ADAM_FP32,
+    largest_resident: int = 0,
 ) -> int:
     """Staging buffers for a placement: as many as fit in ``budget_bytes``, at most ``most`` (0: it does not fit).
 
@@ -239,8 +244,11 @@ def _fitting_buffers(
     ``buffers`` places before it, and downloads finish in order), so for a given placement the most that fit
     is optimal; :func:`choose_plan` then drops any that do not shorten the prediction."""
     free = None if budget_bytes is None else budget_bytes - footprint.device * resident_elements
-    if free is not None and free < 0:
-        return 0
+    if free is not None:
+        # The update's temporaries, for its largest device sub-group (device_bytes).
+        free -= footprint.temporaries * max(*streamed, largest_resident, 0)
+        if free < 0:
+            return 0
     if not streamed:
         return 1
     buffers = min(most, len(streamed))
@@ -259,8 +267,10 @@ def _exhaustive(  # noqa: ANN202
     """Every placement, each with the most staging buffers that fit (plans that do not fit are left out)."""
     for combo in itertools.product(places_per_group, repeat=len(sizes)):
         streamed = [sizes[i] for i, p in enumerate(combo) if p == Place.DEVICE]
-        resident = sum(sizes[i] for i, p in enumerate(combo) if p == Place.RESIDENT)
-        buffers = _fitting_buffers(streamed, resident, budget_bytes, most, footprint=footprint)
+        resident = [sizes[i] for i, p in enumerate(combo) if p == Place.RESIDENT]
+        buffers = _fitting_buffers(
+            streamed, sum(resident), budget_bytes, most, footprint=footprint, largest_resident=max(resident, default=0)
+        )
         if buffers:
             yield Plan(combo, buffers)
 
@@ -340,7 +350,7 @@ def _scan(
     fp = footprint
     # Bytes per element as locals: the inner loop below is the planner's hot path.
     streamed_up_b, streamed_down_b = fp.streamed_up, fp.streamed_down
-    resident_up_b, device_b = fp.resident_up, fp.device
+    resident_up_b, device_b, temp_b = fp.resident_up, fp.device, fp.temporaries
     per_element = rates.host_s_per_element
     up, down, adam = rates.duplex_h2d_bps, rates.duplex_d2h_bps, rates.device_adam_eps
     fastest_up, fastest_down = max(up, rates.h2d_bps), max(down, rates.d2h_bps)
@@ -349,9 +359,10 @@ def _scan(
         chosen = set(resident_order[:r])
         resident = [sizes[i] for i in sorted(chosen)]
         resident_elements = sum(resident)
+        largest_resident = max(resident, default=0)
         free = None if budget_bytes is None else budget_bytes - device_b * resident_elements
-        if free is not None and free < 0:
-            continue
+        if free is not None and free < temp_b * largest_resident:
+            continue  # with one sub-group's temporaries (device_bytes)
         alone, start = _resident_lane(resident, rates.h2d_bps, adam, fp), _resident_lane(resident, up, adam, fp)
         if min(max(alone), max(start)) >= best[0]:
             break  # more resident sub-groups only lengthen the resident lane
@@ -370,7 +381,10 @@ def _scan(
             fitting = [max_buffers] * len(rest)
         else:
             largest = itertools.accumulate(rest, max)
-            fitting = [min(max_buffers, free // (device_b * max(1, n))) for n in largest]
+            fitting = [
+                min(max_buffers, max(0, free - temp_b * max(n, largest_resident)) // (device_b * max(1, n)))
+                for n in largest
+            ]
         for buffers in sorted(set(fitting) - {0}):
             streamed_up = streamed = 0
             for k, done in enumerate(_streamed_lane(start, rest, buffers, up, down, adam, fp), start=1):

@@ -16,7 +16,8 @@ pinned and the results are identical; a refused registration leaves the slabs pa
 
 Device side: N staging buffers, each able to hold one streamed sub-group's master weights, states and
 gradient (and its 16-bit cast when the 16-bit parameters live on the host). They are allocated at the start
-of every update, sized from what the update may use, and given back to torch's caching allocator at its end:
+of every update, sized from what the update may use, and given back to torch's caching allocator once its device
+side is issued (recorded on the streams still using them: the engine's ``_release_staging``):
 nothing of them is held through the next forward and backward, whose activations need that memory back
 (the blocks stay reserved by torch, so the next forward and the next update reuse them). Resident
 sub-groups keep their state on the device across iterations, in blocks of their own; the strategy plans
@@ -273,10 +274,12 @@ class BufferPool:
         return buffers
 
     def release_staging(self) -> None:
-        """Give the staging buffers back to the caching allocator (every update's end, and teardown).
+        """Give the staging buffers back to the caching allocator (once an update's device side is issued, and at
+        teardown).
 
-        Only once no queued work reads or writes them: the allocator hands a freed block to the next
-        allocation on its stream at once."""
+        Only once no queued work reads or writes them, or once each block is recorded on the streams whose queued
+        work still uses it (``Streams.record_stream``): the allocator hands a freed block to the next allocation on
+        its stream at once."""
         self.staging = []
 
     def allocate_resident(self, capacity: int) -> DeviceBuffer:

@@ -145,6 +145,24 @@ class Streams:
         """Allocate ``numel`` elements of device memory (staging and resident blocks come from here)."""
         return torch.empty(numel, dtype=dtype, device=self.device)
 
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """``tensor``'s block was used on ``stream``: once it is freed, the allocator may hand it out again only after
+        the work queued on ``stream`` by then has run (CUDA's ``Tensor.record_stream``). Nothing when synchronous."""
+
+    # -- device memory ------------------------------------------------------------------------------
+
+    def device_memory(self) -> tuple[int, int] | None:
+        """(bytes free for new tensors now, bytes tensors may hold in all) on the device; None: no limit known (a
+        CPU device). Memory the caching allocator holds but no tensor uses counts as free."""
+        return None
+
+    def reset_peak(self) -> None:
+        """Start a new window for :meth:`peak_allocated`."""
+
+    def peak_allocated(self) -> int | None:
+        """The most bytes tensors held on the device at once since :meth:`reset_peak`; None when unknown."""
+        return None
+
 
 class Timeline:
     """Collects spans: host spans from the wall clock, device spans from stream events (timing only)."""
@@ -230,6 +248,25 @@ class CudaStreams(Streams):
 
     def device_synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def record_stream(self, tensor: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+        if stream is not None:
+            tensor.record_stream(stream)
+
+    def device_memory(self) -> tuple[int, int]:
+        free, _ = torch.cuda.mem_get_info(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        # What the caching allocator holds but no tensor uses (the activations backward just freed) is free too.
+        return free + reserved - torch.cuda.memory_allocated(self.device), free + reserved
+
+    def reset_peak(self) -> None:
+        # The peak counters are shared (DOSMonitor resets them at its own boundaries, never inside a window of ours
+        # that it would cut short: it reads and resets at the batch's start and before backward, and the engine
+        # reads them before and after backward).
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
 
 
 def make_streams(device: torch.device) -> Streams:

@@ -234,6 +234,27 @@ class Footprint:
         """Device bytes of a staging buffer or resident sub-group: master weights, states and the gradient."""
         return self.streamed_up
 
+    @property
+    def temporaries(self) -> int:
+        """Device bytes per element one sub-group's update allocates beyond the tensors it stores, at its peak
+        (``kernels.torch_update``, the formula the device runs): fp32 copies of whatever is stored in bf16 (master
+        weights, states, gradient) and the unscaled gradient, then the rule's own intermediates in fp32
+        (:data:`RULE_TEMPORARIES`). Kernels run one at a time on the engine's compute stream, so the plan counts
+        them once, for its largest device sub-group (``perfmodel.device_bytes``); ``tests/test_device_memory.py``
+        measures them."""
+        own = RULE_TEMPORARIES[self.rule.name]
+        if self.master == 4 and self.state == 4:
+            return own  # in place, the gradient unscaled in place too
+        # fp32 work copies of the bf16 tensors, and the fp32 gradient the rule reads (converted, or unscaled apart).
+        copies = 4 * (self.master != 4) + 4 * len(self.rule.states) * (self.state != 4) + 4
+        # Unscaling a converted gradient holds both fp32 copies for a moment, before the rule runs.
+        return copies + max(own, 4 if self.master != 4 else 0)
+
+
+#: Bytes per element each rule's fp32 formula (:meth:`UpdateRule.torch_update`) allocates at its peak: Adam's fused
+#: kernel none; Lion three fp32 intermediates (the interpolation, the signed step, the momentum's gradient term);
+#: Adagrad the L2 term's gradient (4) and the square root's float64 round trip on the CPU (8 + 4; 4 on CUDA).
+RULE_TEMPORARIES = {"adam": 0, "adagrad": 16, "lion": 12}
 
 #: Adam with fp32 master weights and states: 16 bytes up, 12 down, 16 on the device per element.
 ADAM_FP32 = Footprint(ADAM)

@@ -436,15 +436,16 @@ class StreamSanitizer:
         self._accesses.pop(region.start, None)
         self.regions = [r for r in self.regions if r is not region]
 
-    def on_free(self, start: int, end: int, stream: SimStream) -> None:
+    def on_free(self, start: int, end: int, stream: SimStream, recorded: tuple[SimStream, ...] = ()) -> None:
+        """A device block goes back to the caching allocator, which hands it next to work on ``stream`` (the one it
+        was allocated on) at once, or, for the streams in ``recorded`` (``record_stream``), only once the work they
+        hold now has run: every access to it must be ordered before one of those, or before the host's free."""
         memory = self._label(start)
+        waiters = (stream.id, HOST, *(s.id for s in recorded))
         for previous in self._accesses.pop(start, []):
             if previous.stream == stream.id:
                 continue
-            if not (
-                self.syncs.is_ordered_after(stream.id, previous.seq, previous.stream)
-                or self.syncs.is_ordered_after(HOST, previous.seq, previous.stream)
-            ):
+            if not any(self.syncs.is_ordered_after(w, previous.seq, previous.stream) for w in waiters):
                 self._report(Race(memory, None, previous))
         self.regions = [r for r in self.regions if not (r.start == start and r.end == end)]
 

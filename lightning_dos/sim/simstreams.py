@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_dos.engine import hostslab
 from lightning_dos.engine.streams import Streams
@@ -79,37 +80,99 @@ class PhaseMemory:
 
     Attributes:
         name: the phase (``forward``, ``backward``, ``update``, ``between steps``, or ``setup`` before any).
-        start_bytes: held when the phase began.
-        peak_bytes: the most held at any moment of it.
-        end_bytes: held when it ended (None while it runs).
+        start_bytes: held by the engine when the phase began.
+        peak_bytes: the most the engine held at any moment of it.
+        end_bytes: held by the engine when it ended (None while it runs).
+        peak_total_bytes: the most held at any moment of it by the engine and the model together (the model's
+            bytes are recorded only under :class:`~lightning_dos.sim.iteration.ModelMemory`).
     """
 
     name: str
     start_bytes: int
     peak_bytes: int
     end_bytes: int | None = None
+    peak_total_bytes: int = 0
 
 
 class DeviceMemoryAccount:
-    """Bytes of simulated device memory allocated and not yet freed, with the peak of every phase."""
+    """Bytes of simulated device memory allocated and not yet freed, with the peak of every phase: the engine's
+    (its staging, resident state and its kernels' temporaries) and, when recorded, the model's own (activations
+    and gathered parameters, :class:`~lightning_dos.sim.iteration.ModelMemory`).
 
-    def __init__(self) -> None:
+    Args:
+        capacity: bytes the device holds in all (None: no limit); the engine sizes its update from it as from
+            ``torch.cuda.mem_get_info`` on a GPU.
+    """
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self.capacity = capacity
+        #: Bytes the engine holds now.
         self.held_bytes = 0
+        #: Bytes the model holds now (recorded by ModelMemory).
+        self.model_bytes = 0
+        #: The most held by both since :meth:`reset_peak` (what ``torch.cuda.max_memory_allocated`` reads).
+        self.peak_since_reset = 0
         #: Every phase so far, in order; the last one is running.
         self.phases: list[PhaseMemory] = [PhaseMemory("setup", 0, 0)]
+        self._lock = threading.Lock()
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes held on the device now, by the engine and the model."""
+        return self.held_bytes + self.model_bytes
 
     def enter(self, name: str) -> None:
         """End the running phase and start ``name``."""
-        self.phases[-1].end_bytes = self.held_bytes
-        self.phases.append(PhaseMemory(name, self.held_bytes, self.held_bytes))
+        with self._lock:
+            self.phases[-1].end_bytes = self.held_bytes
+            self.phases.append(PhaseMemory(name, self.held_bytes, self.held_bytes, None, self.total_bytes))
 
-    def allocated(self, nbytes: int) -> None:
-        self.held_bytes += nbytes
+    def _peaks(self) -> None:
         current = self.phases[-1]
         current.peak_bytes = max(current.peak_bytes, self.held_bytes)
+        current.peak_total_bytes = max(current.peak_total_bytes, self.total_bytes)
+        self.peak_since_reset = max(self.peak_since_reset, self.total_bytes)
+
+    def allocated(self, nbytes: int) -> None:
+        with self._lock:
+            self.held_bytes += nbytes
+            self._peaks()
 
     def freed(self, nbytes: int) -> None:
-        self.held_bytes -= nbytes
+        with self._lock:
+            self.held_bytes -= nbytes
+
+    def model_allocated(self, nbytes: int) -> None:
+        with self._lock:
+            self.model_bytes += nbytes
+            self._peaks()
+
+    def model_freed(self, nbytes: int) -> None:
+        with self._lock:
+            self.model_bytes -= nbytes
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak_since_reset = self.total_bytes
+
+
+class _DeviceTemporaries(TorchDispatchMode):
+    """Counts every tensor an op allocates (a result that aliases no input) on ``account`` until it is dropped: the
+    temporaries of a kernel on the simulated device (this thread's ops only: dispatch modes are per thread)."""
+
+    def __init__(self, account: DeviceMemoryAccount) -> None:
+        super().__init__()
+        self.account = account
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        returns = func._schema.returns
+        for result, value in zip(returns, (out,) if len(returns) == 1 else (out or ()), strict=False):
+            if result.alias_info is None and isinstance(value, torch.Tensor):
+                nbytes = value.untyped_storage().nbytes()
+                self.account.allocated(nbytes)
+                weakref.finalize(value, self.account.freed, nbytes)
+        return out
 
 
 class UnboundThreadError(RuntimeError):
@@ -124,7 +187,7 @@ class StreamListener(Protocol):
     def on_host_wait(self, event: SimEvent) -> None: ...
     def on_device_synchronize(self) -> None: ...
     def on_alloc(self, tensor: torch.Tensor, stream: SimStream) -> None: ...
-    def on_free(self, start: int, end: int, stream: SimStream) -> None: ...
+    def on_free(self, start: int, end: int, stream: SimStream, recorded: tuple[SimStream, ...] = ()) -> None: ...
 
 
 class SimStreams(Streams):
@@ -135,12 +198,20 @@ class SimStreams(Streams):
         listener: told about every synchronisation and device allocation; None for none.
         memory_limit: bytes of "device" memory; an allocation beyond it raises ``torch.OutOfMemoryError``
             as the CUDA caching allocator would (None: no limit).
+        capacity: bytes of the device for the whole iteration, the model's own bytes included (recorded under a
+            Trainer by :class:`~lightning_dos.sim.iteration.ModelMemory`): the engine reads what is free from it
+            (:meth:`device_memory`) as from ``torch.cuda.mem_get_info``, and an allocation beyond it raises
+            ``torch.OutOfMemoryError``. None: no limit, and the engine sees none (as on a CPU device).
     """
 
     is_async = True
 
     def __init__(
-        self, device: torch.device, listener: StreamListener | None = None, memory_limit: int | None = None
+        self,
+        device: torch.device,
+        listener: StreamListener | None = None,
+        memory_limit: int | None = None,
+        capacity: int | None = None,
     ) -> None:
         if device.type != "cpu":
             raise ValueError(f"SimStreams simulates an accelerator on a CPU device; got device={device}")
@@ -162,8 +233,10 @@ class SimStreams(Streams):
         self._event_ids = itertools.count(1)
         #: Bytes of simulated device memory allocated and not yet freed.
         self.allocated_bytes = 0
-        #: The same, phase by phase of the iteration.
-        self.memory = DeviceMemoryAccount()
+        #: The same, phase by phase of the iteration (with the model's own bytes when they are recorded).
+        self.memory = DeviceMemoryAccount(capacity)
+        #: Streams each live block was used on (:meth:`record_stream`), by the block's first byte.
+        self._stream_uses: dict[int, set[SimStream]] = {}
         self._threads = threading.local()
         #: Every stream operation issued from a thread that had not bound the device: what, and from which thread.
         self.unbound: list[str] = []
@@ -198,16 +271,20 @@ class SimStreams(Streams):
 
     @contextlib.contextmanager
     def lane(self, lane: str, sub_group: int, nbytes: int, stream: SimStream | None = None) -> Iterator[None]:
-        """As the base class; the operation's lane and sub-group are known to the checker meanwhile."""
+        """As the base class; the operation's lane and sub-group are known to the checker meanwhile. Work issued on
+        the engine's compute stream allocates device memory: what its kernels allocate (an update formula's
+        temporaries) is counted on the device account until it is freed."""
         self.operations.append((lane, sub_group))
         lanes = self._thread_lanes()
         lanes.append((lane, sub_group, stream))
         in_lane = getattr(self.listener, "in_lane", None)
         try:
-            # A listener may watch the work of the lane while it is issued (``in_lane(stream)``, optional).
+            # A listener may watch the work of the lane while it is issued (``in_lane(stream)``, optional); work on
+            # the compute stream counts its kernels' temporaries on the device account.
             with (
                 super().lane(lane, sub_group, nbytes, stream),
                 in_lane(stream) if in_lane else contextlib.nullcontext(),
+                _DeviceTemporaries(self.memory) if stream is self.update else contextlib.nullcontext(),
             ):
                 yield
         finally:
@@ -311,6 +388,12 @@ class SimStreams(Streams):
                 f"simulated device out of memory: {nbytes} bytes requested, "
                 f"{self.memory_limit - self.allocated_bytes} of {self.memory_limit} free"
             )
+        capacity = self.memory.capacity
+        if capacity is not None and self.memory.total_bytes + nbytes > capacity:
+            raise torch.OutOfMemoryError(
+                f"simulated device out of memory: {nbytes} bytes requested, "
+                f"{capacity - self.memory.total_bytes} of {capacity} free (the model holds {self.memory.model_bytes})"
+            )
         tensor = torch.empty(numel, dtype=dtype, device=self.device)
         # The caching allocator ties a block to the stream current at allocation: that stream may reuse
         # it as soon as the host drops it.
@@ -323,8 +406,26 @@ class SimStreams(Streams):
             self.listener.on_alloc(tensor, stream)
         return tensor
 
+    def record_stream(self, tensor: torch.Tensor, stream: SimStream | None) -> None:
+        """As CUDA's ``record_stream``: the block ``tensor`` lies in goes back for reuse only once the work queued on
+        ``stream`` when it is freed has run (the race checker orders the block's next user after it)."""
+        if stream is not None:
+            self._stream_uses.setdefault(tensor.untyped_storage().data_ptr(), set()).add(stream)
+
+    def device_memory(self) -> tuple[int, int] | None:
+        """(free now, capacity) of the simulated device when it has a ``capacity``; None otherwise."""
+        capacity = self.memory.capacity
+        return None if capacity is None else (max(0, capacity - self.memory.total_bytes), capacity)
+
+    def reset_peak(self) -> None:
+        self.memory.reset_peak()
+
+    def peak_allocated(self) -> int:
+        return self.memory.peak_since_reset
+
     def _free(self, start: int, end: int, nbytes: int, stream: SimStream) -> None:
         self.allocated_bytes -= nbytes
         self.memory.freed(nbytes)
+        recorded = tuple(sorted(self._stream_uses.pop(start, ()), key=lambda s: s.id))
         if self.listener is not None:
-            self.listener.on_free(start, end, stream)
+            self.listener.on_free(start, end, stream, recorded)
