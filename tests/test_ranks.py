@@ -73,20 +73,24 @@ def test_the_process_group_is_destroyed_at_exit_before_the_interpreter_ends() ->
     assert "terminate called" not in done.stderr
 
 
-@pytest.mark.parametrize("overlap", ["auto", "forward"])
+@pytest.mark.parametrize(
+    ("overlap", "launcher"), [("auto", "lightning"), ("forward", "lightning"), ("auto", "torchrun")]
+)
 def test_ranks_enter_the_same_collectives_in_the_same_order_none_from_backward_or_the_update_thread(
-    tmp_path: Path, overlap: str
+    tmp_path: Path, overlap: str, launcher: str
 ) -> None:
     """Two ranks train with gpu_fraction="auto" (planned as on an accelerator: together at step 1, when forward and
     backward are measured, and at the drift check of step 10), every collective recorded. Each thread's sequence of
     (process group, op, caller) must be the same on both ranks; lightning-dos' own collectives run on the training
     thread, outside backward (where a rank reaches a gradient hook whenever its buckets fill), on DeepSpeed's
-    data-parallel group (the communicator of its reduce-scatters); nothing is issued from the update's thread."""
+    data-parallel group (the communicator of its reduce-scatters); nothing is issued from the update's thread. Launched
+    by Lightning and by torchrun."""
     job = Path(__file__).parent / "jobs" / "collectives_ranks.py"
     out = tmp_path / "ranks"
-    done = subprocess.run(
-        [sys.executable, str(job), "2", overlap, str(out)], env=clean_env(), capture_output=True, text=True, timeout=600
-    )
+    command = [str(job), "2", overlap, str(out)]
+    if launcher == "torchrun":  # torchrun starts both ranks; Lightning re-runs the command line for the second
+        command = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *command]
+    done = subprocess.run([sys.executable, *command], env=clean_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     calls = [CollectiveRecorder.load(f"{out}.rank{r}.json") for r in range(2)]
     meta = [json.loads(Path(f"{out}.rank{r}.meta.json").read_text()) for r in range(2)]
