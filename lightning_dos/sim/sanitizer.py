@@ -821,14 +821,19 @@ class _Active:
             host_workers.workers = self._workers
 
 
+def _listed(findings: Sequence[object], what: str, shown: int = 10) -> str:
+    """``N what:`` and the first ``shown`` findings, one a line (a checker's error message)."""
+    lines = "\n  ".join(str(f) for f in findings[:shown])
+    more = f"\n  ... and {len(findings) - shown} more" if len(findings) > shown else ""
+    return f"{len(findings)} {what}:\n  {lines}{more}"
+
+
 class StreamRaceError(AssertionError):
     """The engine's stream ordering has a race (each one listed)."""
 
     def __init__(self, races: Sequence[Race]) -> None:
         self.races = list(races)
-        shown = "\n  ".join(str(r) for r in self.races[:10])
-        more = f"\n  ... and {len(self.races) - 10} more" if len(self.races) > 10 else ""
-        super().__init__(f"{len(self.races)} stream race(s):\n  {shown}{more}")
+        super().__init__(_listed(self.races, "stream race(s)"))
 
 
 class HostSyncError(AssertionError):
@@ -836,9 +841,7 @@ class HostSyncError(AssertionError):
 
     def __init__(self, syncs: Sequence[HostSync]) -> None:
         self.syncs = list(syncs)
-        shown = "\n  ".join(str(s) for s in self.syncs[:10])
-        more = f"\n  ... and {len(self.syncs) - 10} more" if len(self.syncs) > 10 else ""
-        super().__init__(f"{len(self.syncs)} host synchronisation(s) in the hot path:\n  {shown}{more}")
+        super().__init__(_listed(self.syncs, "host synchronisation(s) in the hot path"))
 
 
 __all__ = [
