@@ -204,7 +204,7 @@ def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     worst = 0.0
     for key in b:
         denom = b[key].abs().clamp_min(1e-3)
-        worst = max(worst, float(((a[key] - b[key]).abs() / denom).max()))
+        worst = max(worst, float(((a[key].to(denom.device) - b[key]).abs() / denom).max()))
     return worst
 
 

@@ -15,29 +15,49 @@ import torch
 
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.engine.pool import STAGING_BYTES_PER_ELEMENT
-from tests.helpers import FP32_RTOL, RandomPlacement, TinyLM, full_parameters, loader, max_relative_error, trainer
+from tests.helpers import RandomPlacement, TinyLM, full_parameters, loader, max_relative_error, trainer
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+#: Our engine against torch.optim.AdamW(fused=True) on the GPU over 20 steps. On CPU both compute the same formula
+#: bit for bit (FP32_RTOL covers DeepSpeed's gradient path); here the reference's update runs in CUDA's fused kernel
+#: and ours on the host's compiled one (or, on device sub-groups, torch's formula in separate CUDA kernels), which
+#: round differently: 1.98e-5 with every sub-group on the host (an H100, 2026-11-26). A stale or overwritten tensor
+#: is off by about lr (1e-3 here) per step.
+CUDA_RTOL = 5e-5
+
+
 def fit(strategy, steps: int = 20, callbacks=(), precision: str = "32-true", **kw) -> TinyLM:  # noqa: ANN001
     """``steps`` of TinyLM on the GPU. Plain Lightning (``"auto"``) runs torch.optim.AdamW(fused=True), whose
-    formula the engine's kernels compute: the reference at FP32_RTOL (the per-op AdamW is itself 1.09e-5 from the
+    formula the engine's kernels compute: the reference at CUDA_RTOL (the per-op AdamW is itself 1.09e-5 from the
     fused one). The engine reads only the optimizer's hyperparameters, as in tests/test_equivalence.py."""
     L.seed_everything(0, verbose=False)
-    kw.setdefault("fused", strategy == "auto")
+    # Lightning refuses gradient clipping with a fused optimizer under mixed precision (it unscales internally).
+    kw.setdefault("fused", strategy == "auto" and precision == "32-true")
     model = TinyLM(**kw)
     trainer(strategy, steps=steps, precision=precision, callbacks=callbacks, accelerator="cuda").fit(model, loader())
     return model
+
+
+class PinnedWhileFitting(L.Callback):
+    """Whether the host slabs are registered (pinned) at the end of each batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_train_batch_end(self, trainer, *args) -> None:  # noqa: ANN001
+        self.seen.append(trainer.strategy.dos_engine.pool.pinned)
 
 
 @pytest.mark.parametrize("fraction", [0, 0.25, 0.5, 1])
 def test_cuda_placements_match_plain_adamw(fraction: float) -> None:
     reference = full_parameters(fit("auto"))
     strategy = DeepOptimizerStatesStrategy(gpu_fraction=fraction, sub_group_size=700)
-    model = fit(strategy)
-    assert strategy.dos_engine.pool.pinned
-    assert max_relative_error(full_parameters(model), reference) < FP32_RTOL
+    pinned = PinnedWhileFitting()
+    model = fit(strategy, callbacks=[pinned])
+    assert pinned.seen and all(pinned.seen)  # teardown unregisters the slabs: look while fitting
+    assert max_relative_error(full_parameters(model), reference) < CUDA_RTOL
 
 
 def test_stress_many_small_sub_groups_random_plan_every_step() -> None:
@@ -99,10 +119,12 @@ def test_host_slabs_are_pinned_exactly_and_the_16_bit_staging_is_a_ring() -> Non
     assert seen["pinned"]
     # cudaHostRegister pins exactly the slabs' bytes: no power-of-two rounding to report.
     assert seen["pinned_bytes"] == pool.host_bytes
-    # One 700-element slot per sub-group (pool.LP_STAGING_SLOTS is None): reused across steps, never within one.
+    # Slots of the largest sub-group, enough of them to hold the whole partition (pool.LP_STAGING_SLOTS is None):
+    # sub-groups of uneven sizes share fewer slots than there are sub-groups, reusing one only after its upload.
     engine = strategy.dos_engine
-    assert seen["slots"] == len(engine.sub_groups) and seen["slot_numel"] == max(engine.sizes)
-    assert seen["ring"] == len(engine.sub_groups) * 700
+    slots = -(-sum(engine.sizes) // max(engine.sizes))
+    assert seen["slots"] == slots and seen["slot_numel"] == max(engine.sizes)
+    assert seen["ring"] == slots * max(engine.sizes)
     # Device staging lives only during each update: three updates, three allocations, none held after.
     assert pool.staging_allocations == 3 and pool.device_bytes_in_use == 0
     # Teardown unregistered every slab (not left to the garbage collector) and the state is still readable.
@@ -119,7 +141,7 @@ def test_parameter_offload_updates_on_the_gpu_and_matches_plain_adamw() -> None:
     assert report.device_elements > 0
     # Device sub-groups' 16-bit results come down beside their fp32 state (12 B + 4 B fp32 per element).
     assert report.d2h_bytes == 16 * report.device_elements
-    assert max_relative_error(full_parameters(model), reference) < FP32_RTOL
+    assert max_relative_error(full_parameters(model), reference) < CUDA_RTOL
 
 
 def test_resuming_with_another_placement_on_cuda_agrees_to_float_precision(tmp_path) -> None:  # noqa: ANN001
@@ -145,7 +167,7 @@ def test_resuming_with_another_placement_on_cuda_agrees_to_float_precision(tmp_p
 
     straight = run(0.5, save=True)
     resumed = run(0.0, ckpt_path=str(next(tmp_path.glob("*step=5*"))))
-    assert max_relative_error(resumed, straight) < FP32_RTOL
+    assert max_relative_error(resumed, straight) < CUDA_RTOL
 
 
 # -- a missing wait must fail on a real GPU -----------------------------------------------------------------

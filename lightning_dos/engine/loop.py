@@ -616,7 +616,11 @@ class InterleavedUpdate:
             return []
         count = min(plan.device_buffers, len(device_ids))
         try:
-            return self.pool.staging_for(count, max(self.sizes[i] for i in device_ids))
+            # On h2d, their first user: the allocator may hand out a block whose previous owner's work is still
+            # queued on the allocating stream, which the uploads are then ordered after (torch's CUDA sanitizer
+            # reports an upload into a block allocated on another stream).
+            with self.streams.on(self.streams.h2d):
+                return self.pool.staging_for(count, max(self.sizes[i] for i in device_ids))
         except torch.OutOfMemoryError:
             self._warn_fallback("device staging could not be allocated (out of memory)")
             return None
@@ -655,7 +659,8 @@ class InterleavedUpdate:
                 continue
             sg = self.sub_groups[index]
             try:
-                buf = self.pool.allocate_resident(sg.numel)
+                with streams.on(streams.h2d):  # its first user (see _allocate)
+                    buf = self.pool.allocate_resident(sg.numel)
             except torch.OutOfMemoryError:
                 self._warn_fallback("resident optimizer state could not be allocated (out of memory)")
                 failed.append(index)

@@ -417,7 +417,13 @@ class StreamSanitizer:
         extent = _byte_range(tensor)
         if extent is None:
             return
-        self._accesses.pop(extent[0], None)  # a new allocation: a fresh history
+        # A new allocation starts a fresh history with a write on its stream, as torch's CUDA sanitizer models
+        # `torch.empty`: the caching allocator may hand out a block whose last user's work is still queued on that
+        # stream (it was freed there), so another stream's first access must be ordered after the allocation.
+        self.seq += 1
+        self.syncs.update_seq_num(stream.id, self.seq)
+        key = tensor.untyped_storage().data_ptr()
+        self._accesses[key] = [Access(*extent, True, stream.id, self.seq, "allocation", "the caching allocator")]
         self.regions = [r for r in self.regions if r.end <= extent[0] or r.start >= extent[1]]
         self.regions.append(_Region(*extent, f"device block of {tensor.numel()} x {tensor.dtype}", True))
 
