@@ -51,14 +51,8 @@ from pathlib import Path
 import torch
 
 from lightning_dos.engine import host_workers, native
-from lightning_dos.engine.kernels import (
-    HOST_TILE_ELEMENTS,
-    AdamHyper,
-    step_tensor,
-    tiled_host_update,
-    torch_adam_update,
-)
-from lightning_dos.engine.update_rules import RULES, Hyper
+from lightning_dos.engine.kernels import HOST_TILE_ELEMENTS, step_tensor, tiled_update
+from lightning_dos.engine.update_rules import ADAM, RULES, Hyper
 
 #: Bytes each path moves per element. Adam reads param, grad, exp_avg, exp_avg_sq (16) and writes param and
 #: the moments (12); with ``grad_scale`` torch's kernel also writes the unscaled gradient back (4). The cast
@@ -80,7 +74,7 @@ BYTES = {
 #: A combined scale that is not a power of two (loss scale times a clip coefficient) and keeps gradients
 #: far from denormals over hundreds of repeated unscales.
 SCALE = 1.0 + 2.0**-10
-HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True)
+HYPER = Hyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True)
 
 
 def _deepspeed_op() -> tuple[object, object] | None:
@@ -254,11 +248,11 @@ def _rows(
 
     def three_pass() -> None:
         g.mul_(1.0 / SCALE)
-        torch_adam_update(p, g, m, v, step, HYPER)
+        ADAM.torch_update(p, g, (m, v), step, HYPER)
         lp.copy_(p)
 
     def tiles_on_workers(tile: int, out: torch.Tensor) -> Callable[[], None]:
-        return lambda: tiled_host_update(p, g, m, v, step, HYPER, 1.0 / SCALE, out, tile=tile)
+        return lambda: tiled_update(ADAM, p, g, (m, v), step, HYPER, 1.0 / SCALE, out, tile=tile)
 
     def compiled(out: torch.Tensor, kernel: Callable[..., None] = native.host_adam) -> Callable[[], None]:
         h = HYPER
@@ -270,7 +264,7 @@ def _rows(
         for start in range(0, n, tile):
             span = slice(start, min(n, start + tile))
             g[span].mul_(1.0 / SCALE)
-            torch_adam_update(p[span], g[span], m[span], v[span], step, HYPER)
+            ADAM.torch_update(p[span], g[span], (m[span], v[span]), step, HYPER)
             lp[span].copy_(p[span])
 
     def grad_scale_tiles(begin: int, end: int) -> None:  # torch's kernel divides by grad_scale, writes it back
@@ -303,7 +297,7 @@ def _rows(
             tile, lp
         )
     rows["tiles, grad_scale"] = on_workers(grad_scale_tiles)
-    rows["torch AdamW"] = lambda: torch_adam_update(p, g, m, v, step, HYPER)
+    rows["torch AdamW"] = lambda: ADAM.torch_update(p, g, (m, v), step, HYPER)
     if deepspeed is not None:
         opt, op = deepspeed
 

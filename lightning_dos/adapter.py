@@ -70,6 +70,26 @@ REQUIRED_ATTRIBUTES = (
     "set_full_hp_param",
     "get_local_fp32_param",
     "set_local_hp_param",
+    "dtype",
+    "step",
+    "parameter_offload",
+    "persistent_parameters",
+    "dp_process_group",
+    "independent_gradient_partition_epilogue",
+)
+#: Attributes the adapter uses when DeepSpeed has them and does without otherwise (each read guarded): the boundary
+#: gradient copy it watches to keep resident sub-groups' gradients on the device (without: they are uploaded from
+#: the host copy, and overlap="auto" runs as "forward"), unmanaged accumulation's boundary (without: nothing to
+#: mark), the reduce stream the end-of-backward event is recorded on (without: the caller's stream), and feature
+#: flags that only some versions have (without: the feature is not there, or parameters are not offloaded).
+OPTIONAL_ATTRIBUTES = (
+    "_offload_grad_partition_at_boundary",
+    "finalize_gradient_accumulation_boundary",
+    "reduce_and_partition_stream",
+    "offload_param",
+    "use_muon",
+    "zenflow",
+    "torch_autocast_gradscaler",
 )
 TESTED_DEEPSPEED = "0.19.5 to 0.19.8"
 #: While adopting DeepSpeed's fp32 partitions, hand freed heap memory back after about this many bytes.
@@ -437,9 +457,11 @@ class ZeRO3Adapter:
 
             return mark_after
 
-        z.independent_gradient_partition_epilogue = marked(
-            z.independent_gradient_partition_epilogue, lambda: getattr(z, "reduce_and_partition_stream", None)
-        )
+        def reduce_stream() -> object:  # the caller's stream where DeepSpeed has no reduce stream of its own
+            has_own = hasattr(z, "reduce_and_partition_stream")
+            return z.reduce_and_partition_stream if has_own else engine.streams.current
+
+        z.independent_gradient_partition_epilogue = marked(z.independent_gradient_partition_epilogue, reduce_stream)
         if hasattr(z, "finalize_gradient_accumulation_boundary"):
             z.finalize_gradient_accumulation_boundary = marked(
                 z.finalize_gradient_accumulation_boundary, lambda: engine.streams.current
@@ -740,7 +762,7 @@ class ZeRO3Adapter:
     def process_group(self) -> object:
         """DeepSpeed's data-parallel process group, where its gradients are reduced: the planner's collectives run
         on it too, so that every rank enters one communicator in one order (None: the default group)."""
-        return getattr(self.zero, "dp_process_group", None)
+        return self.zero.dp_process_group
 
     def _plan_now(self) -> tuple[Plan, float | None]:
         """The next step's plan, made in the device memory free at the update (handed to a planner that takes it)."""

@@ -755,7 +755,7 @@ def cpu_supports_fp16() -> bool:
 def _check_deepspeed_accelerator_is_cpu() -> None:
     from deepspeed.accelerator import get_accelerator
 
-    name = get_accelerator()._name
+    name = get_accelerator().device_name()  # public: "cpu", "cuda", ... (no private of DeepSpeed outside the adapter)
     if name != "cpu":
         raise DOSConfigError(
             f"accelerator='cpu' was chosen but DeepSpeed selected its {name!r} accelerator; "

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from lightning_dos.engine import pool as pool_module
-from lightning_dos.engine.kernels import AdamHyper
-from lightning_dos.engine.loop import InterleavedAdam, StepInputs
+from lightning_dos.engine.kernels import Hyper
+from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
 from lightning_dos.engine.plan import Place, Plan
 from lightning_dos.engine.streams import CudaStreams, Streams
 
@@ -38,7 +38,7 @@ SUB_GROUP = 1 << 24
 #: About 0.1 s on an H100 (torch.cuda._sleep spins for this many GPU clock cycles): longer than the host takes to
 #: update the next host sub-groups (16M elements each), so an unordered reader always runs ahead.
 SLEEP_CYCLES = 200_000_000
-HYPER = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True)
+HYPER = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True)
 H, D, R = Place.HOST, Place.DEVICE, Place.RESIDENT
 #: Step 1: 3 sub-groups stream through 2 buffers (a buffer is reused), 3 go to the host through a 2-slot 16-bit
 #: ring (a slot is reused), 1 becomes resident. Step 2: nothing streams, so the resident sub-groups' own tail
@@ -90,12 +90,12 @@ def _relative(mine: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def run(
-    engine_class: type = InterleavedAdam,
+    engine_class: type = InterleavedUpdate,
     delayed: str | None = None,
     lp_on_host: bool = False,
     sub_group: int = SUB_GROUP,
     streams: Streams | None = None,
-    watch: Callable[[InterleavedAdam], None] | None = None,
+    watch: Callable[[InterleavedUpdate], None] | None = None,
 ) -> Outcome:
     """The steps of :data:`PLANS` on the GPU, checked against AdamW(fused=True).
 
@@ -195,7 +195,7 @@ def run(
     return Outcome(delayed, lp_on_host, errors)
 
 
-def check(engine_class: type = InterleavedAdam, stop_at_first: bool = False) -> list[Outcome]:
+def check(engine_class: type = InterleavedUpdate, stop_at_first: bool = False) -> list[Outcome]:
     """Every delayed stream, with the 16-bit parameters on the GPU and on the host; the runs that differed."""
     failed = []
     for lp_on_host in (False, True):
@@ -218,7 +218,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.delayed_streams", description=__doc__)
     parser.add_argument("--mutate", type=int, help="remove the synchronisation at this line of engine/loop.py")
     args = parser.parse_args(argv)
-    engine_class = InterleavedAdam
+    engine_class = InterleavedUpdate
     if args.mutate is not None:
         from tests.test_stream_sanitizer import mutant_engine
 

@@ -17,12 +17,12 @@ from lightning_dos.engine.atomic import (
     UpdateInFlightError,
     UpdateInterrupted,
 )
-from lightning_dos.engine.kernels import AdamHyper
-from lightning_dos.engine.loop import InterleavedAdam, StepInputs
+from lightning_dos.engine.kernels import Hyper
+from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
 from lightning_dos.engine.plan import Place, Plan
 
 NUMELS, GROUPS = [50, 37, 64], [0, 1, 1]
-HYPERS = [AdamHyper(1e-2, 0.9, 0.99, 1e-8, 0.1, True), AdamHyper(3e-3, 0.8, 0.95, 1e-6, 0.0, False)]
+HYPERS = [Hyper(1e-2, 0.9, 0.99, 1e-8, 0.1, True), Hyper(3e-3, 0.8, 0.95, 1e-6, 0.0, False)]
 H, D, R = Place.HOST, Place.DEVICE, Place.RESIDENT
 # Step 1 makes some sub-groups resident; step 2 moves some of them away (a flush home) and mixes all lanes.
 PLANS = [Plan((R, R, D, H, D, H, R, H, D)), Plan((H, R, D, D, H, R, H, D, R))]
@@ -32,8 +32,8 @@ class Injected(RuntimeError):
     pass
 
 
-def _engine(device: str = "cpu") -> InterleavedAdam:
-    engine = InterleavedAdam(NUMELS, GROUPS, 20, torch.device(device), torch.float32)
+def _engine(device: str = "cpu") -> InterleavedUpdate:
+    engine = InterleavedUpdate(NUMELS, GROUPS, 20, torch.device(device), torch.float32)
     assert len(engine.sub_groups) == len(PLANS[0].places)
     engine.pool.param.copy_(torch.randn(sum(NUMELS), generator=torch.Generator().manual_seed(0)))
     return engine
@@ -45,7 +45,7 @@ def _inputs(step: int, lp: list[torch.Tensor]) -> StepInputs:
     return StepInputs(grads, lp, HYPERS, [step] * 3, inv_grad_scale=0.5)
 
 
-def _state(engine: InterleavedAdam, lp: list[torch.Tensor]) -> list[torch.Tensor]:
+def _state(engine: InterleavedUpdate, lp: list[torch.Tensor]) -> list[torch.Tensor]:
     engine.flush_resident()
     return [
         engine.pool.param.clone(),

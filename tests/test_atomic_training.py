@@ -1,7 +1,7 @@
 """An update is never torn, in training: signals, Ctrl-C, exceptions and checkpoints in the middle of it.
 
 Real Lightning Trainer, real DeepSpeed ZeRO-3 with CPU optimizer offload, on CPU. The engine's test seam
-(``InterleavedAdam.on_point``) fires a signal or raises at a named point inside the update of one step:
+(``InterleavedUpdate.on_point``) fires a signal or raises at a named point inside the update of one step:
 between sub-groups, during a flush of resident state home, between storing two flats' step counts.
 Every checkpoint written must be exactly the pre-step or the post-step state (weights, moments, step
 counts, Lightning's step and LR schedule), and resuming from it must give the uninterrupted run's

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_dos.engine.kernels import AdamHyper
-from lightning_dos.engine.loop import InterleavedAdam, StepInputs
+from lightning_dos.engine.kernels import Hyper
+from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
 from lightning_dos.engine.plan import (
     ALIGN_ELEMENTS,
     AUTO_SUB_GROUPS,
@@ -82,8 +82,8 @@ def _reference_adam(p, g, m, v, step, h):  # noqa: ANN001, ANN202
 def test_loop_matches_plain_adam_for_any_plan(seed: int, size: int, buffers: int) -> None:
     torch.manual_seed(seed)
     numels, groups = [50, 37, 64], [0, 1, 1]
-    hypers = [AdamHyper(1e-2, 0.9, 0.99, 1e-8, 0.1, True), AdamHyper(3e-3, 0.8, 0.95, 1e-6, 0.0, False)]
-    engine = InterleavedAdam(numels, groups, size, torch.device("cpu"), torch.bfloat16)
+    hypers = [Hyper(1e-2, 0.9, 0.99, 1e-8, 0.1, True), Hyper(3e-3, 0.8, 0.95, 1e-6, 0.0, False)]
+    engine = InterleavedUpdate(numels, groups, size, torch.device("cpu"), torch.bfloat16)
     engine.pool.param.copy_(torch.randn(sum(numels)))
     rng = random.Random(seed)
     expected = [engine.param_view(i).clone() for i in range(3)]
@@ -106,8 +106,8 @@ def test_loop_matches_plain_adam_for_any_plan(seed: int, size: int, buffers: int
 
 
 def test_timing_records_one_span_per_operation_and_none_when_off() -> None:
-    engine = InterleavedAdam([100], [0], 25, torch.device("cpu"), torch.float32)
-    hyper = [AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)]
+    engine = InterleavedUpdate([100], [0], 25, torch.device("cpu"), torch.float32)
+    hyper = [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)]
     plan = Plan((Place.HOST, Place.DEVICE, Place.HOST, Place.DEVICE))
 
     def inputs() -> StepInputs:
@@ -122,9 +122,9 @@ def test_timing_records_one_span_per_operation_and_none_when_off() -> None:
 
 
 def test_all_host_plan_moves_nothing_on_a_cpu_device() -> None:
-    engine = InterleavedAdam([10], [0], 4, torch.device("cpu"), torch.float32)
+    engine = InterleavedUpdate([10], [0], 4, torch.device("cpu"), torch.float32)
     report = engine.step(
-        all_host(3), StepInputs([torch.ones(10)], [torch.zeros(10)], [AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0, True)], [1])
+        all_host(3), StepInputs([torch.ones(10)], [torch.zeros(10)], [Hyper(1e-3, 0.9, 0.999, 1e-8, 0, True)], [1])
     )
     assert (report.h2d_bytes, report.d2h_bytes, report.device_staging_bytes) == (0, 0, 0)
 
@@ -151,10 +151,10 @@ def test_aligned_cuts_give_bitwise_the_result_of_one_whole_update() -> None:
     """Adam over aligned sub-groups is bitwise Adam over the whole flat (the kernels' lanes line up)."""
     torch.manual_seed(0)
     numel = 5000
-    hyper = [AdamHyper(3e-3, 0.9, 0.95, 1e-8, 0.1, True)]
+    hyper = [Hyper(3e-3, 0.9, 0.95, 1e-8, 0.1, True)]
     results = []
     for size in (numel, 700, 1100):
-        engine = InterleavedAdam([numel], [0], size, torch.device("cpu"), torch.float32)
+        engine = InterleavedUpdate([numel], [0], size, torch.device("cpu"), torch.float32)
         engine.pool.param.copy_(torch.linspace(-1, 1, numel))
         for step in (1, 2, 3):
             grad = torch.sin(torch.arange(numel, dtype=torch.float32) * (step + 0.5))
@@ -190,8 +190,8 @@ def test_a_size_that_cannot_honour_the_share_is_warned_about_naming_the_size_to_
     assert "'auto' (1,048,576)" in coarse_share_warning(half, [800_000], 1_048_576, auto=True)
 
 
-def _resident_engine(keep: bool) -> InterleavedAdam:
-    engine = InterleavedAdam([96, 40], [0, 0], 32, torch.device("cpu"), torch.float32, keep_resident_grads=keep)
+def _resident_engine(keep: bool) -> InterleavedUpdate:
+    engine = InterleavedUpdate([96, 40], [0, 0], 32, torch.device("cpu"), torch.float32, keep_resident_grads=keep)
     engine.pool.param.copy_(torch.linspace(-1, 1, 136))
     return engine
 
@@ -200,7 +200,7 @@ def test_resident_sub_groups_read_a_kept_gradient_on_the_device_and_upload_nothi
     """keep_gradient copies a final gradient into the resident sub-groups' device slots: a resident sub-group
     kept whole reads it there (the host copy is not uploaded), one kept in part uploads the host copy, and a
     host or streamed sub-group is not affected. Same result as uploading, bit for bit."""
-    hyper = [AdamHyper(1e-2, 0.9, 0.99, 1e-8, 0.1, True)]
+    hyper = [Hyper(1e-2, 0.9, 0.99, 1e-8, 0.1, True)]
     R, H, D = Place.RESIDENT, Place.HOST, Place.DEVICE
     plan = Plan((R, R, D, H, R), 1)  # sub-groups 0-2 in flat 0, 3-4 in flat 1
     kept, plain = _resident_engine(True), _resident_engine(False)
@@ -230,7 +230,7 @@ def test_a_kept_gradient_is_what_the_resident_update_reads() -> None:
     """The kept copy, not the host's, feeds a resident sub-group whole: kept zeros leave Adam's moments at
     zero for it while the host copy holds ones; a sub-group left out keeps uploading."""
     engine = _resident_engine(True)
-    hyper = [AdamHyper(1e-2, 0.9, 0.99, 1e-8, 0.0, True)]
+    hyper = [Hyper(1e-2, 0.9, 0.99, 1e-8, 0.0, True)]
     plan = Plan((Place.RESIDENT,) * 5, 1)
     lp = [torch.zeros(96), torch.zeros(40)]
     engine.step(plan, StepInputs([torch.zeros(96), torch.zeros(40)], lp, hyper, [1, 1]))  # now resident

@@ -38,7 +38,7 @@ def _harness(engine_class: type, lp_on_host: bool) -> tuple[list[str], list]:
 
 @pytest.mark.parametrize("lp_on_host", [False, True], ids=["16-bit on the device", "parameter offload"])
 def test_delayed_stream_harness_equals_adamw_and_is_race_free_on_the_simulated_accelerator(lp_on_host: bool) -> None:
-    errors, races = _harness(loop_module.InterleavedAdam, lp_on_host)
+    errors, races = _harness(loop_module.InterleavedUpdate, lp_on_host)
     assert errors == [] and races == []
 
 

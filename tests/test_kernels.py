@@ -7,19 +7,13 @@ import pytest
 import torch
 
 from lightning_dos.engine import host_workers, native
-from lightning_dos.engine.kernels import (
-    HOST_TILE_ELEMENTS,
-    AdamHyper,
-    fused_host_update,
-    step_tensor,
-    tiled_host_update,
-    torch_adam_update,
-)
-from lightning_dos.engine.loop import InterleavedAdam, StepInputs
+from lightning_dos.engine.kernels import HOST_TILE_ELEMENTS, Hyper, host_update, step_tensor, tiled_update
+from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
 from lightning_dos.engine.plan import Place, Plan
+from lightning_dos.engine.update_rules import ADAM
 
-ADAMW = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True)
-ADAM_L2 = AdamHyper(lr=3e-3, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.01, decoupled=False)
+ADAMW = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True)
+ADAM_L2 = Hyper(lr=3e-3, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.01, decoupled=False)
 #: Loss scale alone (a power of two, as fp16 dynamic scaling uses), and loss scale times a clip coefficient.
 SCALES = [1.0, 2.0**16, 3.7 * 2.0**12]
 
@@ -31,12 +25,12 @@ def _state(numel: int, seed: int) -> list[torch.Tensor]:
     return [param, grad, exp_avg, exp_avg_sq]
 
 
-def _three_pass(state: list[torch.Tensor], step: int, hyper: AdamHyper, scale: float, lp: torch.Tensor) -> None:
+def _three_pass(state: list[torch.Tensor], step: int, hyper: Hyper, scale: float, lp: torch.Tensor) -> None:
     """The reference: unscale the whole gradient, torch's fused Adam over the whole sub-group, then cast."""
     param, grad, exp_avg, exp_avg_sq = state
     if scale != 1.0:
         grad.mul_(1.0 / scale)
-    torch_adam_update(param, grad, exp_avg, exp_avg_sq, step_tensor(step, torch.device("cpu")), hyper)
+    ADAM.torch_update(param, grad, (exp_avg, exp_avg_sq), step_tensor(step, torch.device("cpu")), hyper)
     lp.copy_(param)
 
 
@@ -52,12 +46,20 @@ def one_thread():  # noqa: ANN201
 
 
 #: Both host paths: the engine's (compiled where a C compiler is, else torch's tiles) and torch's tiles.
-PATHS = {"engine": fused_host_update, "tiles": tiled_host_update}
+def _adam(update):  # noqa: ANN001, ANN202
+    """``update`` (:func:`host_update` or :func:`tiled_update`) of Adam, taking its two moments as arguments."""
+    return lambda param, grad, exp_avg, exp_avg_sq, *args, **kw: update(
+        ADAM, param, grad, (exp_avg, exp_avg_sq), *args, **kw
+    )
+
+
+ENGINE_ADAM, TILED_ADAM = _adam(host_update), _adam(tiled_update)
+PATHS = {"engine": ENGINE_ADAM, "tiles": TILED_ADAM}
 #: What each path leaves in the gradient: the compiled kernel unscales in registers, torch's tiles in place.
 STATE_NAMES = ("param", "grad", "exp_avg", "exp_avg_sq", "lp")
 
 
-def _run_both(numel, tile, hyper, scale, lp_dtype, steps=3, update=fused_host_update):  # noqa: ANN001, ANN202
+def _run_both(numel, tile, hyper, scale, lp_dtype, steps=3, update=ENGINE_ADAM):  # noqa: ANN001, ANN202
     """Three steps of the one-pass update and of the three-pass reference, from the same state. The gradient
     the reference leaves (unscaled) is put back as it came, so the gradients compare whichever path ran."""
     ours, ref = _state(numel, seed=numel + tile), _state(numel, seed=numel + tile)
@@ -97,11 +99,11 @@ def test_worker_threads_give_the_one_thread_result_bit_for_bit(monkeypatch: pyte
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        _, ref = _run_both(5007, 256, ADAMW, 3.7 * 2.0**12, torch.bfloat16, update=tiled_host_update)
+        _, ref = _run_both(5007, 256, ADAMW, 3.7 * 2.0**12, torch.bfloat16, update=TILED_ADAM)
         torch.set_num_threads(2)
         if host_workers.workers() is None:
             pytest.skip("torch is not built with OpenMP threading: the caller runs every tile")
-        ours, _ = _run_both(5007, 256, ADAMW, 3.7 * 2.0**12, torch.bfloat16, update=tiled_host_update)
+        ours, _ = _run_both(5007, 256, ADAMW, 3.7 * 2.0**12, torch.bfloat16, update=TILED_ADAM)
         assert host_workers.workers() is not None and 5007 > 256 * torch.get_num_threads(), "workers ran"
     finally:
         torch.set_num_threads(threads)
@@ -125,7 +127,7 @@ def test_worker_threads_keep_one_torch_thread_and_leave_the_callers_count(monkey
 def test_any_tile_and_thread_count_stays_within_rounding_of_the_three_pass_path(tile, hyper) -> None:  # noqa: ANN001
     """Odd tiles put more elements on torch's scalar path; those differ by a few ulp at most, well
     inside the 1e-5 bound of the equivalence tests."""
-    ours, ref = _run_both(777, tile, hyper, 3.7 * 2.0**12, torch.bfloat16, update=tiled_host_update)
+    ours, ref = _run_both(777, tile, hyper, 3.7 * 2.0**12, torch.bfloat16, update=TILED_ADAM)
     for mine, theirs in zip(ours[:4], ref[:4]):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-8)
 
@@ -167,8 +169,8 @@ def test_non_finite_gradients_propagate_exactly_as_in_the_three_pass_path(path: 
             torch.testing.assert_close(mine[exact:], theirs[exact:], rtol=1e-6, atol=1e-12, equal_nan=True)
 
 
-def _engine_and_inputs(grads: list[torch.Tensor], scale: float, steps: int) -> tuple[InterleavedAdam, StepInputs]:
-    engine = InterleavedAdam([300, 211], [0, 0], 64, torch.device("cpu"), torch.bfloat16)
+def _engine_and_inputs(grads: list[torch.Tensor], scale: float, steps: int) -> tuple[InterleavedUpdate, StepInputs]:
+    engine = InterleavedUpdate([300, 211], [0, 0], 64, torch.device("cpu"), torch.bfloat16)
     engine.pool.param.copy_(_state(511, seed=11)[0])
     lp = [torch.zeros(300, dtype=torch.bfloat16), torch.zeros(211, dtype=torch.bfloat16)]
     return engine, StepInputs([g.clone() for g in grads], lp, [ADAMW], [steps, steps], inv_grad_scale=1 / scale)
@@ -225,10 +227,10 @@ def test_host_and_device_sides_compute_bit_identical_results() -> None:
         assert all(torch.equal(a, b) for a, b in zip(lp, results[0][2]))
 
 
-def test_fused_host_update_refuses_bad_arguments() -> None:
+def test_host_update_refuses_bad_arguments() -> None:
     param, grad, exp_avg, exp_avg_sq = _state(10, seed=0)
     step = step_tensor(1, torch.device("cpu"))
     with pytest.raises(ValueError, match="tile"):
-        fused_host_update(param, grad, exp_avg, exp_avg_sq, step, ADAMW, tile=0)
+        ENGINE_ADAM(param, grad, exp_avg, exp_avg_sq, step, ADAMW, tile=0)
     with pytest.raises(ValueError, match="lp_out"):
-        fused_host_update(param, grad, exp_avg, exp_avg_sq, step, ADAMW, lp_out=torch.zeros(9))
+        ENGINE_ADAM(param, grad, exp_avg, exp_avg_sq, step, ADAMW, lp_out=torch.zeros(9))

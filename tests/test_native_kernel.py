@@ -15,15 +15,16 @@ import pytest
 import torch
 
 from lightning_dos.engine import native
-from lightning_dos.engine.kernels import AdamHyper, fused_host_update, step_tensor, tiled_host_update, torch_adam_update
+from lightning_dos.engine.kernels import Hyper, host_update, step_tensor, tiled_update
+from lightning_dos.engine.update_rules import ADAM
 
-ADAMW = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True)
+ADAMW = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True)
 HYPERS = {
     "adamw": ADAMW,
-    "adam-l2": AdamHyper(lr=3e-3, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.01, decoupled=False),
-    "no-decay": AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True),
-    "lerp-second-form": AdamHyper(lr=1e-3, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.05, decoupled=True),
-    "adam-l2-lerp-second-form": AdamHyper(lr=2e-3, beta1=0.2, beta2=0.9, eps=1e-7, weight_decay=0.02, decoupled=False),
+    "adam-l2": Hyper(lr=3e-3, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.01, decoupled=False),
+    "no-decay": Hyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True),
+    "lerp-second-form": Hyper(lr=1e-3, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.05, decoupled=True),
+    "adam-l2-lerp-second-form": Hyper(lr=2e-3, beta1=0.2, beta2=0.9, eps=1e-7, weight_decay=0.02, decoupled=False),
 }
 LP_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 #: With the hyperparameters above, every combination of the kernel's three loop-invariant choices (unscale,
@@ -73,7 +74,7 @@ def gradients(scale: float) -> list[torch.Tensor]:
     return [_state(NUMEL, seed=10 + step)[1].mul_(scale) for step in STEPS]
 
 
-def torch_reference(hyper: AdamHyper, scale: float) -> list[torch.Tensor]:
+def torch_reference(hyper: Hyper, scale: float) -> list[torch.Tensor]:
     """param, exp_avg and exp_avg_sq after :data:`STEPS` from :func:`initial_state`: the gradient unscaled by
     torch, then torch's fused Adam on one thread (its vector path but for the last NUMEL % 16 elements)."""
     ref = initial_state()
@@ -82,13 +83,13 @@ def torch_reference(hyper: AdamHyper, scale: float) -> list[torch.Tensor]:
     try:
         for step, grad in zip(STEPS, gradients(scale)):
             unscaled = grad.mul_(1 / scale)
-            torch_adam_update(ref[0], unscaled, ref[2], ref[3], step_tensor(step, torch.device("cpu")), hyper)
+            ADAM.torch_update(ref[0], unscaled, (ref[2], ref[3]), step_tensor(step, torch.device("cpu")), hyper)
     finally:
         torch.set_num_threads(threads)
     return [ref[0], ref[2], ref[3]]
 
 
-def kernel_result(kernel, hyper: AdamHyper, scale: float, lp_dtype: torch.dtype) -> list[torch.Tensor]:  # noqa: ANN001
+def kernel_result(kernel, hyper: Hyper, scale: float, lp_dtype: torch.dtype) -> list[torch.Tensor]:  # noqa: ANN001
     """param, exp_avg, exp_avg_sq and the cast copy after :data:`STEPS` of ``kernel`` (called as
     :func:`native.host_adam`), checking that the gradient is read and never written."""
     state, lp = initial_state(), torch.empty(NUMEL, dtype=lp_dtype)
@@ -186,7 +187,7 @@ def test_every_instruction_set_and_build_gives_the_same_bits(tmp_path: Path) -> 
 
 @needs_compiler
 def test_the_engine_host_path_is_the_compiled_kernel_and_agrees_with_torchs_tiles() -> None:
-    """``fused_host_update`` runs the compiled kernel (the gradient comes back as it came, where torch's tiles
+    """``host_update`` runs the compiled kernel (the gradient comes back as it came, where torch's tiles
     unscale it in place), and one thread of torch's tiles gives the same bits on the vector body."""
     numel, scale = 5000, 2.0**10
     ours, theirs = _state(numel, seed=4), _state(numel, seed=4)
@@ -196,8 +197,8 @@ def test_the_engine_host_path_is_the_compiled_kernel_and_agrees_with_torchs_tile
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        fused_host_update(*ours, step, ADAMW, 1 / scale, lp_ours)
-        tiled_host_update(*theirs, step, ADAMW, 1 / scale, lp_theirs, tile=1024)
+        host_update(ADAM, ours[0], ours[1], ours[2:], step, ADAMW, 1 / scale, lp_ours)
+        tiled_update(ADAM, theirs[0], theirs[1], theirs[2:], step, ADAMW, 1 / scale, lp_theirs, tile=1024)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(ours[1], grad) and not torch.equal(theirs[1], grad)
@@ -253,27 +254,28 @@ def test_without_a_compiler_the_engine_warns_once_and_uses_torchs_kernels(tmp_pa
         """
         import warnings, torch
         from lightning_dos.engine import native
-        from lightning_dos.engine.kernels import AdamHyper, fused_host_update, step_tensor, torch_adam_update
-        from lightning_dos.engine.loop import InterleavedAdam
+        from lightning_dos.engine.kernels import Hyper, host_update, step_tensor
+        from lightning_dos.engine.update_rules import ADAM
+        from lightning_dos.engine.loop import InterleavedUpdate
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            InterleavedAdam([300], [0], 64, torch.device("cpu"), torch.bfloat16)
-            InterleavedAdam([300], [0], 64, torch.device("cpu"), torch.bfloat16)
+            InterleavedUpdate([300], [0], 64, torch.device("cpu"), torch.bfloat16)
+            InterleavedUpdate([300], [0], 64, torch.device("cpu"), torch.bfloat16)
         print("warnings:", len(caught))
         for w in caught:
             print(w.message)
         print("available:", native.available(), "reason:", native.unavailable_reason())
         torch.set_num_threads(1)
-        h = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True)
+        h = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True)
         gen = torch.Generator().manual_seed(0)
         ours = [torch.randn(999, generator=gen) for _ in range(4)]
         ours[3].abs_()
         ref = [t.clone() for t in ours]
         lp = torch.empty(999, dtype=torch.bfloat16)
         step = step_tensor(1, torch.device("cpu"))
-        fused_host_update(*ours, step, h, 0.25, lp)
+        host_update(ADAM, ours[0], ours[1], ours[2:], step, h, 0.25, lp)
         ref[1].mul_(0.25)
-        torch_adam_update(*ref, step, h)
+        ADAM.torch_update(ref[0], ref[1], ref[2:], step, h)
         same = all(torch.equal(a, b) for a, b in zip(ours, ref)) and torch.equal(lp, ref[0].bfloat16())
         print("three-pass result:", same)
         """

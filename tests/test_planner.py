@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_dos.cli import main
-from lightning_dos.engine.loop import InterleavedAdam
+from lightning_dos.engine.loop import InterleavedUpdate
 from lightning_dos.engine.perfmodel import HardwareRates
 from lightning_dos.engine.plan import parse_gpu_fraction
 from lightning_dos.engine.scheduler import PlacementScheduler
@@ -103,7 +103,7 @@ def test_default_rows_are_what_the_strategy_runs_and_resident_rows_need_a_budget
     assert sum(r["scheme"].startswith("TwinFlow") for r in budgeted["rows"]) == 5
 
 
-class _FreeMemory(InterleavedAdam):
+class _FreeMemory(InterleavedUpdate):
     """The engine on a machine with no GPU, told how much device memory is free after backward (what
     ``torch.cuda.mem_get_info`` says on a GPU), and that it runs on an accelerator."""
 

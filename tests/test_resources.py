@@ -13,15 +13,15 @@ import torch
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.adapter import engine_device
 from lightning_dos.engine.hostmem import LIMIT_ENV, HostMemory, HostMemoryError, check_host_memory, host_memory
-from lightning_dos.engine.kernels import AdamHyper
-from lightning_dos.engine.loop import InterleavedAdam, StepInputs
+from lightning_dos.engine.kernels import Hyper
+from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
 from lightning_dos.engine.perfmodel import HardwareRates
 from lightning_dos.engine.plan import Place, Plan, even_plan
 from lightning_dos.engine.pool import BufferPool, StagingRing
 from tests.helpers import TinyLM, full_parameters, loader, trainer
 
 SUB_GROUP = 700
-HYPER = [AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)]
+HYPER = [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)]
 
 
 # -- 1. the engine's device ------------------------------------------------------------------------
@@ -87,9 +87,9 @@ def test_16_bit_staging_is_a_ring_of_slots_only_where_the_16_bit_parameters_are_
 def test_host_sub_groups_cast_through_the_ring_give_the_same_16_bit_parameters() -> None:
     """16-bit parameters that live elsewhere than the host (``lp_device`` stands for the accelerator here):
     every host sub-group goes through a slot of the ring, and the result is what a direct cast gives."""
-    numels, hypers = [1000, 300], [AdamHyper(1e-2, 0.9, 0.99, 1e-8, 0.1, True)] * 2
-    ringed = InterleavedAdam(numels, [0, 1], 128, torch.device("cpu"), torch.bfloat16, lp_device=torch.device("meta"))
-    direct = InterleavedAdam(numels, [0, 1], 128, torch.device("cpu"), torch.bfloat16)
+    numels, hypers = [1000, 300], [Hyper(1e-2, 0.9, 0.99, 1e-8, 0.1, True)] * 2
+    ringed = InterleavedUpdate(numels, [0, 1], 128, torch.device("cpu"), torch.bfloat16, lp_device=torch.device("meta"))
+    direct = InterleavedUpdate(numels, [0, 1], 128, torch.device("cpu"), torch.bfloat16)
     assert ringed.pool.lp_staging.slots == len(ringed.sub_groups) and direct.pool.lp_staging is None
     start = torch.randn(sum(numels))
     ringed.pool.param.copy_(start)
@@ -184,7 +184,7 @@ def _inputs(numel: int, step: int = 1) -> StepInputs:
 
 
 def test_device_staging_is_freed_after_every_update_and_fits_the_budget() -> None:
-    engine = InterleavedAdam([1000], [0], 100, torch.device("cpu"), torch.float32)
+    engine = InterleavedUpdate([1000], [0], 100, torch.device("cpu"), torch.float32)
     plan = even_plan(len(engine.sub_groups), 0.5, device_buffers=3)
     one_buffer = 16 * max(engine.sizes)
     for step in (1, 2, 3):
@@ -203,7 +203,7 @@ def _rates(link_bps: float) -> HardwareRates:
 
 
 def test_over_budget_the_model_chooses_between_fewer_buffers_and_fewer_device_sub_groups() -> None:
-    engine = InterleavedAdam([4096], [0], 1024, torch.device("cpu"), torch.float32)
+    engine = InterleavedUpdate([4096], [0], 1024, torch.device("cpu"), torch.float32)
     assert engine.sizes == (1024,) * 4
     plan = Plan((Place.DEVICE, Place.DEVICE, Place.HOST, Place.HOST), device_buffers=2)
     budget = 16 * max(engine.sizes)  # one staging buffer
@@ -260,7 +260,7 @@ def test_deepspeed_accessors_see_and_keep_resident_state() -> None:
     """With an explicit budget and every sub-group resident, DeepSpeed's safe_get_* read the current state and
     safe_set_* writes are used by the next step, exactly as when every sub-group is on the host."""
 
-    def run(place: Place) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], InterleavedAdam]:
+    def run(place: Place) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], InterleavedUpdate]:
         L.seed_everything(0, verbose=False)
         model, probe = TinyLM(), Resident(at=3, place=place)
         strategy = DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=SUB_GROUP, gpu_memory_budget=1 << 30)

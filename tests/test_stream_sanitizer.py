@@ -24,7 +24,7 @@ import lightning_dos.engine.loop as loop_module
 import lightning_dos.engine.pool as pool_module
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.engine.atomic import UpdateInterrupted
-from lightning_dos.engine.kernels import AdamHyper
+from lightning_dos.engine.kernels import Hyper
 from lightning_dos.engine.loop import StepInputs
 from lightning_dos.engine.plan import Place, Plan
 from lightning_dos.engine.update_rules import ADAGRAD, ADAM, LION, Footprint
@@ -34,7 +34,7 @@ from tests.helpers import RandomPlacement, TinyLM, full_parameters, loader, max_
 H, D, R = Place.HOST, Place.DEVICE, Place.RESIDENT
 NUMELS, GROUPS, SUB_GROUP = (48, 40, 64), (0, 1, 1), 16  # 10 sub-groups over 3 flats, 2 param groups
 N_SUB_GROUPS = 10
-HYPERS = (AdamHyper(1e-2, 0.9, 0.99, 1e-8, 0.1, True), AdamHyper(3e-3, 0.8, 0.95, 1e-6, 0.0, True))
+HYPERS = (Hyper(1e-2, 0.9, 0.99, 1e-8, 0.1, True), Hyper(3e-3, 0.8, 0.95, 1e-6, 0.0, True))
 
 
 def mixed(*pattern: Place) -> tuple[Place, ...]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_dos import DeepOptimizerStatesStrategy
-from lightning_dos.engine.kernels import AdamHyper
+from lightning_dos.engine.kernels import Hyper
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
 from lightning_dos.engine.plan import Place, Plan
 from lightning_dos.sim.simstreams import SimStreams, UnboundThreadError
@@ -23,7 +23,7 @@ from tests.helpers import TinyLM, loader, trainer
 from tests.test_stream_sanitizer import _engine_with
 
 NUMELS, GROUPS, SUB_GROUP = (48, 40, 64), (0, 1, 1), 16  # 10 sub-groups over 3 flats, 2 param groups
-HYPERS = (AdamHyper(1e-2, 0.9, 0.99, 1e-8, 0.1, True), AdamHyper(3e-3, 0.8, 0.95, 1e-6, 0.0, True))
+HYPERS = (Hyper(1e-2, 0.9, 0.99, 1e-8, 0.1, True), Hyper(3e-3, 0.8, 0.95, 1e-6, 0.0, True))
 #: Host and streamed sub-groups in turn.
 PLAN = Plan(tuple(Place.HOST if i % 2 else Place.DEVICE for i in range(10)), 2)
 #: The engine with its update thread's binding removed.

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_dos.engine.kernels import AdamHyper, apply_update, host_update, step_tensor
+from lightning_dos.engine.kernels import Hyper, apply_update, host_update, step_tensor
 from lightning_dos.engine.perfmodel import HardwareRates, adam_equivalent
 from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
 
@@ -67,7 +67,7 @@ def _best_seconds(
 
 
 #: Hyperparameters of the timed updates (AdamW's defaults; every rule reads the ones it uses).
-HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+HYPER = Hyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
 _DTYPES = {4: torch.float32, 2: torch.bfloat16}
 
 

@@ -34,15 +34,12 @@ from collections.abc import Sequence
 import torch
 
 from lightning_dos.engine import host_workers, native
-from lightning_dos.engine.update_rules import ADAM, AdamHyper, Hyper, UpdateRule
+from lightning_dos.engine.update_rules import Hyper, UpdateRule
 
 __all__ = [
-    "AdamHyper",
     "Hyper",
     "apply_update",
     "host_update",
-    "adam_update",
-    "fused_host_update",
     "step_tensor",
     "tiled_update",
 ]
@@ -155,30 +152,6 @@ def _native(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, step
     native.host_update(rule.name, param, grad, states, number, hyper, inv_grad_scale, lp_out)
 
 
-def adam_update(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step: torch.Tensor,
-    hyper: Hyper,
-) -> None:
-    """:func:`apply_update` of Adam with the gradient already unscaled and no cast (fp32 state)."""
-    apply_update(ADAM, param, grad, (exp_avg, exp_avg_sq), step, hyper)
-
-
-def torch_adam_update(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step: torch.Tensor,
-    hyper: Hyper,
-) -> None:
-    """One Adam step with torch's fused kernel (any device), in place (:meth:`UpdateRule.torch_update`)."""
-    ADAM.torch_update(param, grad, (exp_avg, exp_avg_sq), step, hyper)
-
-
 def host_update(
     rule: UpdateRule,
     param: torch.Tensor,
@@ -193,7 +166,7 @@ def host_update(
 ) -> None:
     """Unscale, the update and the copy into the model's partition in one pass over host memory.
 
-    Runs the compiled kernel (``native``) when it runs ``rule`` in these dtypes, :func:`tiled_host_update`
+    Runs the compiled kernel (``native``) when it runs ``rule`` in these dtypes, :func:`tiled_update`
     otherwise. Either way the result is the same as :func:`torch_update` over the whole sub-group (bit for bit
     with the compiled kernel; with torch's tiles, bit for bit but for the last few elements of a thread's chunk,
     which may differ by rounding). The update of a sub-group is not divisible: the engine records its unscale,
@@ -222,21 +195,6 @@ def host_update(
         _native(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, step_number)
         return
     tiled_update(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, tile, step_number)
-
-
-def fused_host_update(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step: torch.Tensor,
-    hyper: Hyper,
-    inv_grad_scale: float = 1.0,
-    lp_out: torch.Tensor | None = None,
-    tile: int = HOST_TILE_ELEMENTS,
-) -> None:
-    """:func:`host_update` of Adam (``exp_avg``, ``exp_avg_sq`` its two moments)."""
-    host_update(ADAM, param, grad, (exp_avg, exp_avg_sq), step, hyper, inv_grad_scale, lp_out, tile)
 
 
 def tiled_update(
@@ -274,21 +232,6 @@ def tiled_update(
         run_tiles(0, numel)
         return
     host_workers.run_shares(pool, run_tiles, host_workers.shares(numel, torch.get_num_threads(), _SHARE_ALIGN))
-
-
-def tiled_host_update(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step: torch.Tensor,
-    hyper: Hyper,
-    inv_grad_scale: float = 1.0,
-    lp_out: torch.Tensor | None = None,
-    tile: int = HOST_TILE_ELEMENTS,
-) -> None:
-    """:func:`tiled_update` of Adam (``exp_avg``, ``exp_avg_sq`` its two moments)."""
-    tiled_update(ADAM, param, grad, (exp_avg, exp_avg_sq), step, hyper, inv_grad_scale, lp_out, tile)
 
 
 def step_tensor(step: int, device: torch.device) -> torch.Tensor:

@@ -930,7 +930,3 @@ class InterleavedUpdate:
         self._reached("done", index)
         report.h2d_bytes += self.lp_bytes * sg.numel
         return uploaded
-
-
-#: The engine's former name, from when Adam was its only optimizer.
-InterleavedAdam = InterleavedUpdate

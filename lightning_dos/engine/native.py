@@ -1,7 +1,7 @@
 """The compiled one-pass host update (``host_adam.c``), built with the system C compiler on first use.
 
 torch's fused CPU Adam reads and writes the state once, but the unscale before it and the cast after it are
-passes of their own; tiling them through cache (``kernels.tiled_host_update``) saves traffic but pays three
+passes of their own; tiling them through cache (``kernels.tiled_update``) saves traffic but pays three
 kernel launches, and their barriers, per tile. ``host_adam.c`` does all three per element, in one loop, with
 torch's own formula (Lion: DeepSpeed's ``DeepSpeedCPULion``'s; see the file's header), and splits the sub-group
 over threads once per call.

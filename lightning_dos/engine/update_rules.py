@@ -60,10 +60,6 @@ class Hyper:
     lr_decay: float = 0.0
 
 
-#: The old name, from when Adam was the only rule.
-AdamHyper = Hyper
-
-
 @dataclass(frozen=True)
 class UpdateRule:
     """One optimizer's update, as the engine runs it.

@@ -42,8 +42,8 @@ from lightning_dos.engine.iteration import (
     predicted_timeline,
     shortest_iteration_plan,
 )
-from lightning_dos.engine.kernels import AdamHyper
-from lightning_dos.engine.loop import InterleavedAdam, StepInputs
+from lightning_dos.engine.kernels import Hyper
+from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
 from lightning_dos.engine.perfmodel import (
     HardwareRates,
     Prediction,
@@ -169,7 +169,7 @@ def _steady_step(
     return the log of the second step (the steady state: the first brings resident state up), its copies rescaled
     to ``footprint``'s bytes. The engine keeps its 16-bit parameters on the (simulated) device."""
     small = _test_sizes(sizes, scale)
-    engine = InterleavedAdam(
+    engine = InterleavedUpdate(
         small,
         [0] * len(small),
         max(small),
@@ -182,7 +182,7 @@ def _steady_step(
         keep_resident_grads=footprint.grads_on_device,
     )
     checker.watch(engine, overlap=overlap != "off", early=overlap == "auto")
-    hyper = [AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)]
+    hyper = [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)]
     grads = [torch.zeros(n, dtype=DTYPES[footprint.master]) for n in small]
     lp = [torch.zeros(n, dtype=engine.lp_dtype) for n in small]
     for step in (1, 2):  # the first step brings resident state up; the second is the steady state replayed

@@ -67,7 +67,7 @@ def contexts() -> list[bool]:
 
 def _overlapped_update(bind: bool) -> dict:
     """One update on the engine's thread, on the last visible GPU; what that thread did and the contexts after."""
-    from lightning_dos.engine.kernels import AdamHyper
+    from lightning_dos.engine.kernels import Hyper
     from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
     from lightning_dos.engine.plan import Place, Plan
 
@@ -91,7 +91,7 @@ def _overlapped_update(bind: bool) -> dict:
     plan = Plan(tuple(Place.DEVICE if i % 2 else Place.HOST for i in range(len(engine.sub_groups))), 2)
     grads = [torch.randn(n).pin_memory() for n in numels]
     lp = [torch.zeros(n, dtype=torch.bfloat16, device=device) for n in numels]
-    inputs = StepInputs(grads, lp, [AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)], [1, 1])
+    inputs = StepInputs(grads, lp, [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)], [1, 1])
 
     def work() -> None:
         seen["device"] = torch.cuda.current_device()
