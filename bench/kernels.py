@@ -52,7 +52,7 @@ import torch
 
 from lightning_dos.engine import host_workers, native
 from lightning_dos.engine.kernels import HOST_TILE_ELEMENTS, step_tensor, tiled_update
-from lightning_dos.engine.update_rules import ADAM, RULES, Hyper
+from lightning_dos.model.update_rules import ADAM, RULES, Hyper
 
 #: Bytes each path moves per element. Adam reads param, grad, exp_avg, exp_avg_sq (16) and writes param and
 #: the moments (12); with ``grad_scale`` torch's kernel also writes the unscaled gradient back (4). The cast

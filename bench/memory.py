@@ -62,7 +62,7 @@ def _record_before_optimizer_state(into: dict) -> None:
     DeepSpeed's method runs unchanged."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
 
-    from lightning_dos.engine.hostmem import resident_bytes, return_freed_memory
+    from lightning_dos.host.hostmem import resident_bytes, return_freed_memory
 
     original = Stage3._create_fp32_partitions
 
@@ -86,8 +86,8 @@ def child(args: argparse.Namespace) -> None:
 
     from bench.run import StockGPT, make_strategy
     from lightning_dos.data import ByteCorpusDataModule
-    from lightning_dos.engine.hostmem import resident_bytes, return_freed_memory
-    from lightning_dos.preflight import figure_for
+    from lightning_dos.host.hostmem import resident_bytes, return_freed_memory
+    from lightning_dos.integration.preflight import figure_for
     from lightning_dos.recipes.gpt import GPT
 
     class Held(L.Callback):
@@ -175,7 +175,7 @@ def _bf16_states_strategy(system: str, sub_group_size: int) -> tuple[object, boo
     """``make_strategy`` with DeepSpeed's bf16 master weights and optimizer states configured."""
     from bench.run import stock_config
     from lightning_dos import DeepOptimizerStatesStrategy
-    from lightning_dos.strategy import DeepSpeedCPUStrategy
+    from lightning_dos.integration.strategy import DeepSpeedCPUStrategy
 
     if system == "stock":
         return DeepSpeedCPUStrategy(config={**stock_config(sub_group_size), "bf16": dict(_BF16_SECTION)}), False

@@ -30,8 +30,8 @@ from types import ModuleType
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_dos.engine import perfmodel  # noqa: E402
-from lightning_dos.engine.cores import format_cpulist  # noqa: E402
+from lightning_dos.host.cores import format_cpulist  # noqa: E402
+from lightning_dos.model import perfmodel  # noqa: E402
 
 JOB = ROOT / "tests" / "jobs" / "train_ranks.py"
 #: One H100 rank with a share of a many-core host (the rates tests/test_perfmodel.py uses).
@@ -98,9 +98,9 @@ def threads_table(launchers: list[str]) -> str:
 
 
 def load_baseline(revision: str) -> ModuleType:
-    """``lightning_dos/engine/perfmodel.py`` as it was at ``revision`` (git), as a module of its own."""
+    """``lightning_dos/model/perfmodel.py`` as it was at ``revision`` (git), as a module of its own."""
     source = subprocess.run(
-        ["git", "show", f"{revision}:lightning_dos/engine/perfmodel.py"], cwd=ROOT, check=True, capture_output=True
+        ["git", "show", f"{revision}:lightning_dos/model/perfmodel.py"], cwd=ROOT, check=True, capture_output=True
     ).stdout
     path = Path(tempfile.mkdtemp()) / f"perfmodel_{revision}.py"
     path.write_bytes(source)

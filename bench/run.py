@@ -35,10 +35,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else
 import lightning as L  # noqa: E402
 
 from lightning_dos import DeepOptimizerStatesStrategy  # noqa: E402
-from lightning_dos.callbacks.monitor import DOSMonitor  # noqa: E402
 from lightning_dos.data import ByteCorpusDataModule  # noqa: E402
+from lightning_dos.integration.callbacks.monitor import DOSMonitor  # noqa: E402
+from lightning_dos.integration.strategy import DeepSpeedCPUStrategy  # noqa: E402
 from lightning_dos.recipes.gpt import GPT  # noqa: E402
-from lightning_dos.strategy import DeepSpeedCPUStrategy  # noqa: E402
 
 #: Model shapes: (layers, width, heads, sequence length, micro-batch).
 PRESETS = {
@@ -178,7 +178,7 @@ def run_system(system: str, args: argparse.Namespace) -> Result:
         result.extra["engine_update_s"] = _median(rows, "dos/engine_update_s")
         scheduler = getattr(strategy, "dos_scheduler", None)
         if scheduler is not None and scheduler.rates is not None:
-            from lightning_dos.engine.perfmodel import floor
+            from lightning_dos.model.perfmodel import floor
 
             r_star, t_floor = floor(sum(engine.sizes), scheduler.rates, engine.lp_bytes)
             result.extra.update(floor_s=t_floor, r_star=r_star)

@@ -18,8 +18,11 @@ __version__ = "0.1.0.dev0"
 
 #: Public names, imported on first use.
 _LAZY = {
-    "DeepOptimizerStatesStrategy": "lightning_dos.strategy",
-    "DOSConfigError": "lightning_dos.strategy",
+    "DeepOptimizerStatesStrategy": "lightning_dos.integration.strategy",
+    "DOSConfigError": "lightning_dos.integration.strategy",
+    "DOSMonitor": "lightning_dos.integration.callbacks",
+    "DOSProgressBar": "lightning_dos.integration.callbacks",
+    "DOSModelSummary": "lightning_dos.integration.callbacks",
     "TornStateError": "lightning_dos.engine.atomic",
     "UpdateInFlightError": "lightning_dos.engine.atomic",
     "UpdateInterrupted": "lightning_dos.engine.atomic",
@@ -37,7 +40,7 @@ def __getattr__(name: str) -> Any:
 def _register() -> None:
     # The strategy module registers "dos" as its import completes (also when this runs while it is being
     # imported, which is how Lightning got loaded in the first place: then this returns the partial module).
-    importlib.import_module("lightning_dos.strategy")
+    importlib.import_module("lightning_dos.integration.strategy")
 
 
 class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
@@ -67,6 +70,9 @@ elif not any(isinstance(finder, _RegisterWhenLightningLoads) for finder in sys.m
 
 __all__ = [
     "DOSConfigError",
+    "DOSModelSummary",
+    "DOSMonitor",
+    "DOSProgressBar",
     "DeepOptimizerStatesStrategy",
     "TornStateError",
     "UpdateInFlightError",

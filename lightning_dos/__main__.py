@@ -1,5 +1,5 @@
 """``python -m lightning_dos`` runs the ``lightning-dos`` command line."""
 
-from lightning_dos.cli import main
+from lightning_dos.commands.main import main
 
 raise SystemExit(main())

@@ -4,5 +4,6 @@ from __future__ import annotations
 
 
 class DOSConfigError(ValueError):
-    """A setting of :class:`~lightning_dos.strategy.DeepOptimizerStatesStrategy` (or its DeepSpeed config, or the
-    optimizer ``configure_optimizers`` returned) cannot be honoured; the message names it and what would be valid."""
+    """A setting of :class:`~lightning_dos.integration.strategy.DeepOptimizerStatesStrategy` (or its DeepSpeed
+    config, or the optimizer ``configure_optimizers`` returned) cannot be honoured; the message names it and what
+    would be valid."""

@@ -30,8 +30,8 @@ import torch
 from lightning_dos.engine import pool as pool_module
 from lightning_dos.engine.kernels import Hyper
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
-from lightning_dos.engine.plan import Place, Plan
 from lightning_dos.engine.streams import CudaStreams, Streams
+from lightning_dos.model.plan import Place, Plan
 
 #: Elements per sub-group: large enough that copies and kernels take longer than issuing the next one.
 SUB_GROUP = 1 << 24

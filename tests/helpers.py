@@ -11,7 +11,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dos.engine.plan import Place, random_plan
+from lightning_dos.model.plan import Place, random_plan
 
 VOCAB = 61
 

@@ -19,7 +19,7 @@ from lightning_dos.engine.atomic import (
 )
 from lightning_dos.engine.kernels import Hyper
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
-from lightning_dos.engine.plan import Place, Plan
+from lightning_dos.model.plan import Place, Plan
 
 NUMELS, GROUPS = [50, 37, 64], [0, 1, 1]
 HYPERS = [Hyper(1e-2, 0.9, 0.99, 1e-8, 0.1, True), Hyper(3e-3, 0.8, 0.95, 1e-6, 0.0, False)]

@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, UpdateInterrupted
-from lightning_dos.engine.plan import Place, Plan
+from lightning_dos.model.plan import Place, Plan
 from tests.helpers import TinyLM, clean_env, full_parameters, lm_data, loader, trainer
 
 SUB_GROUP = 700

@@ -7,7 +7,7 @@ import inspect
 import pytest
 import torch
 
-from lightning_dos.engine import calibrate as calibration
+from lightning_dos.planning import calibrate as calibration
 
 
 def test_host_rates_are_timed_on_buffers_of_at_least_256_mb() -> None:
@@ -59,8 +59,8 @@ def test_calibration_buffers_never_outgrow_a_small_model_nor_fall_into_cache() -
 def test_calibration_of_another_rule_reports_rates_in_adam_fp32_units() -> None:
     """An engine of any rule and dtype can be calibrated; the rates come back in the unit profiles hold (Adam
     with fp32 state), so a profile from any engine plans any other."""
-    from lightning_dos.engine.perfmodel import rates_for
-    from lightning_dos.engine.update_rules import ADAM, LION, Footprint
+    from lightning_dos.model.perfmodel import rates_for
+    from lightning_dos.model.update_rules import ADAM, LION, Footprint
 
     bf16 = Footprint(ADAM, 2, 2)
     timed = bf16
@@ -77,8 +77,8 @@ def test_with_a_generic_kernel_calibration_times_the_engines_own_rule_and_dtypes
     ``kernels.apply_update``), and
     converts the rate to Adam fp32 units, so the model gives the measured rate back for that rule. The kernel is
     watched here: the rule's torch formula in fp32, stored back in the buffers' dtypes."""
-    from lightning_dos.engine.perfmodel import adam_equivalent, rates_for
-    from lightning_dos.engine.update_rules import LION, Footprint
+    from lightning_dos.model.perfmodel import adam_equivalent, rates_for
+    from lightning_dos.model.update_rules import LION, Footprint
 
     seen: list[tuple] = []
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_dos.callbacks import DOSProgressBar
-from lightning_dos.callbacks.progress import format_dos_metrics
-from lightning_dos.strategy import cpu_supports_fp16
+from lightning_dos.integration.callbacks import DOSProgressBar
+from lightning_dos.integration.callbacks.progress import format_dos_metrics
+from lightning_dos.integration.strategy import cpu_supports_fp16
 from tests.helpers import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def test_help_lists_every_subcommand(script: bool) -> None:
     done = _run("--help", script=script)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: lightning-dos")
-    from lightning_dos.cli import EXTRA_COMMANDS, TRAINING_COMMANDS
+    from lightning_dos.commands.main import EXTRA_COMMANDS, TRAINING_COMMANDS
 
     listed = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ")}
     assert listed == set(TRAINING_COMMANDS) | set(EXTRA_COMMANDS), done.stdout
@@ -51,7 +51,7 @@ def test_help_and_the_extra_subcommands_import_neither_torch_nor_lightning() -> 
     """What keeps ``--help`` fast (well under 2 s): torch and Lightning are imported only to train."""
     code = (
         "import sys\n"
-        "from lightning_dos.cli import main\n"
+        "from lightning_dos.commands.main import main\n"
         "for args in (['--help'], ['plan', '--help'], ['report', '--help'], ['calibrate', '--help'],"
         " ['plan', '--params', '1e9', '--json']):\n"
         "    assert main(args) == 0, args\n"
@@ -135,14 +135,14 @@ def test_a_30_step_fit_is_quiet_and_logs_one_row_per_step(tmp_path: Path) -> Non
 
 
 def test_extra_subcommands_are_dispatched() -> None:
-    from lightning_dos.cli import main
+    from lightning_dos.commands.main import main
 
     assert main(["plan", "--help"]) == 0
     assert main(["report", "/no/such/run"]) == 1
 
 
 def test_missing_subcommand_module_is_a_clear_error(monkeypatch, capsys) -> None:  # noqa: ANN001
-    from lightning_dos import cli
+    from lightning_dos.commands import main as cli
 
     monkeypatch.setitem(cli.EXTRA_COMMANDS, "report", ("lightning_dos.no_such_module", "draw a run"))
     assert cli.main(["report", "runs/x"]) == 2

@@ -14,8 +14,8 @@ import pytest
 from rich.cells import cell_len
 
 from lightning_dos import DeepOptimizerStatesStrategy
-from lightning_dos.callbacks import DOSMonitor, DOSProgressBar
-from lightning_dos.callbacks.summary import informative_columns
+from lightning_dos.integration.callbacks import DOSMonitor, DOSProgressBar
+from lightning_dos.integration.callbacks.summary import informative_columns
 from tests.helpers import TinyLM, clean_env, loader, trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,7 +182,7 @@ def _printed(table: object) -> str:
 
 
 def test_the_medians_table_leaves_out_device_rows_of_zeros_only_without_an_accelerator() -> None:
-    from lightning_dos.callbacks.monitor import summary_table
+    from lightning_dos.integration.callbacks.monitor import summary_table
 
     idle = [{"dos/step_s": 1.0, "dos/update_s": 0.5, "dos/h2d_gbps": 0.0, "dos/gpu_fraction": 0.0}] * 3
     cpu = _printed(summary_table(idle, on_accelerator=False))
@@ -196,12 +196,12 @@ def test_the_medians_table_leaves_out_device_rows_of_zeros_only_without_an_accel
 def test_lightnings_note_about_the_summary_is_dropped_only_for_ours() -> None:
     """Lightning says it skips its default summary when one is given: not said for DOSModelSummary (the CLI
     adds it), still said for a user's own."""
-    from lightning_dos import quiet
+    from lightning_dos.host import quiet
 
     quiet.install()
     log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     head = "Trainer already configured with model summary callbacks: "
-    ours = head + "[<class 'lightning_dos.callbacks.summary.DOSModelSummary'>]. Skipping setting a default"
+    ours = head + "[<class 'lightning_dos.integration.callbacks.summary.DOSModelSummary'>]. Skipping setting a default"
     theirs = head + "[<class 'my.Summary'>]. Skipping setting a default"
 
     def shown(message: str) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_dos.engine.cores import (
+from lightning_dos.host.cores import (
     HostPlacement,
     choose_host_placement,
     format_cpulist,
@@ -18,7 +18,7 @@ from lightning_dos.engine.cores import (
     read_physical_cores,
     split_cores,
 )
-from lightning_dos.host_threads import apply_host_threads
+from lightning_dos.host.host_threads import apply_host_threads
 
 
 def test_cpulists_round_trip() -> None:

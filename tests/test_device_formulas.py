@@ -25,10 +25,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_dos.engine import kernels, update_rules
+from lightning_dos.engine import kernels
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
-from lightning_dos.engine.plan import Place, Plan
-from lightning_dos.engine.update_rules import ADAGRAD, ADAM, LION, Hyper
+from lightning_dos.model import update_rules
+from lightning_dos.model.plan import Place, Plan
+from lightning_dos.model.update_rules import ADAGRAD, ADAM, LION, Hyper
 from lightning_dos.sim.sanitizer import HostSyncError, StreamSanitizer
 from lightning_dos.sim.simstreams import SimStreams
 

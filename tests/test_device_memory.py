@@ -20,11 +20,11 @@ from torch.profiler import ProfilerActivity, profile
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.engine import loop as loop_module
 from lightning_dos.engine.kernels import torch_update
-from lightning_dos.engine.perfmodel import device_bytes
-from lightning_dos.engine.plan import Place, Plan
 from lightning_dos.engine.pool import STAGING_BYTES_PER_ELEMENT
-from lightning_dos.engine.update_rules import RULES, Footprint, Hyper
-from lightning_dos.sim.iteration import BACKWARD, BETWEEN, FORWARD, UPDATE, IterationMemory, ModelMemory
+from lightning_dos.model.perfmodel import device_bytes
+from lightning_dos.model.plan import Place, Plan
+from lightning_dos.model.update_rules import RULES, Footprint, Hyper
+from lightning_dos.sim.phase_memory import BACKWARD, BETWEEN, FORWARD, UPDATE, IterationMemory, ModelMemory
 from lightning_dos.sim.simstreams import SimStreams
 from tests.helpers import TinyLM, full_parameters, loader, max_relative_error, trainer
 

@@ -13,8 +13,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dos import DeepOptimizerStatesStrategy
-from lightning_dos.engine.plan import Place
-from lightning_dos.strategy import DOSConfigError, cpu_supports_fp16
+from lightning_dos.integration.strategy import DOSConfigError, cpu_supports_fp16
+from lightning_dos.model.plan import Place
 from tests.helpers import FP32_RTOL_PER_OP, TinyLM, full_parameters, loader, max_relative_error, trainer
 
 SUB_GROUP = 700
@@ -116,7 +116,7 @@ def test_overflow_branch_with_dynamic_loss_scaling_on_any_cpu() -> None:
 
 def test_fp16_is_refused_up_front_where_deepspeed_cannot_run_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU without fp16 support, precision='16-mixed' fails before any work, naming the setting."""
-    import lightning_dos.strategy as strategy_module
+    import lightning_dos.integration.strategy as strategy_module
 
     if cpu_supports_fp16():  # a CPU that runs fp16 takes the refusal branch too
         monkeypatch.setattr(strategy_module, "cpu_supports_fp16", lambda: False)
@@ -171,7 +171,7 @@ def test_checkpoint_written_mid_run_reloads_with_another_placement(tmp_path) -> 
 def test_checkpoint_while_state_is_resident_resumes_exactly(tmp_path) -> None:  # noqa: ANN001
     """With every sub-group resident on the device, the host slabs are stale between steps; saving a
     checkpoint brings the state home first, and loading one replaces the resident copies."""
-    from lightning_dos.engine.plan import Plan
+    from lightning_dos.model.plan import Plan
 
     class AllResident(L.Callback):
         def on_fit_start(self, trainer, pl_module) -> None:  # noqa: ANN001
@@ -200,7 +200,7 @@ def test_checkpoint_while_state_is_resident_resumes_exactly(tmp_path) -> None:  
 
 def test_zero_memory_budget_puts_every_sub_group_on_the_host_with_one_warning() -> None:
     """One warning per run, but every step's fallback is in its report and logged as dos/fallback_subgroups."""
-    from lightning_dos.callbacks.monitor import DOSMonitor
+    from lightning_dos.integration.callbacks.monitor import DOSMonitor
 
     L.seed_everything(0, verbose=False)
     model, probe, monitor = TinyLM(), Probe(), DOSMonitor(summary=False, log_every_n_steps=1)
@@ -281,7 +281,7 @@ class _AllResident(L.Callback):
         self.reports: list = []
 
     def on_fit_start(self, trainer, pl_module) -> None:  # noqa: ANN001
-        from lightning_dos.engine.plan import Plan
+        from lightning_dos.model.plan import Plan
 
         adapter = trainer.strategy.dos_adapter
         plan = Plan((Place.RESIDENT,) * len(adapter.engine.sub_groups))

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from lightning_dos.engine.kernels import Hyper
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
-from lightning_dos.engine.plan import (
+from lightning_dos.model.plan import (
     ALIGN_ELEMENTS,
     AUTO_SUB_GROUPS,
     MAX_AUTO_SUB_GROUP,

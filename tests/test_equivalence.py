@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lightning_dos import DeepOptimizerStatesStrategy
-from lightning_dos.engine.plan import Place
-from lightning_dos.strategy import DeepSpeedCPUStrategy
+from lightning_dos.integration.strategy import DeepSpeedCPUStrategy
+from lightning_dos.model.plan import Place
 from tests.helpers import (
     FP32_RTOL,
     FP32_RTOL_PER_OP,

@@ -211,7 +211,7 @@ def test_removing_any_wait_host_wait_or_tail_event_makes_the_delayed_streams_dif
 def test_iteration_phases_time_the_device_not_the_launch() -> None:
     """On CUDA the phases are the GPU's time between events on the current stream: a backward of queued matrix
     products takes longer than its (asynchronous) launch on the host's clock."""
-    from lightning_dos.engine.phases import IterationPhases
+    from lightning_dos.integration.phases import IterationPhases
 
     a = torch.randn(4096, 4096, device="cuda")
     phases = IterationPhases(torch.device("cuda"))

@@ -1,4 +1,4 @@
-"""The whole-iteration model (engine/iteration.py) and ``lightning-dos simulate --forward-s/--backward-s``."""
+"""The whole-iteration model (model/iteration.py) and ``lightning-dos simulate --forward-s/--backward-s``."""
 
 from __future__ import annotations
 
@@ -9,23 +9,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_dos.cli import main as cli_main
-from lightning_dos.engine.iteration import (
+from lightning_dos.commands.main import main as cli_main
+from lightning_dos.commands.plan import footprint_of
+from lightning_dos.commands.simulate import auto_plan, sub_group_sizes
+from lightning_dos.engine.loop import InterleavedUpdate
+from lightning_dos.integration.phases import IterationPhases
+from lightning_dos.model.iteration import (
     UpdateTimeline,
     iteration_plan,
     iteration_s,
     predicted_timeline,
     shortest_iteration_plan,
 )
-from lightning_dos.engine.loop import InterleavedUpdate
-from lightning_dos.engine.perfmodel import device_bytes, predict, rates_for
-from lightning_dos.engine.phases import IterationPhases
-from lightning_dos.engine.plan import Place, Plan, parse_gpu_fraction
-from lightning_dos.engine.scheduler import PlacementScheduler
-from lightning_dos.engine.update_rules import ADAM_FP32
-from lightning_dos.planner import footprint_of
-from lightning_dos.profiles import load_profile
-from lightning_dos.sim.simulate import auto_plan, sub_group_sizes
+from lightning_dos.model.perfmodel import device_bytes, predict, rates_for
+from lightning_dos.model.plan import Place, Plan, parse_gpu_fraction
+from lightning_dos.model.update_rules import ADAM_FP32
+from lightning_dos.planning.profiles import load_profile
+from lightning_dos.planning.scheduler import PlacementScheduler
 
 H, D = Place.HOST, Place.DEVICE
 
@@ -137,7 +137,7 @@ def test_the_iteration_plan_is_at_least_the_best_count_streamed_first_and_no_sin
 def test_refining_a_plan_moves_only_free_sub_groups_and_stops_at_its_limit() -> None:
     """The refinement never moves a resident sub-group, predicts at most ``limit`` placements, keeps the plan it
     started from when nothing predicts shorter, and leaves host sub-groups for after backward only when asked."""
-    from lightning_dos.engine.iteration import DEVICE, HOST, LATE, RESIDENT, _refined
+    from lightning_dos.model.iteration import DEVICE, HOST, LATE, RESIDENT, _refined
 
     start = (RESIDENT, HOST, HOST, DEVICE, HOST, RESIDENT)
     calls: list[tuple[str, ...]] = []
@@ -211,7 +211,7 @@ def test_no_placement_predicts_an_iteration_below_the_floor() -> None:
     engine's rules. And it is not vacuous: on the paper's node the best plan comes within 5% of it."""
     import random
 
-    from lightning_dos.engine.iteration import iteration_floor
+    from lightning_dos.model.iteration import iteration_floor
 
     base, _ = load_profile("paper-h100x4")
     rng = random.Random(23)
@@ -236,8 +236,8 @@ def test_no_placement_predicts_an_iteration_below_the_floor() -> None:
 def test_the_least_update_time_is_the_exact_minimum_over_the_streamed_share() -> None:
     """:func:`least_update_s` (bisection) is below every streamed share's time on a fine grid and within 0.1% of the
     grid's best; with resident room charged nothing, the floor only falls."""
-    from lightning_dos.engine.iteration import iteration_floor
-    from lightning_dos.engine.perfmodel import least_update_s, link_seconds
+    from lightning_dos.model.iteration import iteration_floor
+    from lightning_dos.model.perfmodel import least_update_s, link_seconds
 
     rates, _ = load_profile("paper-h100x4")
     host = 1 / rates.host_adam_eps + 1 / rates.host_cast_eps

@@ -9,8 +9,8 @@ import torch
 from lightning_dos.engine import host_workers, native
 from lightning_dos.engine.kernels import HOST_TILE_ELEMENTS, Hyper, host_update, step_tensor, tiled_update
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
-from lightning_dos.engine.plan import Place, Plan
-from lightning_dos.engine.update_rules import ADAM
+from lightning_dos.model.plan import Place, Plan
+from lightning_dos.model.update_rules import ADAM
 
 ADAMW = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True)
 ADAM_L2 = Hyper(lr=3e-3, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.01, decoupled=False)

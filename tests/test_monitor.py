@@ -19,12 +19,12 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_dos import DeepOptimizerStatesStrategy
-from lightning_dos import report as report_cli
-from lightning_dos.callbacks.monitor import DOSMonitor, summary_table
-from lightning_dos.engine.plan import Place, Plan, even_plan
-from lightning_dos.engine.report import LANES, Span, StepReport
-from lightning_dos.engine.update_rules import ADAM_FP32
-from lightning_dos.trace import PHASES_LANE, TracedStep, build_trace, lane_overlaps
+from lightning_dos.commands import report as report_cli
+from lightning_dos.integration.callbacks.monitor import DOSMonitor, summary_table
+from lightning_dos.integration.trace import PHASES_LANE, TracedStep, build_trace, lane_overlaps
+from lightning_dos.model.plan import Place, Plan, even_plan
+from lightning_dos.model.step_report import LANES, Span, StepReport
+from lightning_dos.model.update_rules import ADAM_FP32
 from tests.helpers import TinyLM, loader, trainer
 
 SUB_GROUP = 700  # TinyLM has ~8k parameters: about a dozen sub-groups

@@ -23,7 +23,7 @@ import torch
 
 from bench import kernels as bench_kernels
 from lightning_dos.engine import native
-from lightning_dos.engine.update_rules import RULES
+from lightning_dos.model.update_rules import RULES
 from tests import test_native_rules as rules_test
 from tests.test_native_kernel import (
     HYPERS,

@@ -16,7 +16,7 @@ import torch
 
 from lightning_dos.engine import native
 from lightning_dos.engine.kernels import Hyper, host_update, step_tensor, tiled_update
-from lightning_dos.engine.update_rules import ADAM
+from lightning_dos.model.update_rules import ADAM
 
 ADAMW = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True)
 HYPERS = {
@@ -255,7 +255,7 @@ def test_without_a_compiler_the_engine_warns_once_and_uses_torchs_kernels(tmp_pa
         import warnings, torch
         from lightning_dos.engine import native
         from lightning_dos.engine.kernels import Hyper, host_update, step_tensor
-        from lightning_dos.engine.update_rules import ADAM
+        from lightning_dos.model.update_rules import ADAM
         from lightning_dos.engine.loop import InterleavedUpdate
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_dos.engine import native
-from lightning_dos.engine.update_rules import RULES, Hyper
+from lightning_dos.model.update_rules import RULES, Hyper
 
 #: Each rule with each of its loop-invariant choices (every loop of host_adam.c is one of these with one storage,
 #: unscaled or not): Adam and AdamW with both forms of torch's lerp, Adagrad with and without an L2 term and an lr

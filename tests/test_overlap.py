@@ -21,14 +21,14 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dos import DeepOptimizerStatesStrategy
-from lightning_dos.engine.agree import _RATE_FIELDS
 from lightning_dos.engine.atomic import TornStateError, UpdateInFlightError
-from lightning_dos.engine.iteration import shortest_iteration_plan
-from lightning_dos.engine.perfmodel import HardwareRates
-from lightning_dos.engine.plan import Place, Plan
-from lightning_dos.engine.scheduler import PlacementScheduler
 from lightning_dos.errors import DOSConfigError
-from lightning_dos.profiles import load_profile
+from lightning_dos.model.iteration import shortest_iteration_plan
+from lightning_dos.model.perfmodel import HardwareRates
+from lightning_dos.model.plan import Place, Plan
+from lightning_dos.planning.agree import _RATE_FIELDS
+from lightning_dos.planning.profiles import load_profile
+from lightning_dos.planning.scheduler import PlacementScheduler
 from lightning_dos.sim.collectives import inside_backward
 from tests.helpers import RandomPlacement, TinyLM, full_parameters, loader, trainer
 

@@ -10,9 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_dos.engine.perfmodel import (
+from lightning_dos.model.perfmodel import (
     HardwareRates,
-    RateEstimator,
     _host_tail,
     adam_equivalent,
     choose_plan,
@@ -22,9 +21,10 @@ from lightning_dos.engine.perfmodel import (
     rates_for,
     update_bytes,
 )
-from lightning_dos.engine.plan import Place, Plan, all_host, even_plan
-from lightning_dos.engine.report import Span, StepReport
-from lightning_dos.engine.update_rules import ADAGRAD, ADAM, ADAM_FP32, LION, Footprint
+from lightning_dos.model.plan import Place, Plan, all_host, even_plan
+from lightning_dos.model.step_report import Span, StepReport
+from lightning_dos.model.update_rules import ADAGRAD, ADAM, ADAM_FP32, LION, Footprint
+from lightning_dos.planning.estimator import RateEstimator
 
 # One H100 rank with a share of a many-core host: CPU Adam ~2.5 G elements/s, PCIe Gen5.
 GPU = HardwareRates(2.5e9, 10e9, 150e9, 50e9, 50e9, 30e9, 30e9)

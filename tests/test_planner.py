@@ -11,13 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_dos.cli import main
+from lightning_dos.commands.main import main
+from lightning_dos.commands.plan import footprint_of, plan_rows
 from lightning_dos.engine.loop import InterleavedUpdate
-from lightning_dos.engine.perfmodel import HardwareRates
-from lightning_dos.engine.plan import parse_gpu_fraction
-from lightning_dos.engine.scheduler import PlacementScheduler
-from lightning_dos.planner import footprint_of, plan_rows
-from lightning_dos.profiles import load_profile
+from lightning_dos.model.perfmodel import HardwareRates
+from lightning_dos.model.plan import parse_gpu_fraction
+from lightning_dos.planning.profiles import load_profile
+from lightning_dos.planning.scheduler import PlacementScheduler
 
 # Authors' update throughput on 4x H100, B params/s: (model, stock ZeRO-3 offload, their method at stride 2).
 AUTHORS = [(7e9, 7.9, 14.2), (8.3e9, 6.0, 10.7), (10e9, 6.7, 11.9), (13e9, 7.7, 13.6), (20e9, 8.8, 15.4)]

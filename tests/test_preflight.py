@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from lightning_dos.engine.pool import BufferPool
-from lightning_dos.engine.update_rules import ADAGRAD, ADAM, ADAM_FP32, LION, Footprint
-from lightning_dos.preflight import (
+from lightning_dos.integration.preflight import (
     config_footprint,
     deepspeed_sub_groups,
     engine_host_bytes,
@@ -29,6 +28,7 @@ from lightning_dos.preflight import (
     power_of_two_ceil,
     rank_host_figure,
 )
+from lightning_dos.model.update_rules import ADAGRAD, ADAM, ADAM_FP32, LION, Footprint
 from tests.helpers import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_dos.engine.agree import agreed_plan_inputs
-from lightning_dos.engine.calibrate import MIN_HOST_NUMEL, calibrate
-from lightning_dos.engine.perfmodel import HardwareRates
-from lightning_dos.ranks import calibrate_together, reduce_min_over_ranks
+from lightning_dos.host.ranks import calibrate_together, reduce_min_over_ranks
+from lightning_dos.model.perfmodel import HardwareRates
+from lightning_dos.planning.agree import agreed_plan_inputs
+from lightning_dos.planning.calibrate import MIN_HOST_NUMEL, calibrate
 from lightning_dos.sim.collectives import CollectiveRecorder, per_thread
 from tests.helpers import clean_env
 

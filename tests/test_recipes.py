@@ -23,7 +23,7 @@ def test_there_are_recipes() -> None:
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_recipe_parses_and_instantiates_without_allocating(recipe: Path) -> None:
-    from lightning_dos.cli import DOSCLI
+    from lightning_dos.commands.main import DOSCLI
     from lightning_dos.data import ByteCorpusDataModule
 
     # GPU recipes are checked here on whatever hardware runs the tests.
@@ -64,7 +64,7 @@ def test_model_learns_and_refuses_sequences_longer_than_its_block() -> None:
     ],
 )
 def test_bad_recipe_settings_are_refused_before_training(args: list[str], fragment: str, capsys) -> None:  # noqa: ANN001
-    from lightning_dos.cli import main
+    from lightning_dos.commands.main import main
 
     code = main(["fit", "--config", str(TINY), *args])
     assert code != 0
@@ -85,7 +85,7 @@ def test_big_recipe_models_allocate_nothing_and_have_their_size(name: str) -> No
 
 
 def test_unknown_key_in_a_recipe_file_is_refused_naming_it(tmp_path: Path, capsys) -> None:  # noqa: ANN001
-    from lightning_dos.cli import main
+    from lightning_dos.commands.main import main
 
     extra = tmp_path / "typo.yaml"
     extra.write_text("model:\n  n_layer: 2\n  n_embdd: 64\n")
@@ -96,7 +96,7 @@ def test_unknown_key_in_a_recipe_file_is_refused_naming_it(tmp_path: Path, capsy
 
 
 def test_sequence_longer_than_the_block_is_refused_before_training(tmp_path: Path, capsys) -> None:  # noqa: ANN001
-    from lightning_dos.cli import main
+    from lightning_dos.commands.main import main
 
     code = main(["fit", "--config", str(TINY), "--data.seq_len", "256", "--trainer.default_root_dir", str(tmp_path)])
     assert code == 2
@@ -162,7 +162,7 @@ def test_param_groups_schedule_test_and_predict_on_a_plain_trainer(tmp_path: Pat
 def test_the_bf16_states_recipe_trains_with_bf16_master_weights_and_moments(tmp_path: Path) -> None:
     """``recipes/gpt-tiny-bf16-states.yaml`` through the CLI: the engine keeps bf16 master weights and moments, and
     the loss falls."""
-    from lightning_dos.cli import DOSCLI
+    from lightning_dos.commands.main import DOSCLI
     from lightning_dos.data import ByteCorpusDataModule
 
     args = [

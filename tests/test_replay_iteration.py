@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_dos.engine.iteration import shortest_iteration_plan
-from lightning_dos.engine.plan import Place, Plan
-from lightning_dos.planner import footprint_of
-from lightning_dos.profiles import load_profile
+from lightning_dos.commands.plan import footprint_of
+from lightning_dos.commands.simulate import auto_plan, replay_iteration, sub_group_sizes
+from lightning_dos.model.iteration import shortest_iteration_plan
+from lightning_dos.model.plan import Place, Plan
+from lightning_dos.planning.profiles import load_profile
 from lightning_dos.sim import simstreams
 from lightning_dos.sim.replay import ReplayResult, replay
 from lightning_dos.sim.sanitizer import HOST, TRAINING, LoggedOp
 from lightning_dos.sim.simstreams import COMPUTE, H2D, LP_H2D, UPDATE
-from lightning_dos.sim.simulate import auto_plan, replay_iteration, sub_group_sizes
 from lightning_dos.sim.timed_iteration import BACKWARD_END
 
 RATES, META = load_profile("paper-h100x4")

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from lightning_dos import DeepOptimizerStatesStrategy
-from lightning_dos.adapter import engine_device
-from lightning_dos.engine.hostmem import LIMIT_ENV, HostMemory, HostMemoryError, check_host_memory, host_memory
 from lightning_dos.engine.kernels import Hyper
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
-from lightning_dos.engine.perfmodel import HardwareRates
-from lightning_dos.engine.plan import Place, Plan, even_plan
 from lightning_dos.engine.pool import BufferPool, StagingRing
+from lightning_dos.host.hostmem import LIMIT_ENV, HostMemory, HostMemoryError, check_host_memory, host_memory
+from lightning_dos.integration.zero3 import engine_device
+from lightning_dos.model.perfmodel import HardwareRates
+from lightning_dos.model.plan import Place, Plan, even_plan
 from tests.helpers import TinyLM, full_parameters, loader, trainer
 
 SUB_GROUP = 700
@@ -57,7 +57,7 @@ def test_parameter_offload_runs_and_matches_without_it() -> None:
 
 def test_the_model_accounts_for_16_bit_parameters_in_host_memory() -> None:
     """With parameter offload host sub-groups upload nothing and device ones download their 16-bit result."""
-    from lightning_dos.engine.perfmodel import predict
+    from lightning_dos.model.perfmodel import predict
 
     sizes, rates = [1000] * 4, _rates(10e9)
     plan = Plan((Place.DEVICE, Place.HOST, Place.RESIDENT, Place.HOST))

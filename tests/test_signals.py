@@ -13,7 +13,7 @@ from typing import IO
 
 import pytest
 
-from lightning_dos.signals import SignalHold
+from lightning_dos.host.signals import SignalHold
 
 
 @pytest.fixture
@@ -110,7 +110,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # keeps running Python until it has recorded ``EXPECT`` signals, then releases.
 CHILD = """
 import os, signal, sys, threading, time, torch
-from lightning_dos.signals import SignalHold
+from lightning_dos.host.signals import SignalHold
 
 stop, mode, expect = signal.Signals[sys.argv[1]], sys.argv[2], int(sys.argv[3])
 def clean_exit(signum, frame):

@@ -7,15 +7,15 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_dos.cli import main
-from lightning_dos.engine.perfmodel import HardwareRates, choose_plan
-from lightning_dos.engine.plan import Place, Plan
-from lightning_dos.engine.update_rules import ADAGRAD, ADAM, ADAM_FP32, LION, Footprint
-from lightning_dos.profiles import load_profile
+from lightning_dos.commands.main import main
+from lightning_dos.commands.simulate import auto_plan, copy_bytes, engine_log, rescale_copies, simulate, sub_group_sizes
+from lightning_dos.model.perfmodel import HardwareRates, choose_plan
+from lightning_dos.model.plan import Place, Plan
+from lightning_dos.model.update_rules import ADAGRAD, ADAM, ADAM_FP32, LION, Footprint
+from lightning_dos.planning.profiles import load_profile
 from lightning_dos.sim.replay import replay
 from lightning_dos.sim.sanitizer import HOST, LoggedOp
 from lightning_dos.sim.simstreams import D2H, H2D
-from lightning_dos.sim.simulate import auto_plan, copy_bytes, engine_log, rescale_copies, simulate, sub_group_sizes
 
 RATES = HardwareRates(1e9, 1e10, 1e11, 50e9, 50e9, 25e9, 20e9)
 

@@ -13,7 +13,7 @@ import torch
 
 import lightning_dos
 from lightning_dos import DeepOptimizerStatesStrategy, DOSConfigError
-from lightning_dos.optimizers import UnsupportedOptimizerError
+from lightning_dos.integration.optimizers import UnsupportedOptimizerError
 from tests.helpers import TinyLM, loader, trainer
 
 

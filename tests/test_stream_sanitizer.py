@@ -26,8 +26,8 @@ from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.engine.atomic import UpdateInterrupted
 from lightning_dos.engine.kernels import Hyper
 from lightning_dos.engine.loop import StepInputs
-from lightning_dos.engine.plan import Place, Plan
-from lightning_dos.engine.update_rules import ADAGRAD, ADAM, LION, Footprint
+from lightning_dos.model.plan import Place, Plan
+from lightning_dos.model.update_rules import ADAGRAD, ADAM, LION, Footprint
 from lightning_dos.sim.sanitizer import SanitizerUnavailableError, StreamSanitizer
 from tests.helpers import RandomPlacement, TinyLM, full_parameters, loader, max_relative_error, trainer
 

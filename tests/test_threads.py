@@ -17,7 +17,7 @@ import torch
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.engine.kernels import Hyper
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
-from lightning_dos.engine.plan import Place, Plan
+from lightning_dos.model.plan import Place, Plan
 from lightning_dos.sim.simstreams import SimStreams, UnboundThreadError
 from tests.helpers import TinyLM, loader, trainer
 from tests.test_stream_sanitizer import _engine_with

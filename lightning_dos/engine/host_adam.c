@@ -1,5 +1,5 @@
 /* One pass over host memory for a sub-group's update: unscale, the optimizer's step (Adam or AdamW, Adagrad,
- * Lion: engine/update_rules.py describes each) and the cast of the fresh weights into the model's dtype, element
+ * Lion: model/update_rules.py describes each) and the cast of the fresh weights into the model's dtype, element
  * by element, so each byte of gradient and state is read once and written once (30 bytes per element for Adam
  * into a bf16 target, against ~42 for unscale, Adam and cast as three kernels).
  *

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_dos.engine.update_rules import Hyper
+from lightning_dos.model.update_rules import Hyper
 
 
 @dataclass

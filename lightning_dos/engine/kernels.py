@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import torch
 
 from lightning_dos.engine import host_workers, native
-from lightning_dos.engine.update_rules import Hyper, UpdateRule
+from lightning_dos.model.update_rules import Hyper, UpdateRule
 
 __all__ = [
     "Hyper",

@@ -1,6 +1,6 @@
 """The interleaved update loop: device sub-groups stream through the accelerator while the CPU updates the rest.
 
-One optimizer step, given a :class:`~lightning_dos.engine.plan.Plan`:
+One optimizer step, given a :class:`~lightning_dos.model.plan.Plan`:
 
 1. Device sub-groups are launched first, all of them, because on an accelerator every launch is
    asynchronous: for each one the ``h2d`` stream uploads master weights, optimizer state and gradient
@@ -17,7 +17,7 @@ is marked landed, with the event its 16-bit result lands at, as soon as that res
 waits for just the sub-groups it needs (:meth:`InterleavedUpdate.wait_sub_groups`), and
 :meth:`InterleavedUpdate.wait_all` waits for the rest and raises, on the caller's thread, what interrupted it.
 
-The optimizer is an :class:`~lightning_dos.engine.update_rules.UpdateRule` (Adam, Adagrad, Lion): the loop
+The optimizer is an :class:`~lightning_dos.model.update_rules.UpdateRule` (Adam, Adagrad, Lion): the loop
 moves the master weights and whichever state tensors the rule names, in their dtypes, and never branches
 on which optimizer it runs. This module knows nothing of Lightning or DeepSpeed: the adapter hands it flat
 tensors.
@@ -39,13 +39,13 @@ from lightning_dos.engine.arrivals import GradientArrivals
 from lightning_dos.engine.atomic import TornStateError, UpdateGuard, UpdateProgress
 from lightning_dos.engine.inputs import StepInputs
 from lightning_dos.engine.kernels import apply_update, host_update, step_tensor
-from lightning_dos.engine.perfmodel import FREE_MEMORY_MARGIN, device_bytes, predict
-from lightning_dos.engine.plan import Place, Plan, SubGroup, split_into_sub_groups
 from lightning_dos.engine.pool import BufferPool, DeviceBuffer
 from lightning_dos.engine.recovery import settle_interrupted_update
-from lightning_dos.engine.report import StepReport
 from lightning_dos.engine.streams import Streams, make_streams
-from lightning_dos.engine.update_rules import ADAM, Footprint, UpdateRule
+from lightning_dos.model.perfmodel import FREE_MEMORY_MARGIN, device_bytes, predict
+from lightning_dos.model.plan import Place, Plan, SubGroup, split_into_sub_groups
+from lightning_dos.model.step_report import StepReport
+from lightning_dos.model.update_rules import ADAM, Footprint, UpdateRule
 
 
 def _useful_buffers(plan: Plan) -> Plan:

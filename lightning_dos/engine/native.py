@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_dos.engine.update_rules import RULES, Hyper
+from lightning_dos.model.update_rules import RULES, Hyper
 
 SOURCE = Path(__file__).with_name("host_adam.c")
 #: Set to 0 to use torch's kernels on the host (the pure-torch path; no compiler needed).

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_dos.engine.hostslab import PAGEABLE_COST, HostSlab, Registrar, default_registrar
-from lightning_dos.engine.update_rules import ADAM, ADAM_FP32, UpdateRule
+from lightning_dos.model.update_rules import ADAM, ADAM_FP32, UpdateRule
 
 FP32_BYTES = 4
 #: Device staging bytes per element of a streamed Adam sub-group in fp32: param, exp_avg, exp_avg_sq, grad.

@@ -25,11 +25,11 @@ import torch
 from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, TornStateError, UpdateInterrupted, UpdateProgress
 from lightning_dos.engine.inputs import StepInputs
 from lightning_dos.engine.kernels import host_update, step_tensor
-from lightning_dos.engine.plan import Place, Plan, SubGroup
 from lightning_dos.engine.pool import BufferPool
-from lightning_dos.engine.report import StepReport
 from lightning_dos.engine.streams import Streams
-from lightning_dos.engine.update_rules import UpdateRule
+from lightning_dos.model.plan import Place, Plan, SubGroup
+from lightning_dos.model.step_report import StepReport
+from lightning_dos.model.update_rules import UpdateRule
 
 
 class InterruptedEngine(Protocol):

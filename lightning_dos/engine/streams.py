@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from lightning_dos.engine.hostslab import Registrar, default_registrar
-from lightning_dos.engine.report import Span
+from lightning_dos.model.step_report import Span
 
 
 class Streams:

@@ -16,7 +16,7 @@ The model:
   of its stream, its waits met): a host sub-group's upload, runnable once its CPU work is done, goes before a
   streamed upload that became runnable after it, and waits for the one in flight;
 - the engine's **compute stream** runs the device update at ``device_adam_eps`` (scaled to the optimizer's rule
-  and dtypes, :func:`~lightning_dos.engine.perfmodel.rates_for`); other device kernels (the 16-bit cast,
+  and dtypes, :func:`~lightning_dos.model.perfmodel.rates_for`); other device kernels (the 16-bit cast,
   gradient scaling) are memory-bound and run at the bandwidth device Adam implies, by the bytes each element
   moves; forward and backward layers (a whole iteration's) take the seconds logged with them; kernels of
   different streams run side by side;
@@ -38,8 +38,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from lightning_dos.engine.perfmodel import HardwareRates, rates_for, update_bytes
-from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
+from lightning_dos.model.perfmodel import HardwareRates, rates_for, update_bytes
+from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 from lightning_dos.sim.sanitizer import HOST, LoggedOp
 
 COPY_LANES = {"upload": "h2d", "lp_upload": "h2d", "download": "d2h", "grad_download": "d2h"}

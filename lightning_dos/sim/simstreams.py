@@ -8,7 +8,7 @@ states, and the checker decides whether that order would be enough on a real GPU
 
 Its :class:`DeviceMemoryAccount` counts the device bytes the engine holds over the whole iteration, phase
 by phase (forward, backward, update, between steps, named by
-:class:`~lightning_dos.sim.iteration.IterationMemory` under a Trainer): the update window alone cannot
+:class:`~lightning_dos.sim.phase_memory.IterationMemory` under a Trainer): the update window alone cannot
 show memory held into the next forward.
 
 Threads. On a GPU a stream or an event belongs to a device, and a CUDA call made from a thread that never
@@ -84,7 +84,7 @@ class PhaseMemory:
         peak_bytes: the most the engine held at any moment of it.
         end_bytes: held by the engine when it ended (None while it runs).
         peak_total_bytes: the most held at any moment of it by the engine and the model together (the model's
-            bytes are recorded only under :class:`~lightning_dos.sim.iteration.ModelMemory`).
+            bytes are recorded only under :class:`~lightning_dos.sim.phase_memory.ModelMemory`).
     """
 
     name: str
@@ -97,7 +97,7 @@ class PhaseMemory:
 class DeviceMemoryAccount:
     """Bytes of simulated device memory allocated and not yet freed, with the peak of every phase: the engine's
     (its staging, resident state and its kernels' temporaries) and, when recorded, the model's own (activations
-    and gathered parameters, :class:`~lightning_dos.sim.iteration.ModelMemory`).
+    and gathered parameters, :class:`~lightning_dos.sim.phase_memory.ModelMemory`).
 
     Args:
         capacity: bytes the device holds in all (None: no limit); the engine sizes its update from it as from
@@ -199,7 +199,7 @@ class SimStreams(Streams):
         memory_limit: bytes of "device" memory; an allocation beyond it raises ``torch.OutOfMemoryError``
             as the CUDA caching allocator would (None: no limit).
         capacity: bytes of the device for the whole iteration, the model's own bytes included (recorded under a
-            Trainer by :class:`~lightning_dos.sim.iteration.ModelMemory`): the engine reads what is free from it
+            Trainer by :class:`~lightning_dos.sim.phase_memory.ModelMemory`): the engine reads what is free from it
             (:meth:`device_memory`) as from ``torch.cuda.mem_get_info``, and an allocation beyond it raises
             ``torch.OutOfMemoryError``. None: no limit, and the engine sees none (as on a CPU device).
     """

@@ -69,7 +69,7 @@ def _overlapped_update(bind: bool) -> dict:
     """One update on the engine's thread, on the last visible GPU; what that thread did and the contexts after."""
     from lightning_dos.engine.kernels import Hyper
     from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
-    from lightning_dos.engine.plan import Place, Plan
+    from lightning_dos.model.plan import Place, Plan
 
     ordinal = torch.cuda.device_count() - 1
     device = torch.device("cuda", ordinal)
@@ -133,9 +133,9 @@ def check_binding() -> list[str]:
 def check_budget() -> list[str]:
     import lightning as L
 
-    import lightning_dos.engine.scheduler as scheduler_module
+    import lightning_dos.planning.scheduler as scheduler_module
     from lightning_dos import DeepOptimizerStatesStrategy
-    from lightning_dos.engine.perfmodel import FREE_MEMORY_MARGIN
+    from lightning_dos.model.perfmodel import FREE_MEMORY_MARGIN
     from tests.helpers import VOCAB, TinyLM, loader, trainer
 
     scheduler_module.REPLAN_EVERY = 1  # a plan, and its budget, at every step

@@ -25,14 +25,14 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
-import lightning_dos.strategy  # noqa: E402
+import lightning_dos.integration.strategy  # noqa: E402
 from lightning_dos import DeepOptimizerStatesStrategy  # noqa: E402
-from lightning_dos.callbacks.monitor import DOSMonitor  # noqa: E402
-from lightning_dos.engine.agree import agreed_plan_inputs  # noqa: E402
-from lightning_dos.engine.perfmodel import HardwareRates, choose_plan  # noqa: E402
-from lightning_dos.engine.plan import Plan, parse_gpu_fraction  # noqa: E402
-from lightning_dos.engine.scheduler import PlacementScheduler  # noqa: E402
-from lightning_dos.ranks import reduce_min_over_ranks  # noqa: E402
+from lightning_dos.host.ranks import reduce_min_over_ranks  # noqa: E402
+from lightning_dos.integration.callbacks.monitor import DOSMonitor  # noqa: E402
+from lightning_dos.model.perfmodel import HardwareRates, choose_plan  # noqa: E402
+from lightning_dos.model.plan import Plan, parse_gpu_fraction  # noqa: E402
+from lightning_dos.planning.agree import agreed_plan_inputs  # noqa: E402
+from lightning_dos.planning.scheduler import PlacementScheduler  # noqa: E402
 from tests.helpers import TinyLM, full_parameters, lm_data, trainer  # noqa: E402
 
 GLOBAL_BATCH = 16
@@ -53,7 +53,7 @@ class RecordPartition(L.Callback):
 
 
 AS_LAUNCHED: dict = {}
-_apply_host_threads = lightning_dos.strategy.apply_host_threads
+_apply_host_threads = lightning_dos.integration.strategy.apply_host_threads
 
 
 def _recording_apply_host_threads(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -63,7 +63,7 @@ def _recording_apply_host_threads(*args, **kwargs):  # noqa: ANN002, ANN003, ANN
     return _apply_host_threads(*args, **kwargs)
 
 
-lightning_dos.strategy.apply_host_threads = _recording_apply_host_threads
+lightning_dos.integration.strategy.apply_host_threads = _recording_apply_host_threads
 
 
 class RecordHostThreads(L.Callback):

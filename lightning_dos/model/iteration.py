@@ -24,9 +24,9 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from lightning_dos.engine.perfmodel import HardwareRates, device_bytes, least_update_s, predict, rates_for
-from lightning_dos.engine.plan import Place, Plan, even_plan
-from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
+from lightning_dos.model.perfmodel import HardwareRates, device_bytes, least_update_s, predict, rates_for
+from lightning_dos.model.plan import Place, Plan, even_plan
+from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 
 #: The modes :func:`iteration_s` times, in its result's order.
 MODES = ("off", "forward", "auto")
@@ -101,7 +101,7 @@ def iteration_floor(
     update's device work begins when backward ends (its staging buffers come from the memory backward frees), a
     host sub-group's update begins once its gradient is final, and the next forward follows backward.
 
-    After backward, whatever is left of the update takes at least :func:`~lightning_dos.engine.perfmodel.least_update_s`
+    After backward, whatever is left of the update takes at least :func:`~lightning_dos.model.perfmodel.least_update_s`
     (the CPU and the link both busy to the end, any share streamed, no pipeline filling or draining, no sub-group
     granularity), and the iteration at least forward + backward. Under ``auto`` the CPU may have updated, during
     backward, as many elements as it can from the first gradient's finality to backward's end; resident state
@@ -194,7 +194,7 @@ def iteration_plan(
 
 
 #: A sub-group's role in a placement being searched: streamed, resident, a host sub-group, and (under ``auto``) a
-#: host sub-group left for after backward (:attr:`~lightning_dos.engine.plan.Plan.after_backward`).
+#: host sub-group left for after backward (:attr:`~lightning_dos.model.plan.Plan.after_backward`).
 DEVICE, RESIDENT, HOST, LATE = "streamed", "resident", "host", "late"
 _PLACE_OF = {DEVICE: Place.DEVICE, RESIDENT: Place.RESIDENT, HOST: Place.HOST, LATE: Place.HOST}
 
@@ -238,7 +238,7 @@ def _spread_candidates(
 
 
 def _spread(indices: Sequence[int], count: int) -> set[int]:
-    """``count`` of ``indices`` spread evenly, as :func:`~lightning_dos.engine.plan.even_plan` spreads them."""
+    """``count`` of ``indices`` spread evenly, as :func:`~lightning_dos.model.plan.even_plan` spreads them."""
     if not indices or count <= 0:
         return set()
     return {indices[i] for i in even_plan(len(indices), count / len(indices)).device_indices}
@@ -328,7 +328,7 @@ def shortest_iteration_plan(
 def predicted_timeline(
     sizes: Sequence[int], plan: Plan, rates: HardwareRates, lp_bytes: int, *, footprint: Footprint = ADAM_FP32
 ) -> UpdateTimeline:
-    """The performance model's :class:`UpdateTimeline` for ``plan``: :func:`~lightning_dos.engine.perfmodel.predict`'s
+    """The performance model's :class:`UpdateTimeline` for ``plan``: :func:`~lightning_dos.model.perfmodel.predict`'s
     rates and byte counts, kept per sub-group, the host sub-groups worked through in order from the update's start
     (:meth:`UpdateTimeline.landings`)."""
     total = predict(sizes, plan, rates, lp_bytes, footprint=footprint).time_s

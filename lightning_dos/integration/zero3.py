@@ -22,14 +22,12 @@ import torch
 
 from lightning_dos.engine.arrivals import GradientArrivals
 from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, TornStateError, UpdateInFlightError, UpdateInterrupted
-from lightning_dos.engine.hostmem import return_freed_memory
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
-from lightning_dos.engine.phases import IterationPhases
-from lightning_dos.engine.plan import Plan, auto_sub_group_size
 from lightning_dos.engine.recovery import take_on_host
-from lightning_dos.engine.report import StepReport
 from lightning_dos.engine.streams import Streams
-from lightning_dos.optimizers import (
+from lightning_dos.host.hostmem import return_freed_memory
+from lightning_dos.host.signals import SignalHold
+from lightning_dos.integration.optimizers import (
     check_optimizer,
     hyper_of,
     initial_state,
@@ -38,7 +36,9 @@ from lightning_dos.optimizers import (
     state_keys,
     uses_tensor_step,
 )
-from lightning_dos.signals import SignalHold
+from lightning_dos.integration.phases import IterationPhases
+from lightning_dos.model.plan import Plan, auto_sub_group_size
+from lightning_dos.model.step_report import StepReport
 
 #: The private attributes and methods of DeepSpeed's ZeRO-3 optimizer the adapter relies on.
 REQUIRED_ATTRIBUTES = (
@@ -223,7 +223,7 @@ class ZeRO3Adapter:
     Args:
         zero_optimizer: ``deepspeed_engine.optimizer`` after ``deepspeed.initialize``.
         sub_group_size: largest number of elements per engine sub-group, or ``"auto"`` to size it from this
-            rank's partition (:func:`~lightning_dos.engine.plan.auto_sub_group_size`).
+            rank's partition (:func:`~lightning_dos.model.plan.auto_sub_group_size`).
         gpu_memory_budget: device bytes the update may use (None: derived from free memory).
         pin: pin the engine's host slabs.
         streams_factory: builds the engine's streams for the model's device; None uses the real ones.
@@ -773,7 +773,7 @@ class ZeRO3Adapter:
 
     def next_plan(self) -> tuple[Plan, float | None]:
         if self.planner is None:
-            from lightning_dos.engine.plan import all_host
+            from lightning_dos.model.plan import all_host
 
             return all_host(len(self.engine.sub_groups)), None
         return self.planner(self.engine.steps_taken + 1)

@@ -29,8 +29,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_dos.engine.report import StepReport
-from lightning_dos.trace import TracedStep, write_trace
+from lightning_dos.integration.trace import TracedStep, write_trace
+from lightning_dos.model.step_report import StepReport
 
 PHASES = ("forward", "backward", "update")
 GB = 1e9

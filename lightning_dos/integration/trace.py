@@ -3,7 +3,7 @@
 The file is the JSON object format ``{"traceEvents": [...]}`` that https://ui.perfetto.dev and
 ``chrome://tracing`` open. One process per rank; one lane (a ``tid`` with ``thread_name`` metadata) for
 the step's phases (forward, backward, update) and one per kind of engine operation in
-:data:`~lightning_dos.engine.report.LANES`. Every operation is one complete event (``"ph": "X"``,
+:data:`~lightning_dos.model.step_report.LANES`. Every operation is one complete event (``"ph": "X"``,
 ``ts``/``dur`` in microseconds) whose ``args`` name its sub-group and the bytes it moved.
 
 A lane is one stream or one thread, so its spans must follow one another. The engine's device spans
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_dos.engine.report import LANES, StepReport
+from lightning_dos.model.step_report import LANES, StepReport
 
 PHASES_LANE = "phases"
 #: Overlap, in microseconds, above which clipping is worth a warning (below it is rounding noise).

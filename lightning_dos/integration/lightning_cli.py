@@ -1,6 +1,6 @@
 """``DOSCLI``: LightningCLI with the recipe GPT and byte corpus as defaults, the DOS monitor and progress bar on.
 
-Kept apart from :mod:`lightning_dos.cli` so that the command's help and its other subcommands do not import
+Kept apart from :mod:`lightning_dos.commands.main` so that the command's help and its other subcommands do not import
 Lightning and torch.
 """
 
@@ -14,8 +14,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 
-import lightning_dos  # noqa: F401 - registers the strategy name "dos"
-from lightning_dos.callbacks import DOSModelSummary, DOSMonitor, DOSProgressBar
+import lightning_dos.integration.strategy  # noqa: F401 - registers the strategy name "dos"
+from lightning_dos.integration.callbacks import DOSModelSummary, DOSMonitor, DOSProgressBar
 
 
 class SettingError(ValueError):

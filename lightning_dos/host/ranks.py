@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_dos.engine.agree import ReduceMin, min_rates
-from lightning_dos.engine.perfmodel import HardwareRates
+from lightning_dos.model.perfmodel import HardwareRates
+from lightning_dos.planning.agree import ReduceMin, min_rates
 
 _destroy_registered = False
 

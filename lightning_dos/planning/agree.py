@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
 
-from lightning_dos.engine.perfmodel import HardwareRates
+from lightning_dos.model.perfmodel import HardwareRates
 
 #: Element-wise minimum of a list of numbers over every rank of the job. Every rank calls it at the same
 #: point with a list of the same length and gets the same list back; like any collective it returns on no

@@ -8,8 +8,8 @@ On a CPU "device" the device side is the CPU itself: its rates are the host's an
 model adds host and device work instead of overlapping them. About a second on CPU (some 1.2 GB touched once).
 
 The update timed is the engine's own rule in its own dtypes (``footprint``), where the kernels run it: the
-rates returned are converted to the unit :class:`~lightning_dos.engine.perfmodel.HardwareRates` keeps (Adam
-with fp32 state, :func:`~lightning_dos.engine.perfmodel.adam_equivalent`), so the model gives back exactly the
+rates returned are converted to the unit :class:`~lightning_dos.model.perfmodel.HardwareRates` keeps (Adam
+with fp32 state, :func:`~lightning_dos.model.perfmodel.adam_equivalent`), so the model gives back exactly the
 rate measured for that rule and scales it for any other by the bytes each element touches.
 """
 
@@ -22,8 +22,8 @@ from collections.abc import Callable
 import torch
 
 from lightning_dos.engine.kernels import Hyper, apply_update, host_update, step_tensor
-from lightning_dos.engine.perfmodel import HardwareRates, adam_equivalent
-from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
+from lightning_dos.model.perfmodel import HardwareRates, adam_equivalent
+from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 
 #: Bytes of each fp32 buffer host rates are timed on: larger than the last-level cache of any CPU (1.1 GB
 #: touched by Adam), so that the rates are those of the engine's slabs, which stream from memory.

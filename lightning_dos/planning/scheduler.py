@@ -8,13 +8,13 @@
   When the update overlaps the next forward (and, under ``overlap="auto"``, backward), what counts is the whole
   iteration, not the update alone: once the framework has measured forward and backward
   (:meth:`PlacementScheduler.observe_phases`), "auto" runs
-  :func:`~lightning_dos.engine.iteration.shortest_iteration_plan`: the update's own best plan, or the placement
+  :func:`~lightning_dos.model.iteration.shortest_iteration_plan`: the update's own best plan, or the placement
   by arrival around its resident sub-groups (the sub-groups the next forward needs first on the device, the ones
   whose gradients backward makes final first on the host) in no more device memory, whichever predicts the
   shorter iteration.
 
 With several ranks (a ``reduce_min`` given), "auto" plans together: every rank plans at the same steps from
-the same inputs (:func:`~lightning_dos.engine.agree.agreed_plan_inputs`), so all run the same plan. Drift seen
+the same inputs (:func:`~lightning_dos.planning.agree.agreed_plan_inputs`), so all run the same plan. Drift seen
 by any rank is agreed on every :data:`DRIFT_CHECK_EVERY` steps rather than acted on alone: a re-plan is a
 collective, which every rank must enter at the same step. The framework calls the scheduler on its training
 thread, never from an autograd hook, at a point every rank reaches in the same order.
@@ -32,13 +32,14 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_dos.engine.agree import ReduceMin, agreed_plan_inputs
-from lightning_dos.engine.iteration import MODES, iteration_s, predicted_timeline, shortest_iteration_plan
 from lightning_dos.engine.loop import InterleavedUpdate
-from lightning_dos.engine.perfmodel import HardwareRates, RateEstimator, choose_plan, predict
-from lightning_dos.engine.plan import FractionSpec, Plan, all_host
-from lightning_dos.engine.report import StepReport
-from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
+from lightning_dos.model.iteration import MODES, iteration_s, predicted_timeline, shortest_iteration_plan
+from lightning_dos.model.perfmodel import HardwareRates, choose_plan, predict
+from lightning_dos.model.plan import FractionSpec, Plan, all_host
+from lightning_dos.model.step_report import StepReport
+from lightning_dos.model.update_rules import ADAM_FP32, Footprint
+from lightning_dos.planning.agree import ReduceMin, agreed_plan_inputs
+from lightning_dos.planning.estimator import RateEstimator
 
 #: How often "auto" re-plans even without drift, so slowly changing rates are followed.
 REPLAN_EVERY = 50
@@ -54,10 +55,10 @@ class PlacementScheduler:
         engine: the engine whose sub-groups are placed.
         calibrate: measures this machine's rates (called once, lazily, only when a model is needed); with
             several ranks, rates already agreed between them (the slowest of each).
-        reduce_min: element-wise minimum over the ranks (:data:`~lightning_dos.engine.agree.ReduceMin`), so
+        reduce_min: element-wise minimum over the ranks (:data:`~lightning_dos.planning.agree.ReduceMin`), so
             that ``"auto"`` chooses the same plan on every rank; None for a single process.
         overlap: how the framework runs the update beside forward and backward, one of
-            :data:`~lightning_dos.engine.iteration.MODES`: ``"off"`` (after backward, alone: the update's own best
+            :data:`~lightning_dos.model.iteration.MODES`: ``"off"`` (after backward, alone: the update's own best
             plan is the iteration's), ``"forward"`` (beside the next forward), ``"auto"`` (beside the next
             forward, and host sub-groups during backward).
     """

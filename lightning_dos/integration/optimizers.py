@@ -1,7 +1,7 @@
 """Which user optimizers the engine can take over, and how to read them.
 
 The engine replaces the optimizer's step with its own kernels for one of its update rules
-(``lightning_dos.engine.update_rules``: what each optimizer computes). This module maps the optimizer
+(``lightning_dos.model.update_rules``: what each optimizer computes). This module maps the optimizer
 ``configure_optimizers`` returned onto a rule: which rule, under which keys the optimizer keeps each state tensor
 (so DeepSpeed's checkpoints and accessors find the engine's state where they look), how it keeps its step count,
 and how to read a param group's hyperparameters. Accepted:
@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from lightning_dos.engine.update_rules import ADAGRAD, ADAM, LION, Hyper, UpdateRule
 from lightning_dos.errors import DOSConfigError
+from lightning_dos.model.update_rules import ADAGRAD, ADAM, LION, Hyper, UpdateRule
 
 SUPPORTED = (
     "torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, or DeepSpeed's DeepSpeedCPUAdam, "

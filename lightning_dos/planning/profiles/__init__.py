@@ -2,7 +2,7 @@
 
 The update rates (``host_adam_eps``, ``device_adam_eps``) are Adam's with fp32 master weights and moments,
 whatever optimizer a profile was calibrated with; the model scales them to each optimizer and dtype
-(:func:`~lightning_dos.engine.perfmodel.rates_for`).
+(:func:`~lightning_dos.model.perfmodel.rates_for`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from lightning_dos.engine.perfmodel import HardwareRates
+from lightning_dos.model.perfmodel import HardwareRates
 
 HERE = Path(__file__).resolve().parent
 

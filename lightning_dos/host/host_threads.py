@@ -1,6 +1,6 @@
 """Applies ``host_threads`` to this process: binds it to its cores and sets torch's thread count.
 
-The choice itself is :func:`lightning_dos.engine.cores.choose_host_placement`; this module gathers what it
+The choice itself is :func:`lightning_dos.host.cores.choose_host_placement`; this module gathers what it
 needs (every local rank's affinity and accelerator NUMA node, through the process group when there is one),
 applies it, and prints it once per rank.
 """
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from lightning_dos.engine.cores import (
+from lightning_dos.host.cores import (
     HostPlacement,
     choose_host_placement,
     format_cpulist,

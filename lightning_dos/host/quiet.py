@@ -12,7 +12,7 @@ when it is built (and the CLI before it builds its parser); installing again add
   available: False"), and its "... deepspeed_shm_comm_op built successfully" on every start.
 - Lightning's litlogger tip and its "TPU available: False" line.
 - Lightning's note that it skips its default model summary because the CLI gave it
-  :class:`~lightning_dos.callbacks.DOSModelSummary` (a user's own summary callback is still named).
+  :class:`~lightning_dos.integration.callbacks.DOSModelSummary` (a user's own summary callback is still named).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ KNOWN_LOG_LINES: tuple[tuple[str, str], ...] = (
     (
         "lightning.pytorch.utilities.rank_zero",
         "Trainer already configured with model summary callbacks: "
-        "[<class 'lightning_dos.callbacks.summary.DOSModelSummary'>]",
+        "[<class 'lightning_dos.integration.callbacks.summary.DOSModelSummary'>]",
     ),
 )
 

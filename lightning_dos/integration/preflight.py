@@ -10,7 +10,7 @@ Counted per rank, from DeepSpeed 0.19.8's ZeRO-3 optimizer with CPU optimizer of
 - with parameter offload to the CPU on an accelerator, a 16-bit flat buffer per parameter group, pinned
   (``_create_param_groups_fp16_flat_cpu_memory``); without an accelerator the 16-bit model is the model itself;
 - the engine's slabs: master weights and the optimizer's state tensors in their dtypes
-  (:attr:`~lightning_dos.engine.update_rules.Footprint.optimizer_state` bytes per element: 12 for Adam in fp32,
+  (:attr:`~lightning_dos.model.update_rules.Footprint.optimizer_state` bytes per element: 12 for Adam in fp32,
   6 for Adam with bf16 master weights and states, 8 for Lion or Adagrad in fp32; DeepSpeed's own master
   partition becomes a view of them), and a 16-bit staging ring where the 16-bit parameters are not in host
   memory. Registered exactly.
@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_dos.engine.hostslab import page_rounded
-from lightning_dos.engine.plan import auto_sub_group_size
 from lightning_dos.engine.pool import BufferPool
-from lightning_dos.engine.update_rules import ADAM, ADAM_FP32, Footprint, UpdateRule
+from lightning_dos.model.plan import auto_sub_group_size
+from lightning_dos.model.update_rules import ADAM, ADAM_FP32, Footprint, UpdateRule
 
 FP32_BYTES = 4
 #: ``data_types.grad_accum_dtype`` spellings DeepSpeed accepts, and their dtypes.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_dos.engine.plan import Plan
+from lightning_dos.model.plan import Plan
 
 #: The lanes of the update pipeline, one per kind of operation. ``host_adam`` covers a host
 #: sub-group's Adam and its cast into 16-bit staging; ``upload`` carries device sub-groups' fp32

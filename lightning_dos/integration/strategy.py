@@ -1,7 +1,7 @@
 """``DeepOptimizerStatesStrategy``: Lightning's DeepSpeed strategy with the Deep Optimizer States engine.
 
 It always runs ZeRO stage 3 with the optimizer offloaded to pinned host memory, and after
-``deepspeed.initialize`` hands the update phase to the engine (through :mod:`lightning_dos.adapter`).
+``deepspeed.initialize`` hands the update phase to the engine (through :mod:`lightning_dos.integration.zero3`).
 Unlike Lightning's stock strategy it also runs on ``accelerator="cpu"``: the engine's device side then
 runs on the CPU device, slower but computing exactly the same thing.
 """
@@ -28,25 +28,20 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_dos import quiet
-from lightning_dos.adapter import ZeRO3Adapter, backward_overlap_blocker, load_zero3_weights_for_evaluation
-from lightning_dos.engine.calibrate import HOST_BUFFER_BYTES, calibrate, calibration_numel
-from lightning_dos.engine.cores import HostPlacement
-from lightning_dos.engine.hostmem import LIMIT_ENV, check_host_memory
-from lightning_dos.engine.perfmodel import HardwareRates
-from lightning_dos.engine.plan import (
-    MAX_AUTO_SUB_GROUP,
-    FractionSpec,
-    coarse_share_warning,
-    parse_gpu_fraction,
-)
-from lightning_dos.engine.scheduler import PlacementScheduler
 from lightning_dos.engine.streams import Streams
-from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
 from lightning_dos.errors import DOSConfigError
-from lightning_dos.host_threads import apply_host_threads
-from lightning_dos.optimizers import SUPPORTED, check_optimizer, rule_of
-from lightning_dos.preflight import (
+from lightning_dos.host import quiet
+from lightning_dos.host.cores import HostPlacement
+from lightning_dos.host.host_threads import apply_host_threads
+from lightning_dos.host.hostmem import LIMIT_ENV, check_host_memory
+from lightning_dos.host.ranks import (
+    Calibration,
+    calibrate_together,
+    destroy_process_group_at_exit,
+    reduce_min_over_ranks,
+)
+from lightning_dos.integration.optimizers import SUPPORTED, check_optimizer, rule_of
+from lightning_dos.integration.preflight import (
     HostFigure,
     config_footprint,
     figure_for,
@@ -54,12 +49,17 @@ from lightning_dos.preflight import (
     partition_numels,
     pin_backend,
 )
-from lightning_dos.ranks import (
-    Calibration,
-    calibrate_together,
-    destroy_process_group_at_exit,
-    reduce_min_over_ranks,
+from lightning_dos.integration.zero3 import ZeRO3Adapter, backward_overlap_blocker, load_zero3_weights_for_evaluation
+from lightning_dos.model.perfmodel import HardwareRates
+from lightning_dos.model.plan import (
+    MAX_AUTO_SUB_GROUP,
+    FractionSpec,
+    coarse_share_warning,
+    parse_gpu_fraction,
 )
+from lightning_dos.model.update_rules import ADAM_FP32, Footprint
+from lightning_dos.planning.calibrate import HOST_BUFFER_BYTES, calibrate, calibration_numel
+from lightning_dos.planning.scheduler import PlacementScheduler
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -510,7 +510,8 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
     def _check_host_memory(self, model: torch.nn.Module, optimizer: Optimizer) -> None:
         """Refuse to start, with the figures, when the node's host memory cannot hold the optimizer state.
 
-        Counted per rank (:func:`~lightning_dos.preflight.rank_host_figure`), for every rank on this node: every
+        Counted per rank (:func:`~lightning_dos.integration.preflight.rank_host_figure`), for every rank on this
+        node: every
         buffer DeepSpeed will pin, rounded as its pinning really rounds (torch's caching host allocator: a power
         of two per buffer), and the engine's slabs. The figure is kept as :attr:`dos_host_figure`.
         """
@@ -621,7 +622,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         Fitting resumes through DeepSpeed as usual (weights, optimizer state, the engine's slabs). Evaluation
         builds an engine with no optimizer, for which DeepSpeed 0.19 cannot load a ZeRO-3 checkpoint, so the
         fp32 master weights are read from the checkpoint's partitions instead (see
-        :func:`~lightning_dos.adapter.load_zero3_weights_for_evaluation`).
+        :func:`~lightning_dos.integration.zero3.load_zero3_weights_for_evaluation`).
         """
         from lightning.pytorch.trainer.states import TrainerFn
 

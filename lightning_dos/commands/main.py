@@ -27,12 +27,19 @@ TRAINING_COMMANDS = {
     "predict": "run inference on your data",
 }
 
-#: Subcommands that are not LightningCLI's: name -> (module, what it does).
+#: Subcommands that are not LightningCLI's: name -> ("module:function" taking the arguments after the name, what
+#: it does).
 EXTRA_COMMANDS = {
-    "calibrate": ("lightning_dos.planner", "measure this machine's CPU/GPU/PCIe rates and write a profile"),
-    "plan": ("lightning_dos.planner", "predict update and iteration time of each offload scheme"),
-    "report": ("lightning_dos.report", "draw a run's metrics (loss, LR, phase split, memory) as a PNG"),
-    "simulate": ("lightning_dos.sim.simulate", "time the engine's schedule on a virtual node (simulated figures)"),
+    "calibrate": (
+        "lightning_dos.commands.plan:calibrate_main",
+        "measure this machine's CPU/GPU/PCIe rates and write a profile",
+    ),
+    "plan": ("lightning_dos.commands.plan:plan_main", "predict update and iteration time of each offload scheme"),
+    "report": ("lightning_dos.commands.report:main", "draw a run's metrics (loss, LR, phase split, memory) as a PNG"),
+    "simulate": (
+        "lightning_dos.commands.simulate:main",
+        "time the engine's schedule on a virtual node (simulated figures)",
+    ),
 }
 
 
@@ -60,8 +67,8 @@ def usage() -> str:
 def __getattr__(name: str) -> Any:
     # DOSCLI and SettingError live with LightningCLI, imported only when asked for.
     if name in ("DOSCLI", "SettingError"):
-        return getattr(importlib.import_module("lightning_dos.lightning_cli"), name)
-    raise AttributeError(f"module 'lightning_dos.cli' has no attribute {name!r}")
+        return getattr(importlib.import_module("lightning_dos.integration.lightning_cli"), name)
+    raise AttributeError(f"module 'lightning_dos.commands.main' has no attribute {name!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     if argv[0] in EXTRA_COMMANDS:
-        module_name = EXTRA_COMMANDS[argv[0]][0]
+        module_name, _, function = EXTRA_COMMANDS[argv[0]][0].partition(":")
         try:
             module = importlib.import_module(module_name)
         except ImportError as error:
@@ -81,18 +88,17 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        rest = argv if module_name.endswith("planner") else argv[1:]
         try:
-            return int(module.main(rest) or 0)
+            return int(getattr(module, function)(argv[1:]) or 0)
         except SystemExit as done:  # argparse's --help and usage errors
             return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-    from lightning_dos import quiet
+    from lightning_dos.host import quiet
 
     quiet.install()  # before LightningCLI builds its parser, which already imports DeepSpeed
     from lightning_dos.data import ByteCorpusDataModule
-    from lightning_dos.lightning_cli import DOSCLI, SettingError
+    from lightning_dos.integration.lightning_cli import DOSCLI, SettingError
+    from lightning_dos.integration.strategy import DOSConfigError
     from lightning_dos.recipes.gpt import GPT
-    from lightning_dos.strategy import DOSConfigError
 
     try:
         DOSCLI(

@@ -35,24 +35,24 @@ from typing import Any
 
 import torch
 
-from lightning_dos.engine.iteration import (
+from lightning_dos.engine.kernels import Hyper
+from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
+from lightning_dos.model.iteration import (
     MODES,
     iteration_floor,
     iteration_s,
     predicted_timeline,
     shortest_iteration_plan,
 )
-from lightning_dos.engine.kernels import Hyper
-from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
-from lightning_dos.engine.perfmodel import (
+from lightning_dos.model.perfmodel import (
     HardwareRates,
     Prediction,
     choose_plan,
     planning_budget,
     predict,
 )
-from lightning_dos.engine.plan import Place, Plan, parse_gpu_fraction, split_into_sub_groups
-from lightning_dos.engine.update_rules import ADAM_FP32, Footprint
+from lightning_dos.model.plan import Place, Plan, parse_gpu_fraction, split_into_sub_groups
+from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 from lightning_dos.sim.replay import ReplayResult, replay, write_perfetto
 from lightning_dos.sim.sanitizer import LoggedOp, StreamSanitizer
 from lightning_dos.sim.timed_iteration import TimedIteration
@@ -71,7 +71,7 @@ class Simulation:
         plan: the placement replayed.
         sizes: the real sub-group sizes.
         replayed: the virtual node's account of the engine's logged schedule.
-        predicted: :func:`~lightning_dos.engine.perfmodel.predict` for the same plan.
+        predicted: :func:`~lightning_dos.model.perfmodel.predict` for the same plan.
         races: stream races the checker found while the schedule was logged (should be none).
         footprint: the optimizer's rule and dtypes simulated.
     """
@@ -249,12 +249,12 @@ def whole_iteration(
     """Iteration seconds per overlap mode, replayed whole (:func:`replay_iteration`: backward, the engine's update as
     it issues it and the next forward on the virtual node's streams) and predicted (the performance model). ``off``
     runs ``result``'s plan (the update's best); ``forward`` and ``auto`` the plan the strategy's scheduler runs once
-    it has measured forward and backward (:func:`~lightning_dos.engine.iteration.shortest_iteration_plan`);
+    it has measured forward and backward (:func:`~lightning_dos.model.iteration.shortest_iteration_plan`);
     ``stock`` is stock ZeRO-3 offload's update after forward and backward. With ``trace``, each mode's replay is
     written beside it as a Perfetto trace (``<trace stem>-iteration-<mode><suffix>``, its path in the mode's
     ``iteration_plans`` entry). ``iteration_floor_s`` is what no placement or schedule could beat
-    (:func:`~lightning_dos.engine.iteration.iteration_floor`, resident state up to ``resident_room`` bytes)."""
-    from lightning_dos.planner import stock_update_s
+    (:func:`~lightning_dos.model.iteration.iteration_floor`, resident state up to ``resident_room`` bytes)."""
+    from lightning_dos.commands.plan import stock_update_s
 
     replayed, predicted, plans = {}, {}, {}
     for mode in MODES:
@@ -340,7 +340,7 @@ def _description() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from lightning_dos.planner import add_footprint_options
+    from lightning_dos.commands.plan import add_footprint_options
 
     parser = argparse.ArgumentParser(
         prog="lightning-dos simulate", description=_description(), formatter_class=argparse.RawDescriptionHelpFormatter
@@ -379,8 +379,8 @@ def _fail(message: str) -> int:
 
 def main(argv: list[str]) -> int:
     """Run ``lightning-dos simulate`` (``argv`` without the subcommand); returns the exit status."""
-    from lightning_dos.planner import footprint_label, footprint_of, footprint_summary, recipe_parameters
-    from lightning_dos.profiles import load_profile
+    from lightning_dos.commands.plan import footprint_label, footprint_of, footprint_summary, recipe_parameters
+    from lightning_dos.planning.profiles import load_profile
 
     args = _parser().parse_args(argv)
     try:

@@ -33,12 +33,12 @@ class DOSProgressBar(RichProgressBar):
     """Lightning's rich progress bar kept to one line at the console's width: loss (``loss``, ``val``), tokens/s
     and the share of the update done on the device (``dev``, shown with an accelerator or when above 0%).
 
-    Phase times, PCIe rates and memory belong to :class:`~lightning_dos.callbacks.DOSMonitor`'s end-of-fit
+    Phase times, PCIe rates and memory belong to :class:`~lightning_dos.integration.callbacks.DOSMonitor`'s end-of-fit
     table and the logs. Tokens per step come from the ``train/tokens_per_step`` metric the model logs (the
     recipe ``GPT`` does), or else from the size of the batch's first tensor; tokens/s is a running average
     over the wall time between training batches (validation time is left out) times the number of
     processes. The device share is read from ``trainer.callback_metrics`` when present there, else from the
-    latest step of a :class:`~lightning_dos.callbacks.DOSMonitor`.
+    latest step of a :class:`~lightning_dos.integration.callbacks.DOSMonitor`.
 
     The line fits the console (rich takes its width from the terminal, or ``COLUMNS``, or 80 in a pipe or a
     log file): Lightning's it/s column is left out (tokens/s says more); below 100 columns the time column
@@ -261,7 +261,7 @@ def _step_tokens(trainer: L.Trainer, batch: Any) -> float | None:
 
 def _latest_monitor_row(trainer: L.Trainer) -> dict[str, float] | None:
     try:
-        from lightning_dos.callbacks.monitor import DOSMonitor
+        from lightning_dos.integration.callbacks.monitor import DOSMonitor
     except ImportError:  # the monitor is optional for the bar
         return None
     for callback in trainer.callbacks:

@@ -17,11 +17,11 @@ from typing import Any
 
 import yaml
 
-from lightning_dos.engine.iteration import MODES, iteration_s, predicted_timeline, shortest_iteration_plan
-from lightning_dos.engine.perfmodel import HardwareRates, choose_plan, floor, planning_budget, predict, rates_for
-from lightning_dos.engine.plan import Place, Plan, auto_sub_group_size, split_into_sub_groups, stride_plan
-from lightning_dos.engine.update_rules import ADAGRAD, ADAM, ADAM_FP32, LION, Footprint, UpdateRule
-from lightning_dos.profiles import load_profile, save_profile
+from lightning_dos.model.iteration import MODES, iteration_s, predicted_timeline, shortest_iteration_plan
+from lightning_dos.model.perfmodel import HardwareRates, choose_plan, floor, planning_budget, predict, rates_for
+from lightning_dos.model.plan import Place, Plan, auto_sub_group_size, split_into_sub_groups, stride_plan
+from lightning_dos.model.update_rules import ADAGRAD, ADAM, ADAM_FP32, LION, Footprint, UpdateRule
+from lightning_dos.planning.profiles import load_profile, save_profile
 
 TWINFLOW_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5)
 STRIDES = (2, 3, 4)
@@ -408,7 +408,7 @@ def describe_rates(rates: HardwareRates) -> list[str]:
 def _calibrate(args: argparse.Namespace) -> int:
     import torch
 
-    from lightning_dos.engine.calibrate import calibrate
+    from lightning_dos.planning.calibrate import calibrate
 
     name = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     device = torch.device(name)
@@ -456,6 +456,16 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--backward-s", type=float, help="backward time, to predict the iteration")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
+
+
+def calibrate_main(argv: list[str]) -> int:
+    """``lightning-dos calibrate`` with ``argv`` (the arguments after the subcommand); returns the exit status."""
+    return main(["calibrate", *argv])
+
+
+def plan_main(argv: list[str]) -> int:
+    """``lightning-dos plan`` with ``argv`` (the arguments after the subcommand); returns the exit status."""
+    return main(["plan", *argv])
 
 
 def main(argv: list[str]) -> int:

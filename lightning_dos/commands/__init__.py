@@ -1,0 +1,1 @@
+"""The commands behind ``lightning-dos``: train (main), plan, simulate, report."""
