@@ -24,7 +24,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("off", "forward", "auto")
+sys.path.insert(0, str(ROOT))
+
+from lightning_dos.model.overlap import MODES  # noqa: E402
 
 
 def run_mode(args: argparse.Namespace) -> dict:

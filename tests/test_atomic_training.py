@@ -288,7 +288,7 @@ class BackwardWaitsFor(L.Callback):
         self.at = at
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.global_step == STEP - 1 and trainer.strategy.dos_adapter.overlap == "backward":
+        if trainer.global_step == STEP - 1 and trainer.strategy.dos_adapter.overlap == "auto":
             deadline = time.monotonic() + 10
             while not self.at.fired and time.monotonic() < deadline:
                 time.sleep(0.001)

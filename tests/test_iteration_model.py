@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_dos.commands.main import main as cli_main
-from lightning_dos.commands.plan import footprint_of
+from lightning_dos.commands.options import footprint_of
 from lightning_dos.commands.simulate import auto_plan, sub_group_sizes
 from lightning_dos.engine.loop import InterleavedUpdate
 from lightning_dos.integration.phases import IterationPhases

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_dos.commands.main import main
-from lightning_dos.commands.plan import footprint_of, plan_rows
+from lightning_dos.commands.options import footprint_of
+from lightning_dos.commands.plan import plan_rows
 from lightning_dos.engine.loop import InterleavedUpdate
 from lightning_dos.model.perfmodel import HardwareRates
 from lightning_dos.model.plan import parse_gpu_fraction

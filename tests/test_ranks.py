@@ -94,7 +94,7 @@ def test_ranks_enter_the_same_collectives_in_the_same_order_none_from_backward_o
     assert done.returncode == 0, done.stderr[-3000:]
     calls = [CollectiveRecorder.load(f"{out}.rank{r}.json") for r in range(2)]
     meta = [json.loads(Path(f"{out}.rank{r}.meta.json").read_text()) for r in range(2)]
-    assert meta[0]["overlap"] == {"auto": "backward", "forward": "forward"}[overlap]
+    assert meta[0]["overlap"] == overlap  # "auto" ran as "auto": nothing blocked the update during backward
     if overlap == "auto":
         assert sum(meta[0]["early"]) > 0, "host sub-groups were updated during backward"
     assert per_thread(calls[0]) == per_thread(calls[1]), "the ranks entered collectives in different orders"

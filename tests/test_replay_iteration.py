@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_dos.commands.plan import footprint_of
+from lightning_dos.commands.options import footprint_of
 from lightning_dos.commands.simulate import auto_plan, replay_iteration, sub_group_sizes
 from lightning_dos.model.iteration import shortest_iteration_plan
 from lightning_dos.model.plan import Place, Plan

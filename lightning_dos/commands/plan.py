@@ -15,94 +15,24 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from lightning_dos.model.iteration import MODES, iteration_s, predicted_timeline, shortest_iteration_plan
+from lightning_dos.commands.options import (
+    add_footprint_options,
+    add_model_options,
+    footprint_label,
+    footprint_of,
+    footprint_summary,
+    recipe_parameters,
+    sub_group_size_of,
+)
+from lightning_dos.model.iteration import iteration_s, predicted_timeline, shortest_iteration_plan
+from lightning_dos.model.overlap import MODES
 from lightning_dos.model.perfmodel import HardwareRates, choose_plan, floor, planning_budget, predict, rates_for
-from lightning_dos.model.plan import Place, Plan, auto_sub_group_size, split_into_sub_groups, stride_plan
-from lightning_dos.model.update_rules import ADAGRAD, ADAM, ADAM_FP32, LION, Footprint, UpdateRule
+from lightning_dos.model.plan import Place, Plan, split_into_sub_groups, stride_plan
+from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 from lightning_dos.planning.profiles import load_profile, save_profile
 
 TWINFLOW_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5)
 STRIDES = (2, 3, 4)
-#: ``--optimizer`` choices and the rule each runs (AdamW is Adam's rule with decoupled decay: the same bytes).
-OPTIMIZERS: dict[str, UpdateRule] = {"adam": ADAM, "adamw": ADAM, "adagrad": ADAGRAD, "lion": LION}
-#: ``--master-dtype`` and ``--state-dtype`` choices, and their bytes per element.
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-
-
-def footprint_of(optimizer: str = "adam", master_dtype: str = "fp32", state_dtype: str = "fp32") -> Footprint:
-    """The bytes per element of ``optimizer`` with master weights and gradients in ``master_dtype`` and its
-    states in ``state_dtype``, as ``plan`` and ``simulate`` take them.
-
-    Raises ValueError naming the option and its valid values: an unknown optimizer or dtype, or bf16 states
-    with fp32 master weights (DeepSpeed requires ``bf16_master_weights_and_grads`` for ``bf16_optimizer_states``).
-    """
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"--optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-    for option, value in (("--master-dtype", master_dtype), ("--state-dtype", state_dtype)):
-        if value not in DTYPE_BYTES:
-            raise ValueError(f"{option} {value!r} is not one of {', '.join(DTYPE_BYTES)}")
-    if state_dtype == "bf16" and master_dtype != "bf16":
-        raise ValueError(
-            "--state-dtype bf16 needs --master-dtype bf16 (DeepSpeed's bf16_optimizer_states requires "
-            "bf16_master_weights_and_grads); valid: --master-dtype bf16 --state-dtype bf16|fp32, or "
-            "--master-dtype fp32 --state-dtype fp32"
-        )
-    # As the strategy's engine runs: resident sub-groups' gradients are kept on the device, never uploaded.
-    return Footprint(OPTIMIZERS[optimizer], DTYPE_BYTES[master_dtype], DTYPE_BYTES[state_dtype], grads_on_device=True)
-
-
-def add_footprint_options(parser: argparse.ArgumentParser) -> None:
-    """``--optimizer``, ``--master-dtype`` and ``--state-dtype`` (validated by :func:`footprint_of`)."""
-    parser.add_argument(
-        "--optimizer", default="adam", help=f"the optimizer whose state is offloaded: {', '.join(OPTIMIZERS)}"
-    )
-    parser.add_argument(
-        "--master-dtype",
-        default="fp32",
-        help="master weights and gradients: fp32, or bf16 (DeepSpeed's bf16_master_weights_and_grads)",
-    )
-    parser.add_argument(
-        "--state-dtype",
-        default="fp32",
-        help="optimizer states: fp32, or bf16 (DeepSpeed's bf16_optimizer_states; needs --master-dtype bf16)",
-    )
-
-
-def _footprint_options(args: argparse.Namespace) -> tuple[str, str, str]:
-    """``--optimizer``, ``--master-dtype``, ``--state-dtype`` (their defaults where ``args`` lacks them)."""
-    return (
-        getattr(args, "optimizer", "adam"),
-        getattr(args, "master_dtype", "fp32"),
-        getattr(args, "state_dtype", "fp32"),
-    )
-
-
-def footprint_summary(args: argparse.Namespace, footprint: Footprint) -> dict[str, Any]:
-    """The optimizer, its dtypes and the bytes per element they give, for ``--json``."""
-    optimizer, master, state = _footprint_options(args)
-    return {
-        "optimizer": optimizer,
-        "master_dtype": master,
-        "state_dtype": state,
-        "bytes_per_element": {
-            "host_state": footprint.optimizer_state,
-            "streamed_up": footprint.streamed_up,
-            "streamed_down": footprint.streamed_down,
-            "resident_up": footprint.resident_up,
-            "device": footprint.device,
-        },
-    }
-
-
-def footprint_label(args: argparse.Namespace) -> str:
-    """``Adam, fp32 master and states`` and the like, for titles."""
-    optimizer, master, state = _footprint_options(args)
-    name = {"adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad", "lion": "Lion"}[optimizer]
-    if master == state:
-        return f"{name}, {master} master and states"
-    return f"{name}, {master} master, {state} states"
 
 
 def stock_update_s(elements: float, rates: HardwareRates, lp_bytes: int, *, footprint: Footprint = ADAM_FP32) -> float:
@@ -136,21 +66,6 @@ def device_kind(rates: HardwareRates, meta: dict[str, Any]) -> str:
     return "GPU" if device.startswith("cuda") else device
 
 
-def recipe_parameters(path: str) -> int:
-    """Parameters of the model a recipe YAML describes."""
-    model = (yaml.safe_load(Path(path).read_text()) or {}).get("model", {})
-    args = model.get("init_args", model)
-    from lightning_dos.recipes.gpt import GPT
-
-    return GPT.count_parameters(
-        int(args.get("n_layer", 4)),
-        int(args.get("n_embd", 128)),
-        int(args.get("vocab_size", 256)),
-        int(args.get("block_size", 128)),
-        bool(args.get("tie_embeddings", True)),
-    )
-
-
 def plan_rows(
     params: int,
     gpus: int,
@@ -174,7 +89,7 @@ def plan_rows(
     """
     fp = footprint
     per_rank = params // gpus
-    size = auto_sub_group_size(per_rank) if args.sub_group_size == "auto" else int(args.sub_group_size)
+    size = sub_group_size_of(args.sub_group_size, per_rank)
     # Cut as the engine cuts a rank's partition: near-equal pieces of at most `size` elements.
     sizes = [sg.numel for sg in split_into_sub_groups([per_rank], [0], size)]
     count = len(sizes)
@@ -434,27 +349,7 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--out", type=Path, default=Path("profile.yaml"), help="profile file (.yaml or .json)")
     add_footprint_options(cal)
     plan = sub.add_parser("plan", help="predict the update phase of each offload scheme")
-    model = plan.add_mutually_exclusive_group(required=True)
-    model.add_argument("--params", type=float, help="model parameters, e.g. 7e9")
-    model.add_argument("--recipe", help="a recipe YAML (its model's parameters are counted)")
-    plan.add_argument("--gpus-per-node", type=int, help="ranks the model is partitioned over (default: the profile's)")
-    plan.add_argument("--profile", default="paper-h100x4", help="a named profile or a profile file")
-    plan.add_argument(
-        "--sub-group-size", default="auto", help="elements per sub-group, or auto (as the strategy sizes them)"
-    )
-    plan.add_argument("--lp-bytes", type=int, default=2, choices=(2, 4), help="bytes per model parameter")
-    add_footprint_options(plan)
-    plan.add_argument(
-        "--budget",
-        type=float,
-        help="device bytes per rank spare at the forward/backward peak, as the strategy's gpu_memory_budget: "
-        "resident state (TwinFlow, ours) and the update's buffers must fit in it. Default: what the strategy "
-        "does without one, nothing resident and the update's buffers in the profile's free memory after "
-        "backward, less 10%%",
-    )
-    plan.add_argument("--forward-s", type=float, help="forward time, to predict the iteration")
-    plan.add_argument("--backward-s", type=float, help="backward time, to predict the iteration")
-    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_model_options(plan)
     return parser
 
 
@@ -479,14 +374,11 @@ def main(argv: list[str]) -> int:
     except (FileNotFoundError, ValueError) as error:
         print(f"lightning-dos plan: error: {error}", file=sys.stderr)
         return 2
-    if args.sub_group_size != "auto":
-        try:
-            args.sub_group_size = int(float(args.sub_group_size))
-        except ValueError:
-            args.sub_group_size = 0
-        if args.sub_group_size <= 0:
-            print("lightning-dos plan: error: --sub-group-size must be 'auto' or a positive number", file=sys.stderr)
-            return 2
+    try:
+        sub_group_size_of(args.sub_group_size, 1)  # checked before any work; sized per rank in plan_rows
+    except ValueError as error:
+        print(f"lightning-dos plan: error: {error}", file=sys.stderr)
+        return 2
     args.budget = int(args.budget) if args.budget is not None else None
     params = int(args.params) if args.params is not None else recipe_parameters(args.recipe)
     gpus = args.gpus_per_node or int(meta.get("gpus_per_node", 1))

@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightning_dos.integration.metrics import MEDIANS
+
 INSTALL_HINT = "pip install 'lightning-dos[plot]'"
 PHASES = ("forward", "backward", "update")
 PHASE_COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "update": "#55A868"}
@@ -226,29 +228,13 @@ def _update_vs_predicted(ax: Any, series: Series) -> bool:
     return True
 
 
-#: The medians panel: label, metric (without ``dos/``), scale, unit.
-_MEDIAN_LINES = (
-    ("forward", "forward_s", 1, "s"),
-    ("backward", "backward_s", 1, "s"),
-    ("update", "update_s", 1, "s"),
-    ("step", "step_s", 1, "s"),
-    ("engine update loop", "engine_update_s", 1, "s"),
-    ("  predicted", "update_predicted_s", 1, "s"),
-    ("host to device", "h2d_gbps", 1, "GB/s"),
-    ("device to host", "d2h_gbps", 1, "GB/s"),
-    ("PCIe utilisation", "pcie_util", 100, "%"),
-    ("device share", "gpu_fraction", 100, "%"),
-    ("pinned host memory", "pinned_gb", 1, "GB"),
-)
-
-
 def _medians(ax: Any, series: Series) -> None:
     ax.axis("off")
     text = []
-    for label, key, scale, unit in _MEDIAN_LINES:
-        values = _get(series, key)[1]
+    for metric in MEDIANS:
+        values = _get(series, metric.key)[1]
         if values:
-            text.append(f"{label:<20}{statistics.median(values) * scale:>12.4g} {unit}")
+            text.append(f"{metric.label:<24}{statistics.median(values) * metric.scale:>12.4g} {metric.unit}")
     ax.set_title("Medians over the run")
     ax.text(0.02, 0.95, "\n".join(text) or "no metrics", va="top", family="monospace", transform=ax.transAxes)
 

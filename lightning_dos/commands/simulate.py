@@ -38,12 +38,12 @@ import torch
 from lightning_dos.engine.kernels import Hyper
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
 from lightning_dos.model.iteration import (
-    MODES,
     iteration_floor,
     iteration_s,
     predicted_timeline,
     shortest_iteration_plan,
 )
+from lightning_dos.model.overlap import MODES, begins_in_backward, overlaps_forward
 from lightning_dos.model.perfmodel import (
     HardwareRates,
     Prediction,
@@ -181,7 +181,7 @@ def _steady_step(
         state_dtype=DTYPES[footprint.state],
         keep_resident_grads=footprint.grads_on_device,
     )
-    checker.watch(engine, overlap=overlap != "off", early=overlap == "auto")
+    checker.watch(engine, overlap=overlaps_forward(overlap), early=begins_in_backward(overlap))
     hyper = [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)]
     grads = [torch.zeros(n, dtype=DTYPES[footprint.master]) for n in small]
     lp = [torch.zeros(n, dtype=engine.lp_dtype) for n in small]
@@ -340,35 +340,16 @@ def _description() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from lightning_dos.commands.plan import add_footprint_options
+    from lightning_dos.commands.options import add_model_options
 
     parser = argparse.ArgumentParser(
         prog="lightning-dos simulate", description=_description(), formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    model = parser.add_mutually_exclusive_group(required=True)
-    model.add_argument("--params", type=float, help="model parameters, e.g. 20e9")
-    model.add_argument("--recipe", help="a recipe YAML (its model's parameters are counted)")
-    parser.add_argument("--profile", default="paper-h100x4", help="a named profile or a profile file")
+    add_model_options(parser)
     parser.add_argument("--gpu-fraction", default="auto", help="'auto', a number in [0, 1], or 'stride:K'")
-    parser.add_argument(
-        "--gpus-per-node", type=int, help="ranks the model is partitioned over (default: the profile's)"
-    )
-    parser.add_argument("--sub-group-size", type=float, default=1e8, help="elements per sub-group")
-    parser.add_argument("--lp-bytes", type=int, default=2, choices=(2, 4), help="bytes per model parameter")
-    add_footprint_options(parser)
-    parser.add_argument(
-        "--budget",
-        type=float,
-        help="device bytes per rank spare at the forward/backward peak, as the strategy's gpu_memory_budget "
-        "('auto' may then keep sub-groups resident in it). Default: what the strategy does without one, nothing "
-        "resident and the update's buffers in the profile's free memory after backward, less 10%%",
-    )
     parser.add_argument(
         "--trace", type=Path, default=Path("runs/simulate/trace.json"), help="Perfetto trace to write (JSON)"
     )
-    parser.add_argument("--forward-s", type=float, help="forward seconds per iteration and rank: time the iteration")
-    parser.add_argument("--backward-s", type=float, help="backward seconds per iteration and rank (with --forward-s)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
 
@@ -379,7 +360,13 @@ def _fail(message: str) -> int:
 
 def main(argv: list[str]) -> int:
     """Run ``lightning-dos simulate`` (``argv`` without the subcommand); returns the exit status."""
-    from lightning_dos.commands.plan import footprint_label, footprint_of, footprint_summary, recipe_parameters
+    from lightning_dos.commands.options import (
+        footprint_label,
+        footprint_of,
+        footprint_summary,
+        recipe_parameters,
+        sub_group_size_of,
+    )
     from lightning_dos.planning.profiles import load_profile
 
     args = _parser().parse_args(argv)
@@ -391,11 +378,13 @@ def main(argv: list[str]) -> int:
         return _fail(str(error))
     if rates.device_adam_eps <= 0 or rates.shared_cpu:
         return _fail(f"profile {args.profile!r} has no accelerator to simulate (device_adam_eps is 0 or shared_cpu)")
-    if args.sub_group_size <= 0:
-        return _fail("--sub-group-size must be positive")
     params = int(args.params) if args.params is not None else recipe_parameters(args.recipe)
     if params <= 0:
         return _fail("--params must be positive")
+    try:
+        sub_group_size_of(args.sub_group_size, 1)  # checked before any work; sized per rank below
+    except ValueError as error:
+        return _fail(str(error))
     phases = (args.forward_s, args.backward_s)
     if (phases[0] is None) != (phases[1] is None):
         return _fail("--forward-s and --backward-s go together: give both, or neither")
@@ -405,7 +394,7 @@ def main(argv: list[str]) -> int:
     budget, resident_ok = planning_budget(
         int(args.budget) if args.budget is not None else None, meta.get("device_free_bytes")
     )
-    sizes = sub_group_sizes(params, gpus, int(args.sub_group_size))
+    sizes = sub_group_sizes(params, gpus, sub_group_size_of(args.sub_group_size, params // gpus))
     if spec.mode == "auto":
         plan = auto_plan(sizes, rates, args.lp_bytes, budget, allow_resident=resident_ok, footprint=footprint)
     else:

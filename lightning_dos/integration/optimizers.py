@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from lightning_dos.errors import DOSConfigError
-from lightning_dos.model.update_rules import ADAGRAD, ADAM, LION, Hyper, UpdateRule
+from lightning_dos.model.update_rules import OPTIMIZER_RULES, Hyper, UpdateRule
 
 SUPPORTED = (
     "torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, or DeepSpeed's DeepSpeedCPUAdam, "
@@ -88,12 +88,13 @@ def _lion_hyper(optimizer: Any, group: Mapping[str, Any]) -> Hyper:  # noqa: ARG
 
 
 _ADAM_REFUSED = (("amsgrad", True), ("maximize", True), ("bias_correction", False))
-_TORCH_ADAM = OptimizerBinding(ADAM, ("exp_avg", "exp_avg_sq"), True, _adam_hyper, _ADAM_REFUSED)
-_DS_ADAM = OptimizerBinding(ADAM, ("exp_avg", "exp_avg_sq"), False, _adam_hyper, _ADAM_REFUSED)
-_TORCH_ADAGRAD = OptimizerBinding(ADAGRAD, ("sum",), True, _adagrad_hyper, (("maximize", True),))
+_ADAM, _ADAGRAD, _LION = (OPTIMIZER_RULES[name] for name in ("adam", "adagrad", "lion"))
+_TORCH_ADAM = OptimizerBinding(_ADAM, ("exp_avg", "exp_avg_sq"), True, _adam_hyper, _ADAM_REFUSED)
+_DS_ADAM = OptimizerBinding(_ADAM, ("exp_avg", "exp_avg_sq"), False, _adam_hyper, _ADAM_REFUSED)
+_TORCH_ADAGRAD = OptimizerBinding(_ADAGRAD, ("sum",), True, _adagrad_hyper, (("maximize", True),))
 # DeepSpeedCPUAdagrad accepts amsgrad but ignores it; refused so nobody believes it ran.
-_DS_ADAGRAD = OptimizerBinding(ADAGRAD, ("exp_avg_sq",), False, _adagrad_hyper, (("amsgrad", True),))
-_DS_LION = OptimizerBinding(LION, ("exp_avg",), False, _lion_hyper)
+_DS_ADAGRAD = OptimizerBinding(_ADAGRAD, ("exp_avg_sq",), False, _adagrad_hyper, (("amsgrad", True),))
+_DS_LION = OptimizerBinding(_LION, ("exp_avg",), False, _lion_hyper)
 
 
 def _deepspeed_class(module: str, name: str) -> type | None:

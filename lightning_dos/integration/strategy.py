@@ -50,6 +50,7 @@ from lightning_dos.integration.preflight import (
     pin_backend,
 )
 from lightning_dos.integration.zero3 import ZeRO3Adapter, backward_overlap_blocker, load_zero3_weights_for_evaluation
+from lightning_dos.model.overlap import AUTO, FORWARD, MODES, OFF, Overlap
 from lightning_dos.model.perfmodel import HardwareRates
 from lightning_dos.model.plan import (
     MAX_AUTO_SUB_GROUP,
@@ -72,7 +73,6 @@ if TYPE_CHECKING:
 #: engine then cuts those flats into sub-groups sized from the rank's partition.
 DEEPSPEED_SUB_GROUP_SIZE = MAX_AUTO_SUB_GROUP
 #: The values of ``overlap``.
-OVERLAP_MODES = ("off", "forward", "auto")
 
 
 def _refuse(setting: str, value: Any, valid: str) -> DOSConfigError:
@@ -396,8 +396,8 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             isinstance(host_threads, bool) or not isinstance(host_threads, int) or host_threads < 1
         ):
             raise _refuse("host_threads", host_threads, "use 'auto' or a positive integer number of threads")
-        if overlap not in OVERLAP_MODES:
-            raise _refuse("overlap", overlap, f"use one of {', '.join(map(repr, OVERLAP_MODES))}")
+        if overlap not in MODES:
+            raise _refuse("overlap", overlap, f"use one of {', '.join(map(repr, MODES))}")
         #: What the update overlaps: "off", "forward" or "auto" (as asked; see ``dos_adapter.overlap`` for what runs).
         self.overlap = overlap
         if stage != 3:
@@ -590,31 +590,31 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             # backward, at points every rank reaches in the same order).
             reduce_min=reduce_min_over_ranks(self.root_device, adapter.process_group),
             # What the plan minimises: the update alone, or the iteration it overlaps.
-            overlap={"off": "off", "forward": "forward", "backward": "auto"}[adapter.overlap],
+            overlap=adapter.overlap,
         )
         self.dos_adapter.planner = self.dos_scheduler
 
-    def _overlap_mode(self, ds_optimizer: Any) -> str:
-        """The adapter's overlap for ``self.overlap``, said once (each line fits 80 columns after Lightning's
-        ``INFO: `` prefix)."""
-        if self.overlap == "off":
+    def _overlap_mode(self, ds_optimizer: Any) -> Overlap:
+        """What runs for ``self.overlap``: "auto" only where nothing needs the whole gradient first, else "forward";
+        said once (each line fits 80 columns after Lightning's ``INFO: `` prefix)."""
+        if self.overlap == OFF:
             rank_zero_info("lightning-dos: overlap='off': each step waits for its update")
-            return "off"
-        if self.overlap == "forward":
+            return OFF
+        if self.overlap == FORWARD:
             rank_zero_info("lightning-dos: overlap='forward': the update overlaps the next forward")
-            return "forward"
+            return FORWARD
         blocker = backward_overlap_blocker(ds_optimizer)
         if blocker is None:
             rank_zero_info(
                 "lightning-dos: overlap='auto': host sub-groups are updated during backward\n"
                 "as their gradients become final; the rest overlaps the next forward"
             )
-            return "backward"
+            return AUTO
         rank_zero_info(
             "lightning-dos: overlap='auto' runs as 'forward' (the update overlaps\n"
             f"the next forward, not backward):\n{blocker}"
         )
-        return "forward"
+        return FORWARD
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint; for ``validate``/``test``/``predict`` read the weights without an optimizer.

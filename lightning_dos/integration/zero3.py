@@ -37,6 +37,7 @@ from lightning_dos.integration.optimizers import (
     uses_tensor_step,
 )
 from lightning_dos.integration.phases import IterationPhases
+from lightning_dos.model.overlap import AUTO, OFF, Overlap, check_overlap, overlaps_forward
 from lightning_dos.model.plan import Plan, auto_sub_group_size
 from lightning_dos.model.step_report import StepReport
 
@@ -233,9 +234,10 @@ class ZeRO3Adapter:
         overlap: ``"forward"``: :meth:`step` returns while the engine's update runs on a background thread; each
             all-gather of the next forward first waits for the sub-groups holding its parameters, and
             :meth:`finish_update` (called by the framework before backward, evaluation, checkpoints, teardown)
-            waits for the whole update. ``"backward"``: ``"forward"``, and the step begins during backward: each
+            waits for the whole update. ``"auto"``: ``"forward"``, and the step begins during backward: each
             host sub-group is updated once backward has made its gradient final (only valid when
             :func:`backward_overlap_blocker` finds nothing). ``"off"``: the step returns once the update is over.
+            (:mod:`lightning_dos.model.overlap`: what runs, after the strategy resolved its setting.)
     """
 
     def __init__(
@@ -246,10 +248,10 @@ class ZeRO3Adapter:
         pin: bool = True,
         streams_factory: Callable[[torch.device], Streams] | None = None,
         optimizer: object | None = None,
-        overlap: str = "off",
+        overlap: Overlap = OFF,
     ) -> None:
         check_zero3_optimizer(zero_optimizer)
-        self.overlap = overlap
+        self.overlap = check_overlap(overlap)
         self.zero = z = zero_optimizer
         if optimizer is not None:
             _regroup_rebuilt_adagrad(z, optimizer)
@@ -302,7 +304,7 @@ class ZeRO3Adapter:
         self._phases: IterationPhases | None = None
         # Under overlap the update's staging may be allocated beside the next forward: the engine sizes it within
         # what is spare at the forward/backward peak, which is measured every iteration (_measure_peak).
-        self.engine.overlapping = overlap != "off"
+        self.engine.overlapping = overlaps_forward(self.overlap)
         self._peak_window = False
         self._peak = 0
         #: SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 arriving during an update are held until :meth:`deliver`.
@@ -318,11 +320,11 @@ class ZeRO3Adapter:
         self._wrap_state_access(z)
         #: Sub-groups of each parameter (by ZeRO-3's parameter id), filled as parameters are first gathered.
         self._param_sub_groups: dict[int, list[int]] = {}
-        if overlap in ("forward", "backward"):
+        if overlaps_forward(overlap):
             self._wait_before_gathers(z)
         #: The step begun during this backward (plan, inputs, step counts); None when none was.
         self._early: tuple[Plan, StepInputs, list[int]] | None = None
-        #: Under overlap="backward", the plan made before backward for the step it begins: (step, plan, prediction).
+        #: Under overlap="auto", the plan made before backward for the step it begins: (step, plan, prediction).
         self._upcoming: tuple[int, Plan, float | None] | None = None
         #: Device bytes the update may use, sampled where the device holds what it holds during the update: at each
         #: step, after backward and before the update allocates; before the first, now (no forward has run).
@@ -411,7 +413,7 @@ class ZeRO3Adapter:
     def _watch_gradients(self, z: object) -> None:
         """At each of DeepSpeed's copies of a reduced gradient partition into the host gradient buffers at the
         accumulation boundary: keep the device copy of resident sub-groups' part (no upload at the step), and under
-        ``overlap="backward"`` learn when every element of an engine sub-group is final and hand it to the engine."""
+        ``overlap="auto"`` learn when every element of an engine sub-group is final and hand it to the engine."""
         engine = self.engine
         #: Elements of each sub-group that backward has yet to make final this step (parameters without a gradient
         #: hold none; padding is never written).
@@ -428,7 +430,7 @@ class ZeRO3Adapter:
             if engine.resident:
                 # On DeepSpeed's current stream too, so the event below covers it.
                 engine.keep_gradient(flat, offset, grad_buffer)
-            if self.overlap != "backward":
+            if self.overlap != AUTO:
                 return
             # The copy was issued on DeepSpeed's current (reduce) stream: its event is when the gradient lands.
             landed = engine.streams.record(engine.streams.current)
@@ -499,7 +501,7 @@ class ZeRO3Adapter:
         window opens at the first forward after a step (``begins``) and is read before and after each backward and
         at the step. On a GPU, ``torch.cuda.max_memory_allocated`` since a reset there (DOSMonitor resets it only at
         the batch's start and before backward, so each read still covers what came since the last)."""
-        if self.overlap == "off":
+        if self.overlap == OFF:
             return
         streams = self.engine.streams
         if begins:
@@ -530,13 +532,13 @@ class ZeRO3Adapter:
         here (on an accelerator backward's hooks run on other threads, and the main thread runs Python handlers
         only once backward returns, inside DeepSpeed's backward, where they would cut the begun step short).
 
-        Under overlap="backward" the step's plan is made here, once per step (the first micro-batch's backward),
+        Under overlap="auto" the step's plan is made here, once per step (the first micro-batch's backward),
         on the training thread (the previous update is over): the planner's collectives must not run inside
         backward, where each rank reaches a gradient hook when its own buckets fill, and its re-plan holds the GIL.
         It plans in the device memory free at the update (sampled at the previous step), not what backward's
         activations leave free here."""
         self._measure_peak()
-        if self.overlap == "backward":
+        if self.overlap == AUTO:
             step = self.engine.steps_taken + 1
             if self._upcoming is None or self._upcoming[0] != step:
                 self._upcoming = (step, *self._plan_now())
@@ -544,7 +546,7 @@ class ZeRO3Adapter:
             self._phases.backward_begins()
         # Gradients kept by an earlier backward belong to a step that was read or dropped already.
         self.engine.discard_kept_gradients()
-        if self.overlap == "backward":
+        if self.overlap == AUTO:
             self.signals.hold()
 
     def after_backward(self) -> None:
@@ -553,7 +555,7 @@ class ZeRO3Adapter:
         self._measure_peak()
         if self._phases is not None:
             self._phases.backward_ends()
-        if self.overlap == "backward" and not self.engine.in_flight:
+        if self.overlap == AUTO and not self.engine.in_flight:
             self.deliver()
 
     def _hand_over_phases(self) -> None:
@@ -567,7 +569,7 @@ class ZeRO3Adapter:
         """Wait for the update in flight (overlap) and raise, here, what interrupted it before any state
         changed (pre-step) or tore it; a post-step interruption is raised by :meth:`deliver`. Main thread only.
 
-        Between a backward that began the step (overlap="backward") and the step itself there is nothing to wait
+        Between a backward that began the step (overlap="auto") and the step itself there is nothing to wait
         for: the step cannot end before it is called. A reader there is refused (the state is neither pre- nor
         post-step), unless ``abandon`` (the framework is handling an exception, or tearing down): the begun step
         then stops, and the state is torn if it had changed anything."""
@@ -803,7 +805,7 @@ class ZeRO3Adapter:
             if is_invalid_grad_norm(scaled_norm):
                 z.overflow = True
         # Backward's activations are gone and this step's update has allocated nothing yet: the device memory free
-        # here is the update's, which the next plan made before backward (overlap="backward") is made in.
+        # here is the update's, which the next plan made before backward (overlap="auto") is made in.
         self._budget_at_update = self.engine.device_budget()
         if early is not None:
             plan, predicted = early[0], early[1].predicted_s
@@ -835,9 +837,9 @@ class ZeRO3Adapter:
                 with self.engine.guard.updating():
                     # Read on this thread: the LR schedule changes the hyperparameters right after the step returns.
                     steps, inputs = self._inputs(predicted, scaled_norm)
-                    if self.overlap == "off":
+                    if self.overlap == OFF:
                         self._apply(plan, inputs, steps)
-                if self.overlap != "off":
+                if self.overlap != OFF:
                     self.engine.start(lambda: self._apply(plan, inputs, steps))
         except BaseException:
             # Pre-step (nothing changed) or torn: the step did not complete, so raise now.
@@ -876,7 +878,7 @@ class ZeRO3Adapter:
         except UpdateInterrupted as failure:
             if failure.state != PRE_STEP:
                 self._interrupted = failure
-            elif self.overlap == "off":
+            elif self.overlap == OFF:
                 raise  # the step has not returned: the framework does not count it
             else:
                 # Overlapped: the step returned and the framework counted it, so it is taken (on the host).

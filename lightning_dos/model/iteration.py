@@ -24,12 +24,10 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from lightning_dos.model.overlap import MODES
 from lightning_dos.model.perfmodel import HardwareRates, device_bytes, least_update_s, predict, rates_for
 from lightning_dos.model.plan import Place, Plan, even_plan
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
-
-#: The modes :func:`iteration_s` times, in its result's order.
-MODES = ("off", "forward", "auto")
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,10 @@ ADAGRAD = UpdateRule("adagrad", ("sum",))
 LION = UpdateRule("lion", ("exp_avg",))
 #: Every rule, by name.
 RULES = {rule.name: rule for rule in (ADAM, ADAGRAD, LION)}
+#: The optimizers the engine runs, by name, and the rule each computes (AdamW is Adam's rule with decoupled decay):
+#: what ``plan`` and ``simulate`` take as ``--optimizer``, and what ``integration/optimizers.py`` binds torch's and
+#: DeepSpeed's classes to.
+OPTIMIZER_RULES = {"adam": ADAM, "adamw": ADAM, "adagrad": ADAGRAD, "lion": LION}
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

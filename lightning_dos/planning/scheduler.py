@@ -33,7 +33,8 @@ from collections.abc import Callable
 import torch
 
 from lightning_dos.engine.loop import InterleavedUpdate
-from lightning_dos.model.iteration import MODES, iteration_s, predicted_timeline, shortest_iteration_plan
+from lightning_dos.model.iteration import iteration_s, predicted_timeline, shortest_iteration_plan
+from lightning_dos.model.overlap import OFF, check_overlap
 from lightning_dos.model.perfmodel import HardwareRates, choose_plan, predict
 from lightning_dos.model.plan import FractionSpec, Plan, all_host
 from lightning_dos.model.step_report import StepReport
@@ -58,7 +59,7 @@ class PlacementScheduler:
         reduce_min: element-wise minimum over the ranks (:data:`~lightning_dos.planning.agree.ReduceMin`), so
             that ``"auto"`` chooses the same plan on every rank; None for a single process.
         overlap: how the framework runs the update beside forward and backward, one of
-            :data:`~lightning_dos.model.iteration.MODES`: ``"off"`` (after backward, alone: the update's own best
+            :data:`~lightning_dos.model.overlap.MODES`: ``"off"`` (after backward, alone: the update's own best
             plan is the iteration's), ``"forward"`` (beside the next forward), ``"auto"`` (beside the next
             forward, and host sub-groups during backward).
     """
@@ -71,9 +72,7 @@ class PlacementScheduler:
         reduce_min: ReduceMin | None = None,
         overlap: str = "off",
     ) -> None:
-        if overlap not in MODES:
-            raise ValueError(f"overlap must be one of {', '.join(MODES)}, got {overlap!r}")
-        self.overlap = overlap
+        self.overlap = check_overlap(overlap)
         #: (forward, backward) seconds per iteration the plan is made for, agreed by the ranks; None until measured.
         self.phases: tuple[float, float] | None = None
         self._new_phases: tuple[float, float] | None = None
@@ -112,7 +111,7 @@ class PlacementScheduler:
     @property
     def wants_phases(self) -> bool:
         """Whether the plan depends on forward and backward times (so the framework should measure them)."""
-        return self.spec.mode == "auto" and self.has_accelerator and self.overlap != "off"
+        return self.spec.mode == "auto" and self.has_accelerator and self.overlap != OFF
 
     def observe_phases(self, forward_s: float, backward_s: float) -> None:
         """Forward and backward seconds of an iteration the framework measured with no update in flight (each

@@ -29,6 +29,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lightning_dos.integration.metrics import SUMMARY
 from lightning_dos.integration.trace import TracedStep, write_trace
 from lightning_dos.model.step_report import StepReport
 
@@ -554,26 +555,6 @@ def learning_rates(trainer: pl.Trainer) -> dict[str, float]:
     return rates
 
 
-#: Rows of the summary: label, metric, scale, unit.
-_SUMMARY_ROWS = (
-    ("forward", "dos/forward_s", 1.0, "s"),
-    ("backward", "dos/backward_s", 1.0, "s"),
-    ("update", "dos/update_s", 1.0, "s"),
-    ("step", "dos/step_s", 1.0, "s"),
-    ("step predicted", "dos/iteration_predicted_s", 1.0, "s"),
-    ("engine update loop", "dos/engine_update_s", 1.0, "s"),
-    ("engine update predicted", "dos/update_predicted_s", 1.0, "s"),
-    ("host to device", "dos/h2d_gbps", 1.0, "GB/s"),
-    ("device to host", "dos/d2h_gbps", 1.0, "GB/s"),
-    ("PCIe utilisation", "dos/pcie_util", 100.0, "%"),
-    ("device share", "dos/gpu_fraction", 100.0, "%"),
-    ("peak memory, update", "dos/mem_peak_update_gb", 1.0, "GB"),
-)
-
-#: Rows that measure the accelerator's side: left out of a run without one when zero throughout.
-_DEVICE_ROWS = frozenset({"dos/h2d_gbps", "dos/d2h_gbps", "dos/pcie_util", "dos/gpu_fraction"})
-
-
 def summary_table(history: Sequence[dict[str, float]], on_accelerator: bool = True) -> Any:
     """A rich table of the medians of ``history`` (rows of :class:`DOSMonitor` metrics).
 
@@ -590,15 +571,16 @@ def summary_table(history: Sequence[dict[str, float]], on_accelerator: bool = Tr
     table.add_column("median", justify="right")
     table.add_column("of step", justify="right")
     medians = {}
-    for _, key, _, _ in _SUMMARY_ROWS:
-        values = [row[key] for row in history if key in row]
-        if not values or (not on_accelerator and key in _DEVICE_ROWS and not any(values)):
+    for metric in SUMMARY:
+        values = [row[metric.name] for row in history if metric.name in row]
+        if not values or (not on_accelerator and metric.device and not any(values)):
             continue
-        medians[key] = statistics.median(values)
-    step = medians.get("dos/step_s", 0.0)
-    for label, key, scale, unit in _SUMMARY_ROWS:
-        if key not in medians:
+        medians[metric.key] = statistics.median(values)
+    step = medians.get("step_s", 0.0)
+    for metric in SUMMARY:
+        if metric.key not in medians:
             continue
-        share = f"{100 * medians[key] / step:.0f}%" if unit == "s" and step > 0 and key != "dos/step_s" else ""
-        table.add_row(label, f"{medians[key] * scale:.4g} {unit}", share)
+        value = medians[metric.key]
+        share = f"{100 * value / step:.0f}%" if metric.unit == "s" and step > 0 and metric.key != "step_s" else ""
+        table.add_row(metric.label, f"{value * metric.scale:.4g} {metric.unit}", share)
     return table
