@@ -11,9 +11,10 @@ import torch
 
 from lightning_dos.commands.main import main as cli_main
 from lightning_dos.commands.options import footprint_of
-from lightning_dos.commands.simulate import auto_plan, sub_group_sizes
+from lightning_dos.commands.simulate import sub_group_sizes
 from lightning_dos.engine.loop import InterleavedUpdate
 from lightning_dos.integration.phases import IterationPhases
+from lightning_dos.model.auto_plan import auto_plan
 from lightning_dos.model.iteration import (
     UpdateTimeline,
     iteration_plan,
@@ -386,7 +387,7 @@ def test_with_a_budget_the_iteration_plan_keeps_the_resident_sub_groups_and_thei
     rates, _ = load_profile("paper-h100x4")
     sizes = sub_group_sizes(int(20e9), 4, int(1e8))
     fp = footprint_of()
-    update_best = auto_plan(sizes, rates, 2, int(25.6e9), allow_resident=True, footprint=fp)
+    update_best = auto_plan(sizes, rates, 2, int(25.6e9), allow_resident=True, footprint=fp).update_plan
     assert update_best.resident_indices and update_best.streamed_indices
     plan = shortest_iteration_plan(sizes, rates, 2, update_best, 0.5, 1.0, "auto", footprint=fp)
     assert plan.resident_indices == update_best.resident_indices

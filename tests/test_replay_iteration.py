@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_dos.commands.options import footprint_of
-from lightning_dos.commands.simulate import auto_plan, replay_iteration, sub_group_sizes
+from lightning_dos.commands.simulate import replay_iteration, sub_group_sizes
+from lightning_dos.model.auto_plan import auto_plan
 from lightning_dos.model.iteration import shortest_iteration_plan
 from lightning_dos.model.plan import Place, Plan
 from lightning_dos.planning.profiles import load_profile
@@ -119,7 +120,7 @@ def _twenty_b(mode: str) -> tuple[list[int], object, object]:
     """20B on paper-h100x4 at the default settings: the sizes, the footprint the strategy runs and ``mode``'s plan."""
     footprint = footprint_of()
     sizes = sub_group_sizes(20_000_000_000, META["gpus_per_node"], 100_000_000)
-    plan = auto_plan(sizes, RATES, 2, int(0.9 * META["device_free_bytes"]), footprint=footprint)
+    plan = auto_plan(sizes, RATES, 2, int(0.9 * META["device_free_bytes"]), footprint=footprint).update_plan
     if mode != "off":
         plan = shortest_iteration_plan(sizes, RATES, 2, plan, FORWARD_S, BACKWARD_S, mode, footprint=footprint)
     return sizes, plan, footprint

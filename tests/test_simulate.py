@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from lightning_dos.commands.main import main
-from lightning_dos.commands.simulate import auto_plan, copy_bytes, engine_log, rescale_copies, simulate, sub_group_sizes
+from lightning_dos.commands.simulate import copy_bytes, engine_log, rescale_copies, simulate, sub_group_sizes
+from lightning_dos.model.auto_plan import auto_plan
 from lightning_dos.model.perfmodel import HardwareRates, choose_plan
 from lightning_dos.model.plan import Place, Plan
 from lightning_dos.model.update_rules import ADAGRAD, ADAM, ADAM_FP32, LION, Footprint
@@ -51,10 +52,10 @@ def test_replayed_engine_schedule_agrees_with_the_performance_model(params: floa
     rates, meta = load_profile("paper-h100x4")
     sizes = sub_group_sizes(int(params), meta["gpus_per_node"], 100_000_000)
     if resident:  # an explicit budget (memory spare at the forward/backward peak): resident state allowed in it
-        plan = auto_plan(sizes, rates, 2, meta["device_free_bytes"], allow_resident=True)
+        plan = auto_plan(sizes, rates, 2, meta["device_free_bytes"], allow_resident=True).update_plan
         assert plan.resident_indices
     else:  # as the strategy, `plan` and `simulate` choose it by default: streaming only, within 90% of the free memory
-        plan = auto_plan(sizes, rates, 2, int(0.9 * meta["device_free_bytes"]))
+        plan = auto_plan(sizes, rates, 2, int(0.9 * meta["device_free_bytes"])).update_plan
         assert not plan.resident_indices
         assert plan == choose_plan(sizes, rates, int(0.9 * meta["device_free_bytes"]), 2, allow_resident=False)[0]
     assert plan.device_indices, "auto puts work on the GPU at this size"
@@ -123,7 +124,7 @@ def test_the_engines_own_copies_are_exactly_adam_fp32s_footprint() -> None:
 def test_each_rule_and_dtype_replays_its_own_bytes_and_agrees_with_the_model(footprint, up, down) -> None:  # noqa: ANN001
     rates, meta = load_profile("paper-h100x4")
     sizes = sub_group_sizes(20_000_000_000, meta["gpus_per_node"], 100_000_000)
-    plan = auto_plan(sizes, rates, 2, int(0.9 * meta["device_free_bytes"]), footprint=footprint)
+    plan = auto_plan(sizes, rates, 2, int(0.9 * meta["device_free_bytes"]), footprint=footprint).update_plan
     result = simulate(sizes, plan, rates, 2, footprint=footprint)
     streamed = sum(sizes[i] for i in plan.streamed_indices)
     host = sum(sizes[i] for i in plan.host_indices)

@@ -24,9 +24,9 @@ from lightning_dos.commands.options import (
     recipe_parameters,
     sub_group_size_of,
 )
-from lightning_dos.model.iteration import iteration_s, predicted_timeline, shortest_iteration_plan
+from lightning_dos.model.auto_plan import auto_plan
 from lightning_dos.model.overlap import MODES
-from lightning_dos.model.perfmodel import HardwareRates, choose_plan, floor, planning_budget, predict, rates_for
+from lightning_dos.model.perfmodel import HardwareRates, floor, planning_budget, predict, rates_for
 from lightning_dos.model.plan import Place, Plan, split_into_sub_groups, stride_plan
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 from lightning_dos.planning.profiles import load_profile, save_profile
@@ -125,7 +125,8 @@ def plan_rows(
         plan = stride_plan(count, k)
         stride = predict(sizes, plan, rates, lp, footprint=fp)
         rows.append((f"paper stride {k}", stride.time_s, stride.peak_device_bytes, plan.device_share(sizes), 0.0))
-    ours_plan, ours = choose_plan(sizes, rates, budget, lp, allow_resident=resident_ok, footprint=fp)
+    chosen = auto_plan(sizes, rates, lp, budget, allow_resident=resident_ok, footprint=fp)
+    ours_plan, ours = chosen.update_plan, chosen.update
     ours_shares = (
         sum(sizes[i] for i in ours_plan.streamed_indices) / sum(sizes),
         sum(sizes[i] for i in ours_plan.resident_indices) / sum(sizes),
@@ -158,7 +159,7 @@ def plan_rows(
     ]
     overlapped = None
     if args.forward_s is not None and args.backward_s is not None and accelerator:
-        overlapped = _overlapped_iterations(sizes, rates, lp, ours_plan, args.forward_s, args.backward_s, fp)
+        overlapped = _overlapped_iterations(sizes, rates, lp, budget, resident_ok, args.forward_s, args.backward_s, fp)
     return {
         "overlapped": overlapped,
         "params": params,
@@ -187,19 +188,21 @@ def _overlapped_iterations(
     sizes: list[int],
     rates: HardwareRates,
     lp: int,
-    update_best: Plan,
+    budget: int | None,
+    resident_ok: bool,
     forward_s: float,
     backward_s: float,
     fp: Footprint,
 ) -> dict[str, dict[str, float | int]]:
-    """Ours, per overlap mode: the predicted iteration and the streamed count of the plan the strategy's scheduler
-    runs once it has timed forward and backward (``off``: the update's own best after forward and backward)."""
+    """Ours, per overlap mode: the predicted iteration and the streamed count of the plan the strategy runs once it
+    has timed forward and backward (``off``: the update's own best after forward and backward)."""
     out = {}
     for mode in MODES:
-        plan = shortest_iteration_plan(sizes, rates, lp, update_best, forward_s, backward_s, mode, footprint=fp)
-        timeline = predicted_timeline(sizes, plan, rates, lp, footprint=fp)
-        seconds = iteration_s(sizes, plan, timeline, forward_s, backward_s)[mode]
-        out[mode] = {"iteration_s": seconds, "streamed": len(plan.streamed_indices)}
+        chosen = auto_plan(
+            sizes, rates, lp, budget, allow_resident=resident_ok, footprint=fp, phases=(forward_s, backward_s),
+            overlap=mode,
+        )  # fmt: skip
+        out[mode] = {"iteration_s": chosen.iteration_s, "streamed": len(chosen.plan.streamed_indices)}
     return out
 
 

@@ -28,7 +28,7 @@ import math
 import sys
 import textwrap
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -37,17 +37,16 @@ import torch
 
 from lightning_dos.engine.kernels import Hyper
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
+from lightning_dos.model.auto_plan import auto_plan
 from lightning_dos.model.iteration import (
     iteration_floor,
     iteration_s,
     predicted_timeline,
-    shortest_iteration_plan,
 )
 from lightning_dos.model.overlap import MODES, begins_in_backward, overlaps_forward
 from lightning_dos.model.perfmodel import (
     HardwareRates,
     Prediction,
-    choose_plan,
     planning_budget,
     predict,
 )
@@ -245,11 +244,13 @@ def whole_iteration(
     footprint: Footprint = ADAM_FP32,
     trace: Path | None = None,
     resident_room: int = 0,
+    plan_for: Callable[[str], Plan] | None = None,
 ) -> dict[str, Any]:
     """Iteration seconds per overlap mode, replayed whole (:func:`replay_iteration`: backward, the engine's update as
     it issues it and the next forward on the virtual node's streams) and predicted (the performance model). ``off``
-    runs ``result``'s plan (the update's best); ``forward`` and ``auto`` the plan the strategy's scheduler runs once
-    it has measured forward and backward (:func:`~lightning_dos.model.iteration.shortest_iteration_plan`);
+    runs ``result``'s plan (the update's best); ``forward`` and ``auto`` the plan the strategy runs in that mode once
+    it has measured forward and backward, ``plan_for(mode)`` (None: ``result``'s plan in every mode, as a fixed
+    ``gpu_fraction`` runs);
     ``stock`` is stock ZeRO-3 offload's update after forward and backward. With ``trace``, each mode's replay is
     written beside it as a Perfetto trace (``<trace stem>-iteration-<mode><suffix>``, its path in the mode's
     ``iteration_plans`` entry). ``iteration_floor_s`` is what no placement or schedule could beat
@@ -258,11 +259,7 @@ def whole_iteration(
 
     replayed, predicted, plans = {}, {}, {}
     for mode in MODES:
-        plan = result.plan
-        if mode != "off":  # as the strategy's scheduler places once it has measured forward and backward
-            plan = shortest_iteration_plan(
-                sizes, rates, lp_bytes, result.plan, forward_s, backward_s, mode, footprint=footprint
-            )
+        plan = result.plan if plan_for is None else plan_for(mode)
         run, races = replay_iteration(sizes, plan, rates, lp_bytes, forward_s, backward_s, mode, footprint=footprint)
         replayed[mode] = run.time_s
         timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
@@ -296,35 +293,6 @@ def sub_group_sizes(params: int, gpus: int, sub_group_size: int) -> list[int]:
     """Per-rank sub-group sizes, cut as ``lightning-dos plan`` and the engine cut them."""
     per_rank = params // gpus
     return [sg.numel for sg in split_into_sub_groups([per_rank], [0], sub_group_size)]
-
-
-def auto_plan(
-    sizes: Sequence[int],
-    rates: HardwareRates,
-    lp_bytes: int,
-    budget: int | None,
-    allow_resident: bool = False,
-    *,
-    footprint: Footprint = ADAM_FP32,
-) -> Plan:
-    """The plan ``gpu_fraction="auto"`` chooses within ``budget`` device bytes (None: no limit), as the strategy
-    and ``lightning-dos plan`` choose it: streaming only by default (``budget`` then being the memory free after
-    backward, less 10%), resident sub-groups too with ``allow_resident`` (``budget`` then being an explicit
-    ``gpu_memory_budget``, memory spare at the forward/backward peak), for ``footprint``'s rule and dtypes."""
-    return _auto_plan(tuple(sizes), rates, lp_bytes, budget, allow_resident, footprint)
-
-
-@functools.lru_cache(maxsize=16)
-def _auto_plan(
-    sizes: tuple[int, ...],
-    rates: HardwareRates,
-    lp_bytes: int,
-    budget: int | None,
-    allow_resident: bool,
-    footprint: Footprint,
-) -> Plan:
-    # The search takes seconds at 50 sub-groups; the same question is asked again by tests and repeated runs.
-    return choose_plan(sizes, rates, budget, lp_bytes, allow_resident=allow_resident, footprint=footprint)[0]
 
 
 def _description() -> str:
@@ -395,10 +363,19 @@ def main(argv: list[str]) -> int:
         int(args.budget) if args.budget is not None else None, meta.get("device_free_bytes")
     )
     sizes = sub_group_sizes(params, gpus, sub_group_size_of(args.sub_group_size, params // gpus))
-    if spec.mode == "auto":
-        plan = auto_plan(sizes, rates, args.lp_bytes, budget, allow_resident=resident_ok, footprint=footprint)
-    else:
-        plan = spec.plan(len(sizes))
+
+    def plan_for(mode: str | None = None) -> Plan:
+        """What the strategy runs: "auto"'s plan (in ``mode``, once forward and backward are timed), else the fixed
+        plan of ``--gpu-fraction``."""
+        if spec.mode != "auto":
+            return spec.plan(len(sizes))
+        chosen = auto_plan(
+            sizes, rates, args.lp_bytes, budget, allow_resident=resident_ok, footprint=footprint,
+            phases=None if mode is None else (args.forward_s, args.backward_s), overlap=mode or "off",
+        )  # fmt: skip
+        return chosen.plan
+
+    plan = plan_for()
     result = simulate(sizes, plan, rates, args.lp_bytes, footprint=footprint)
     trace = write_perfetto(args.trace, result.replayed, f"{params / 1e9:.1f}B on {args.profile}")
     summary = _summary(result, params, gpus, args.profile, trace)
@@ -417,6 +394,7 @@ def main(argv: list[str]) -> int:
                 footprint=footprint,
                 trace=trace,
                 resident_room=budget if resident_ok and budget else 0,
+                plan_for=plan_for,
             )
         )
     if args.json:

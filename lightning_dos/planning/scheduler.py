@@ -7,8 +7,8 @@
   the host (calibration there takes a fraction of a second and only feeds the prediction).
   When the update overlaps the next forward (and, under ``overlap="auto"``, backward), what counts is the whole
   iteration, not the update alone: once the framework has measured forward and backward
-  (:meth:`PlacementScheduler.observe_phases`), "auto" runs
-  :func:`~lightning_dos.model.iteration.shortest_iteration_plan`: the update's own best plan, or the placement
+  (:meth:`PlacementScheduler.observe_phases`), "auto" runs (:func:`~lightning_dos.model.auto_plan.auto_plan`, which
+  ``plan`` and ``simulate`` show too) the update's own best plan, or the placement
   by arrival around its resident sub-groups (the sub-groups the next forward needs first on the device, the ones
   whose gradients backward makes final first on the host) in no more device memory, whichever predicts the
   shorter iteration.
@@ -33,9 +33,9 @@ from collections.abc import Callable
 import torch
 
 from lightning_dos.engine.loop import InterleavedUpdate
-from lightning_dos.model.iteration import iteration_s, predicted_timeline, shortest_iteration_plan
+from lightning_dos.model.auto_plan import auto_plan
 from lightning_dos.model.overlap import OFF, check_overlap
-from lightning_dos.model.perfmodel import HardwareRates, choose_plan, predict
+from lightning_dos.model.perfmodel import HardwareRates, predict
 from lightning_dos.model.plan import FractionSpec, Plan, all_host
 from lightning_dos.model.step_report import StepReport
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
@@ -171,34 +171,30 @@ class PlacementScheduler:
             sizes, budget, rates = agreed_plan_inputs(sizes, budget, rates, self._reduce_min)
         self.budget_bytes = budget
         self._drifted = False
-        # Resident state stays on the device through forward and backward too, so it is only planned inside a
-        # budget the user set; memory that is free at update time (activations gone) is for staging alone.
-        resident_ok = self.engine.gpu_memory_budget is not None
-        self._plan, _ = choose_plan(
-            sizes,
-            rates,
-            budget,
-            self.engine.lp_bytes,
-            allow_resident=resident_ok,
-            lp_on_host=self.engine.lp_downloads,
-            footprint=self.footprint,
-        )
-        #: The plan that minimises the update alone (the one run with overlap off, or before the phases are known).
-        self.update_plan = self._plan
         phases, self._new_phases = self._new_phases, None
         if phases is not None and self._reduce_min is not None:
             # The slowest rank's phases (the next step waits for every rank): negated, their minimum is the largest.
             phases = tuple(-t for t in self._reduce_min([-phases[0], -phases[1]]))
         if phases is not None and min(phases) > 0:
             self.phases = phases
-        if self.phases is not None and not self.engine.lp_downloads:
-            # (With 16-bit parameters offloaded to the host the iteration model does not apply.)
-            lp, fp, (forward_s, backward_s) = self.engine.lp_bytes, self.footprint, self.phases
-            self._plan = shortest_iteration_plan(
-                sizes, rates, lp, self._plan, forward_s, backward_s, self.overlap, footprint=fp
-            )
-            timeline = predicted_timeline(sizes, self._plan, rates, lp, footprint=fp)
-            self.iteration_predicted_s = iteration_s(sizes, self._plan, timeline, forward_s, backward_s)[self.overlap]
+        chosen = auto_plan(
+            sizes,
+            rates,
+            self.engine.lp_bytes,
+            budget,
+            # Resident state stays on the device through forward and backward too, so it is only planned inside a
+            # budget the user set; memory that is free at update time (activations gone) is for staging alone.
+            allow_resident=self.engine.gpu_memory_budget is not None,
+            lp_on_host=self.engine.lp_downloads,
+            footprint=self.footprint,
+            phases=self.phases,
+            overlap=self.overlap,
+        )
+        #: The plan that minimises the update alone (the one run with overlap off, or before the phases are known).
+        self.update_plan = chosen.update_plan
+        self._plan = chosen.plan
+        if chosen.iteration_s is not None:
+            self.iteration_predicted_s = chosen.iteration_s
         self._planned_at = step
 
     def _observe_last_report(self) -> None:

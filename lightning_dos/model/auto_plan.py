@@ -1,0 +1,90 @@
+"""The plan ``gpu_fraction="auto"`` runs, computed once for every caller: the strategy's scheduler, ``lightning-dos
+plan`` and ``lightning-dos simulate`` all ask here, so what they show is what the strategy would run.
+
+First the plan that minimises the update alone within the device budget (:func:`~lightning_dos.model.perfmodel.
+choose_plan`: streaming only by default, resident sub-groups too within an explicit ``gpu_memory_budget``); then,
+once forward and backward have been timed, the placement whose predicted iteration under the overlap mode is
+shortest (:func:`~lightning_dos.model.iteration.shortest_iteration_plan`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_dos.model.iteration import iteration_s, predicted_timeline, shortest_iteration_plan
+from lightning_dos.model.overlap import OFF, Overlap
+from lightning_dos.model.perfmodel import HardwareRates, Prediction, choose_plan
+from lightning_dos.model.plan import Plan
+from lightning_dos.model.update_rules import ADAM_FP32, Footprint
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """What ``"auto"`` runs, and why.
+
+    Attributes:
+        update_plan: the plan that minimises the update alone (what runs before forward and backward are timed).
+        update: the performance model's prediction of ``update_plan``'s update.
+        plan: the plan that runs: ``update_plan``, or once the phases are known the shortest iteration's.
+        iteration_s: the predicted iteration of ``plan`` under the overlap mode; None without phases.
+    """
+
+    update_plan: Plan
+    update: Prediction
+    plan: Plan
+    iteration_s: float | None
+
+
+def auto_plan(
+    sizes: Sequence[int],
+    rates: HardwareRates,
+    lp_bytes: int,
+    budget: int | None,
+    *,
+    allow_resident: bool = False,
+    lp_on_host: bool = False,
+    footprint: Footprint = ADAM_FP32,
+    phases: tuple[float, float] | None = None,
+    overlap: Overlap = OFF,
+) -> AutoPlan:
+    """The plan ``gpu_fraction="auto"`` runs for sub-groups of ``sizes``.
+
+    Args:
+        sizes: elements of each sub-group of the rank's partition.
+        rates: the hardware rates (calibrated, agreed by the ranks, or a profile's).
+        lp_bytes: bytes per element of the 16-bit (or fp32) model parameters.
+        budget: device bytes the update may use (None: no limit): the memory free at the update by default, an
+            explicit ``gpu_memory_budget`` when ``allow_resident``.
+        allow_resident: sub-groups may stay on the device between steps (only within an explicit budget).
+        lp_on_host: the 16-bit parameters live on the host (parameter offload): the iteration model does not apply.
+        footprint: the optimizer's rule and dtypes.
+        phases: measured (forward, backward) seconds; None before they are known.
+        overlap: what the update overlaps (:mod:`lightning_dos.model.overlap`).
+    """
+    update_plan, update = _update_best(tuple(sizes), rates, budget, lp_bytes, allow_resident, lp_on_host, footprint)
+    if phases is None or min(phases) <= 0 or lp_on_host:
+        return AutoPlan(update_plan, update, update_plan, None)
+    forward_s, backward_s = phases
+    plan = shortest_iteration_plan(
+        sizes, rates, lp_bytes, update_plan, forward_s, backward_s, overlap, footprint=footprint
+    )
+    timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
+    return AutoPlan(update_plan, update, plan, iteration_s(sizes, plan, timeline, forward_s, backward_s)[overlap])
+
+
+@functools.lru_cache(maxsize=16)
+def _update_best(
+    sizes: tuple[int, ...],
+    rates: HardwareRates,
+    budget: int | None,
+    lp_bytes: int,
+    allow_resident: bool,
+    lp_on_host: bool,
+    footprint: Footprint,
+) -> tuple[Plan, Prediction]:
+    # The search takes seconds at 50 sub-groups; plan and simulate ask the same question once per overlap mode.
+    return choose_plan(
+        sizes, rates, budget, lp_bytes, allow_resident=allow_resident, lp_on_host=lp_on_host, footprint=footprint
+    )
