@@ -30,7 +30,6 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 import torch
 
@@ -38,19 +37,16 @@ from lightning_dos.engine import native
 from lightning_dos.engine.arrivals import GradientArrivals
 from lightning_dos.engine.atomic import TornStateError, UpdateGuard, UpdateProgress
 from lightning_dos.engine.inputs import StepInputs
+from lightning_dos.engine.kept_gradients import KeptGradients, sub_groups_of
 from lightning_dos.engine.kernels import apply_update, host_update, step_tensor
 from lightning_dos.engine.pool import BufferPool, DeviceBuffer
 from lightning_dos.engine.recovery import settle_interrupted_update
 from lightning_dos.engine.streams import Streams, make_streams
-from lightning_dos.model.perfmodel import FREE_MEMORY_MARGIN, device_bytes, predict
+from lightning_dos.model.budget_fit import fit_to_budget, plan_device_bytes
+from lightning_dos.model.perfmodel import FREE_MEMORY_MARGIN
 from lightning_dos.model.plan import Place, Plan, SubGroup, split_into_sub_groups
 from lightning_dos.model.step_report import StepReport
 from lightning_dos.model.update_rules import ADAM, Footprint, UpdateRule
-
-
-def _useful_buffers(plan: Plan) -> Plan:
-    """``plan`` with no more staging buffers than it streams sub-groups (at least one)."""
-    return replace(plan, device_buffers=max(1, min(plan.device_buffers, len(plan.streamed_indices))))
 
 
 class InterleavedUpdate:
@@ -161,7 +157,7 @@ class InterleavedUpdate:
         self.resident: dict[int, DeviceBuffer] = {}
         #: Resident sub-groups whose gradient this backward wrote into their device buffer (:meth:`keep_gradient`):
         #: the buffer written and how many of its elements.
-        self._kept: dict[int, tuple[DeviceBuffer, int]] = {}
+        self.kept = KeptGradients(self.sub_groups)
         #: When the gradient copies of the backwards since the last step land (:meth:`backward_ended`).
         self._backward_ends: list[object] = []
         self._warned_fallback = False
@@ -355,50 +351,21 @@ class InterleavedUpdate:
         return int(max(0, free) * (1.0 - FREE_MEMORY_MARGIN))
 
     def device_bytes(self, plan: Plan, buffers: int) -> int:
-        """Device memory ``plan`` needs during the update with ``buffers`` staging buffers: resident state, streaming
-        buffers and one sub-group's temporaries (the performance model's count, :func:`perfmodel.device_bytes`)."""
-        lp_slot = self.lp_bytes if self.lp_downloads else 0
-        return device_bytes(
-            self.sizes, replace(plan, device_buffers=buffers), footprint=self.footprint, lp_slot=lp_slot
-        )
+        """Device memory ``plan`` needs during the update with ``buffers`` staging buffers
+        (:func:`~lightning_dos.model.budget_fit.plan_device_bytes`)."""
+        return plan_device_bytes(self.sizes, plan, buffers, self.footprint, self.lp_bytes if self.lp_downloads else 0)
 
     def fit_to_budget(self, plan: Plan, budget: int | None) -> Plan:
-        """Shrink the plan's device side until it fits ``budget``, one trim at a time.
-
-        Each trim is one of: a streaming buffer fewer, the largest streamed sub-groups to the host, the
-        largest resident sub-group to the host. With calibrated rates the trim the performance model
-        predicts to be fastest is taken (one buffer serialises upload, Adam and download, which can cost
-        more than updating a sub-group on the host); without them, buffers go first."""
-        if budget is None or not plan.device_indices:
-            return plan
-        plan = _useful_buffers(plan)
-        while plan.device_indices and self.device_bytes(plan, plan.device_buffers) > budget:
-            trims = self._trims(plan)
-            if self.rates is not None and len(trims) > 1:
-                plan = min(trims, key=self._predicted_s)
-            else:
-                plan = trims[0]
-        return plan
-
-    def _predicted_s(self, plan: Plan) -> float:
-        return predict(self.sizes, plan, self.rates, self.lp_bytes, self.lp_downloads, footprint=self.footprint).time_s
-
-    def _trims(self, plan: Plan) -> list[Plan]:
-        """The ways to shrink ``plan``'s device memory by one step; each needs strictly less."""
-        trims = []
-        if plan.device_buffers > 1:  # useful buffers only (see _useful_buffers), so one fewer is smaller
-            trims.append(replace(plan, device_buffers=plan.device_buffers - 1))
-        streamed = plan.streamed_indices
-        if streamed:
-            largest = max(self.sizes[i] for i in streamed)
-            trims.append(plan.with_host([i for i in streamed if self.sizes[i] == largest]))
-        if plan.resident_indices:
-            trims.append(plan.with_host([max(plan.resident_indices, key=lambda i: self.sizes[i])]))
-        return [_useful_buffers(t) for t in trims]
+        """``plan`` shrunk until it fits ``budget`` (:func:`~lightning_dos.model.budget_fit.fit_to_budget`, with the
+        calibrated rates once the scheduler has them)."""
+        return fit_to_budget(
+            self.sizes, plan, budget, footprint=self.footprint, lp_bytes=self.lp_bytes,
+            lp_downloads=self.lp_downloads, rates=self.rates,
+        )  # fmt: skip
 
     def skip(self, plan: Plan) -> StepReport:
         """Record a skipped step (fp16 overflow): nothing is touched."""
-        self._kept.clear()
+        self.kept.forget()
         self._backward_ends.clear()
         self.steps_taken += 1
         self.last_report = StepReport(self.steps_taken, plan, self.sizes, skipped=True)
@@ -444,7 +411,7 @@ class InterleavedUpdate:
                 return settle_interrupted_update(self, error, inputs, progress)
             finally:
                 self._progress = None
-                self._kept.clear()  # read by this step (or not at all): the next backward writes anew
+                self.kept.forget()  # read by this step (or not at all): the next backward writes anew
                 self._backward_ends.clear()  # waited for by this step (or a step skipped during backward)
                 if releases:
                     self._end_landing()
@@ -680,7 +647,7 @@ class InterleavedUpdate:
         for index in plan.resident_indices:
             sg, buf = self.sub_groups[index], self.resident[index]
             _, _, grad, lp = self._slices(sg, inputs)
-            kept = self._kept_gradient(index)
+            kept = self.kept.gradient(index, self.resident)
             if kept is None:
                 with streams.lane("upload", index, self.footprint.master * sg.numel, streams.h2d):
                     buf.grad.copy_(grad, non_blocking=True)
@@ -738,7 +705,7 @@ class InterleavedUpdate:
         """Bring resident state home and free it on the device."""
         self._download_resident(indices)
         for index in indices:
-            self._kept.pop(index, None)
+            self.kept.forget(index)
             self.pool.release_resident(self.resident.pop(index))
 
     def flush_resident(self, indices: Sequence[int] | None = None) -> None:
@@ -752,7 +719,7 @@ class InterleavedUpdate:
         accessor's write); the next step uploads the new values. ``indices`` limits it (None: all)."""
         chosen = list(self.resident) if indices is None else [i for i in indices if i in self.resident]
         for index in chosen:
-            self._kept.pop(index, None)
+            self.kept.forget(index)
             self.pool.release_resident(self.resident.pop(index))
 
     def keep_gradient(self, flat: int, offset: int, grad: torch.Tensor) -> None:
@@ -766,16 +733,7 @@ class InterleavedUpdate:
         it still has at the step (padding or a parameter without a gradient leave it to the host copy); the
         end-of-backward event on that stream (:meth:`backward_ended`) orders these copies before the update reads
         them."""
-        n = grad.numel()
-        for index in self.sub_groups_of(flat, offset, n):
-            buf = self.resident.get(index)
-            if buf is None:
-                continue
-            sg = self.sub_groups[index]
-            lo, hi = max(offset, sg.ds_offset), min(offset + n, sg.ds_offset + sg.numel)
-            buf.grad[lo - sg.ds_offset : hi - sg.ds_offset].copy_(grad[lo - offset : hi - offset], non_blocking=True)
-            kept_in, count = self._kept.get(index, (buf, 0))
-            self._kept[index] = (buf, (count if kept_in is buf else 0) + hi - lo)
+        self.kept.keep(flat, offset, grad, self.resident)
 
     def backward_ended(self, event: object) -> None:
         """Backward has issued its last gradient copy (into the host buffers, or a kept gradient into a resident
@@ -788,29 +746,17 @@ class InterleavedUpdate:
 
     def discard_kept_gradients(self) -> None:
         """Forget the gradients kept so far (a new backward begins, or a step was skipped)."""
-        self._kept.clear()
+        self.kept.forget()
 
     @property
     def kept_gradient_slots(self) -> list[torch.Tensor]:
         """The device gradient slots :meth:`keep_gradient` wrote since the last step (a race checker models those
         writes on the framework's stream)."""
-        return [buf.grad for index, (buf, _) in self._kept.items() if self.resident.get(index) is buf]
-
-    def _kept_gradient(self, index: int) -> torch.Tensor | None:
-        """Resident sub-group ``index``'s gradient, if this backward kept all of it in its current buffer."""
-        buf = self.resident.get(index)
-        kept = self._kept.get(index)
-        if buf is None or kept is None or kept[0] is not buf or kept[1] != self.sub_groups[index].numel:
-            return None
-        return buf.grad[: self.sub_groups[index].numel]
+        return self.kept.slots(self.resident)
 
     def sub_groups_of(self, flat: int, offset: int, numel: int) -> list[int]:
         """Indices of the sub-groups overlapping elements ``[offset, offset + numel)`` of flat partition ``flat``."""
-        return [
-            sg.index
-            for sg in self.sub_groups
-            if sg.ds_group == flat and sg.ds_offset < offset + numel and offset < sg.ds_offset + sg.numel
-        ]
+        return sub_groups_of(self.sub_groups, flat, offset, numel)
 
     def _slices(
         self, sg: SubGroup, inputs: StepInputs

@@ -139,6 +139,48 @@ def host_rates(
     return numel / adam_s, numel / cast_s, memcpy
 
 
+#: Bytes of each timed copy between host and device.
+COPY_BYTES = 64 << 20
+
+
+class _PinnedCopies:
+    """Pinned host buffers, device buffers and a stream per direction: an upload, a download, or both at once, as
+    the engine's update moves its state (``device`` is a CUDA device)."""
+
+    def __init__(self, device: torch.device, nbytes: int = COPY_BYTES) -> None:
+        self.nbytes = nbytes
+        self.host_up = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.host_down = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.dev_a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.dev_b = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.up_stream, self.down_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def upload(self) -> None:
+        with torch.cuda.stream(self.up_stream):
+            self.dev_a.copy_(self.host_up, non_blocking=True)
+
+    def download(self) -> None:
+        with torch.cuda.stream(self.down_stream):
+            self.host_down.copy_(self.dev_b, non_blocking=True)
+
+    def both(self) -> None:
+        self.upload()
+        self.download()
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = COPY_BYTES) -> tuple[float, float]:
+    """Peak host-to-device and device-to-host copy rates (bytes/s): pinned copies on their own streams, timed as
+    :func:`calibrate` times them. On a CPU "device" both directions are a host memcpy, which is what the engine's
+    transfers are there."""
+    if device.type != "cuda":
+        src, dst = torch.zeros(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        rate = nbytes / max(_best_seconds(lambda: dst.copy_(src)), 1e-9)
+        return rate, rate
+    copies = _PinnedCopies(device, nbytes)
+    sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
+    return nbytes / _best_seconds(copies.upload, sync=sync), nbytes / _best_seconds(copies.download, sync=sync)
+
+
 def calibrate(
     device: torch.device,
     numel: int = HOST_BUFFER_BYTES // 4,
@@ -161,24 +203,8 @@ def calibrate(
         rates = HardwareRates(adam, cast, adam, memcpy, memcpy, memcpy / 2, memcpy / 2, shared_cpu=True)
         return adam_equivalent(rates, timed)
     sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
-    nbytes = 64 << 20
-    host_up = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host_down = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev_a = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dev_b = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    up_stream, down_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
-
-    def upload() -> None:
-        with torch.cuda.stream(up_stream):
-            dev_a.copy_(host_up, non_blocking=True)
-
-    def download() -> None:
-        with torch.cuda.stream(down_stream):
-            host_down.copy_(dev_b, non_blocking=True)
-
-    def both() -> None:
-        upload()
-        download()
+    copies = _PinnedCopies(device)
+    nbytes, upload, download, both = copies.nbytes, copies.upload, copies.download, copies.both
 
     h2d = nbytes / _best_seconds(upload, sync=sync)
     d2h = nbytes / _best_seconds(download, sync=sync)

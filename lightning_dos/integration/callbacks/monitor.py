@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,53 +29,15 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_dos.integration.metrics import SUMMARY
+from lightning_dos.integration.phases import DeviceClock
 from lightning_dos.integration.trace import TracedStep, write_trace
 from lightning_dos.model.step_report import StepReport
+from lightning_dos.planning.calibrate import copy_bandwidth
 
 PHASES = ("forward", "backward", "update")
 GB = 1e9
 #: Steps kept for the end-of-fit summary's medians (the most recent ones; bounded for long runs).
 SUMMARY_WINDOW = 10_000
-
-
-# -- clocks: when a hook ran, without synchronising --------------------------------------------
-
-
-class _WallClock:
-    """Host wall clock; a mark is ready as soon as it is taken."""
-
-    def mark(self) -> Any:
-        return time.perf_counter()
-
-    def ready(self, mark: Any) -> bool:
-        return True
-
-    def wait(self, mark: Any) -> None:
-        pass
-
-    def seconds(self, start: Any, end: Any) -> float:
-        return end - start
-
-
-class _CudaClock:
-    """CUDA events on the current stream: they time the GPU's own timeline and cost no sync to take."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def mark(self) -> Any:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def ready(self, mark: Any) -> bool:
-        return bool(mark.query())
-
-    def wait(self, mark: Any) -> None:
-        mark.synchronize()
-
-    def seconds(self, start: Any, end: Any) -> float:
-        return start.elapsed_time(end) / 1e3
 
 
 # -- memory: counters read at phase boundaries ---------------------------------------------------
@@ -221,29 +182,6 @@ def _engine_peak(engine: Any) -> tuple[float, float] | None:
     return None
 
 
-def _calibrate_copy_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> tuple[float, float]:
-    """Peak host-to-device and device-to-host copy rates (bytes/s), measured once.
-
-    Used only when the engine offers no ``peak_bandwidth()``. On a CPU "device" both directions are a
-    host memcpy, which is what the engine's transfers are there.
-    """
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    rates = []
-    for dst, src in ((dev, host), (host, dev)):
-        best = math.inf
-        for _ in range(3):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - start)
-        rates.append(nbytes / max(best, 1e-9))
-    return rates[0], rates[1]
-
-
 class DOSMonitor(Callback):
     """Logs per-step phase times, memory per phase and PCIe traffic; traces chosen steps; sums up the run.
 
@@ -305,7 +243,7 @@ class DOSMonitor(Callback):
         self._reset()
 
     def _reset(self) -> None:
-        self._clock: _WallClock | _CudaClock = _WallClock()
+        self._clock = DeviceClock(torch.device("cpu"))
         self._memory: _CudaMemory | _HostMemory | None = None
         self._every = 1
         self._open: _Record | None = None
@@ -328,7 +266,7 @@ class DOSMonitor(Callback):
         self.history.clear()
         self.trace_path = None
         device = trainer.strategy.root_device
-        self._clock = _CudaClock(device) if device.type == "cuda" else _WallClock()
+        self._clock = DeviceClock(device)
         self._memory = _memory_probe(device)
         every = self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
         self._every = int(every)
@@ -339,7 +277,7 @@ class DOSMonitor(Callback):
             self._peak = (self.peak_gbps * GB, self.peak_gbps * GB)
         elif engine is not None and _engine_peak(engine) is None:
             # Before the first step, so the copies time an idle link and disturb no measured step.
-            self._peak = _calibrate_copy_bandwidth(engine.device)
+            self._peak = copy_bandwidth(engine.device)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -514,7 +452,7 @@ class DOSMonitor(Callback):
                 return self._engine_best
         if self._peak is None:  # the engine appeared only after fit start: measure now
             device = self._engine.device if self._engine is not None else torch.device("cpu")
-            self._peak = _calibrate_copy_bandwidth(device)
+            self._peak = copy_bandwidth(device)
         return self._peak
 
     def _add_traced(self, record: _Record, row: dict[str, float]) -> None:
