@@ -10,10 +10,11 @@ updated weights as a DeepSpeed all-gather on its own stream would read them righ
 slabs as the host reads them right after the step (no synchronisation in between).
 
 ``python -m tests.delayed_streams`` checks the engine (exit status 0: equal in every run); with
-``TORCH_CUDA_SANITIZER=1`` torch's CUDA sanitizer checks every kernel and copy as well. ``--mutate LINE`` runs an
-engine with the synchronisation at that line of ``engine/loop.py`` removed (tests/test_stream_sanitizer.py's
-mutations), which must fail. tests/test_gpu.py runs both; tests/test_gpu_check.py runs the harness itself on the
-simulated accelerator on CPU (no sleeps there: the stream-race checker stands in for them).
+``TORCH_CUDA_SANITIZER=1`` torch's CUDA sanitizer checks every kernel and copy as well. ``--mutate FILE:LINE``
+runs an engine with the synchronisation at that line of that engine module (``loop.py``, ``streamed.py``, ...)
+removed (tests/test_stream_sanitizer.py's mutations), which must fail. tests/test_gpu.py runs both;
+tests/test_gpu_check.py runs the harness itself on the simulated accelerator on CPU (no sleeps there: the
+stream-race checker stands in for them).
 """
 
 from __future__ import annotations
@@ -216,13 +217,16 @@ def check(engine_class: type = InterleavedUpdate, stop_at_first: bool = False) -
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.delayed_streams", description=__doc__)
-    parser.add_argument("--mutate", type=int, help="remove the synchronisation at this line of engine/loop.py")
+    parser.add_argument(
+        "--mutate", help="remove the synchronisation at FILE:LINE of the engine (e.g. streamed.py:52; LINE: loop.py)"
+    )
     args = parser.parse_args(argv)
     engine_class = InterleavedUpdate
     if args.mutate is not None:
         from tests.test_stream_sanitizer import mutant_engine
 
-        engine_class = mutant_engine(args.mutate)
+        where, _, line = args.mutate.rpartition(":")
+        engine_class = mutant_engine(int(line), where or "loop.py")
     failed = check(engine_class, stop_at_first=args.mutate is not None)
     for outcome in failed:
         where = "host" if outcome.lp_on_host else "GPU"

@@ -192,18 +192,15 @@ def test_delayed_streams_equal_adamw_under_torchs_cuda_sanitizer() -> None:
 
 
 def test_removing_any_wait_host_wait_or_tail_event_makes_the_delayed_streams_differ() -> None:
-    """Each synchronisation of engine/loop.py removed in turn (tests/test_stream_sanitizer.py's mutations): with
+    """Each synchronisation of the engine's modules removed in turn (tests/test_stream_sanitizer.py's mutations): with
     the stream it orders against sleeping, the GPU result differs (tests/test_gpu_check.py shows on CPU that the
     harness's plans reach every one of them)."""
-    import inspect
-
-    import lightning_dos.engine.loop as loop_module
     from tests.delayed_streams import check
-    from tests.test_stream_sanitizer import find_mutations, mutant_engine
+    from tests.test_stream_sanitizer import all_mutations, mutant_engine
 
     missed = []
-    for line, what in find_mutations(inspect.getsource(loop_module)):
-        if not check(mutant_engine(line), stop_at_first=True):
+    for module, line, what in all_mutations():
+        if not check(mutant_engine(line, module), stop_at_first=True):
             missed.append(what)
     assert not missed, f"removing these went unnoticed on the GPU: {missed}"
 

@@ -16,7 +16,7 @@ import lightning_dos.engine.loop as loop_module
 from lightning_dos.sim.sanitizer import StreamSanitizer
 from tests.conftest import PINNED_TORCH, PINNED_TORCH_TESTS, pinned_torch_skip
 from tests.delayed_streams import run
-from tests.test_stream_sanitizer import find_mutations, mutant_engine
+from tests.test_stream_sanitizer import SYNC_MODULES, all_mutations, mutant_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu-check.sh"
@@ -43,24 +43,28 @@ def test_delayed_stream_harness_equals_adamw_and_is_race_free_on_the_simulated_a
 
 
 def test_the_delayed_stream_harness_reaches_every_synchronisation_of_the_engine() -> None:
-    """Its plans put each wait, host wait and tail event of engine/loop.py to use: removing any one is a race in
-    one of its runs. On a GPU the sleeping stream turns that race into a wrong result (tests/test_gpu.py)."""
-    source = inspect.getsource(loop_module)
+    """Its plans put each wait, host wait and tail event of the engine's modules to use: removing any one is a race
+    in one of its runs. On a GPU the sleeping stream turns that race into a wrong result (tests/test_gpu.py)."""
     # The harness runs without overlap; the overlap's own waits (the next forward's, in wait_sub_groups; backward's
     # gradient copies and 16-bit uploads) are the race checker's mutation test's to cover
     # (tests/test_stream_sanitizer.py runs its scenarios overlapped too).
     overlap_functions = {"wait_sub_groups", "_update_as_gradients_arrive"}
-    overlap_only = [
-        range(node.lineno, node.end_lineno + 1)
-        for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.FunctionDef) and node.name in overlap_functions
+    overlap_only, found = {}, set()
+    for module in SYNC_MODULES:
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.FunctionDef) and node.name in overlap_functions:
+                overlap_only.setdefault(module, []).append(range(node.lineno, node.end_lineno + 1))
+                found.add(node.name)
+    assert found == overlap_functions, "the engine renamed an overlap function: update this test"
+    mutations = [
+        (module, line, what)
+        for module, line, what in all_mutations()
+        if not any(line in r for r in overlap_only.get(module, ()))
     ]
-    assert len(overlap_only) == len(overlap_functions), "engine/loop.py renamed an overlap function: update this test"
-    mutations = [(line, what) for line, what in find_mutations(source) if not any(line in r for r in overlap_only)]
     assert len(mutations) >= 9
     unreached = []
-    for line, what in mutations:
-        engine_class = mutant_engine(line)
+    for module, line, what in mutations:
+        engine_class = mutant_engine(line, module)
         if not any(_harness(engine_class, lp_on_host)[1] for lp_on_host in (False, True)):
             unreached.append(what)
     assert not unreached, f"the harness never needs these: {unreached}"

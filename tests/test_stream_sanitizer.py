@@ -15,13 +15,18 @@ import sys
 import types
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 
+import lightning_dos.engine.host_side as host_side_module
+import lightning_dos.engine.in_flight as in_flight_module
 import lightning_dos.engine.loop as loop_module
 import lightning_dos.engine.pool as pool_module
+import lightning_dos.engine.resident as resident_module
+import lightning_dos.engine.streamed as streamed_module
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.engine.atomic import UpdateInterrupted
 from lightning_dos.engine.kernels import Hyper
@@ -464,21 +469,50 @@ class _Remove(ast.NodeTransformer):
     visit_AugAssign = _drop
 
 
-def _engine_from(code: ast.Module | str) -> type:
-    """The engine class built from ``code``: the engine's own source, changed (an AST or the text)."""
-    module = types.ModuleType("lightning_dos.engine.loop_mutant")
-    module.__file__ = "mutant/loop.py"
-    sys.modules[module.__name__] = module  # dataclasses look their module up while the class is built
+#: Every module of the engine that synchronises (the engine class is made of their classes; loop.py first).
+SYNC_MODULES = (loop_module, in_flight_module, streamed_module, resident_module, host_side_module)
+
+
+def _module_named(name: str) -> types.ModuleType:
+    """One of :data:`SYNC_MODULES` by file name (``loop.py``) or module name."""
+    (module,) = [m for m in SYNC_MODULES if Path(m.__file__).name == name or m.__name__ == name]
+    return module
+
+
+def _engine_from(code: ast.Module | str, module: types.ModuleType = loop_module) -> type:
+    """The engine class built with ``module``'s source replaced by ``code`` (the engine's own source, changed: an AST
+    or the text). For a part of the engine, its mutant stands in for it while loop.py builds the class again."""
+    name = Path(module.__file__).name
+    mutant = types.ModuleType(f"{module.__name__}_mutant")
+    mutant.__file__ = f"mutant/lightning_dos/engine/{name}"  # the race checker names frames of lightning_dos files
+    sys.modules[mutant.__name__] = mutant  # dataclasses look their module up while the class is built
     try:
-        exec(compile(code, "mutant/loop.py", "exec"), module.__dict__)  # noqa: S102 - the engine's own source
+        exec(compile(code, mutant.__file__, "exec"), mutant.__dict__)  # noqa: S102 - the engine's own source
     finally:
-        del sys.modules[module.__name__]
-    return module.InterleavedUpdate
+        del sys.modules[mutant.__name__]
+    if module is loop_module:
+        return mutant.InterleavedUpdate
+    original, sys.modules[module.__name__] = sys.modules[module.__name__], mutant
+    try:
+        return _engine_from(inspect.getsource(loop_module))
+    finally:
+        sys.modules[module.__name__] = original
 
 
-def mutant_engine(line: int) -> type:
-    source = inspect.getsource(loop_module)
-    return _engine_from(ast.fix_missing_locations(_Remove(line).visit(ast.parse(source))))
+def mutant_engine(line: int, module: types.ModuleType | str = loop_module) -> type:
+    """The engine with the synchronisation at ``line`` of ``module`` (a module, or its file name) removed."""
+    module = _module_named(module) if isinstance(module, str) else module
+    source = inspect.getsource(module)
+    return _engine_from(ast.fix_missing_locations(_Remove(line).visit(ast.parse(source))), module)
+
+
+def all_mutations() -> list[tuple[types.ModuleType, int, str]]:
+    """Every synchronisation of every engine module: ``(module, line, what)``, ``what`` naming the file."""
+    return [
+        (module, line, f"{what} of {Path(module.__file__).name}")
+        for module in SYNC_MODULES
+        for line, what in find_mutations(inspect.getsource(module))
+    ]
 
 
 def races_of(engine_class: type, backward_sync: bool, case: str = "adam-fp32") -> list[str]:
@@ -510,14 +544,15 @@ def test_removing_any_wait_host_wait_or_tail_event_is_reported_as_a_race(case: s
     unfinished. It must be the only synchronisation that needs it. The engine has no device-wide synchronise left:
     nothing ties its update to other work on the device (the next forward, queued meanwhile under overlap).
     """
-    mutations = find_mutations(inspect.getsource(loop_module))
-    kinds = {what.split(" at ")[0] for _, what in mutations}
+    mutations = all_mutations()
+    kinds = {what.split(" at ")[0] for _, _, what in mutations}
     assert {"wait", "host_wait", "record_stream"} <= kinds and len(mutations) >= 10, mutations
     assert "device_synchronize" not in kinds, "a device-wide wait in the update ties it to the training thread's work"
+    assert {module for module, _, _ in mutations} == set(SYNC_MODULES), "a module listed that does not synchronise"
     backward_end = _backward_end_wait()
     missed, needs_unsynced_deepspeed = [], []
-    for line, what in mutations:
-        engine_class = mutant_engine(line)
+    for module, line, what in mutations:
+        engine_class = mutant_engine(line, module)
         if races_of(engine_class, backward_sync=True, case=case):
             continue
         unsynced = races_of(engine_class, backward_sync=False, case=case)
@@ -526,7 +561,7 @@ def test_removing_any_wait_host_wait_or_tail_event_is_reported_as_a_race(case: s
         else:
             needs_unsynced_deepspeed.append((what, unsynced[0]))
     assert not missed, f"removing these synchronisations went unnoticed: {missed}"
-    assert [what for what, _ in needs_unsynced_deepspeed] == [f"host_wait at line {backward_end}"]
+    assert [what for what, _ in needs_unsynced_deepspeed] == [f"host_wait at line {backward_end} of loop.py"]
     assert "gradient buffer" in needs_unsynced_deepspeed[0][1]
 
 
@@ -603,10 +638,11 @@ def test_a_gradient_kept_on_the_device_is_read_only_after_the_end_of_backward_ev
 
 
 def _engine_with(old: str, new: str) -> type:
-    """The engine with one statement of its source replaced (``old`` must occur once)."""
-    source = inspect.getsource(loop_module)
+    """The engine with one statement of its source replaced (``old`` must occur once, in one of its modules)."""
+    (module,) = [m for m in SYNC_MODULES if old in inspect.getsource(m)]
+    source = inspect.getsource(module)
     assert source.count(old) == 1, old
-    return _engine_from(source.replace(old, new))
+    return _engine_from(source.replace(old, new), module)
 
 
 def test_a_streamed_sub_group_lands_with_its_cast_not_its_download() -> None:

@@ -21,6 +21,11 @@ The optimizer is an :class:`~lightning_dos.model.update_rules.UpdateRule` (Adam,
 moves the master weights and whichever state tensors the rule names, in their dtypes, and never branches
 on which optimizer it runs. This module knows nothing of Lightning or DeepSpeed: the adapter hands it flat
 tensors.
+
+The engine's jobs are classes of their own, which :class:`InterleavedUpdate` is made of: the hand-off to a
+background thread and to each sub-group's readers (``in_flight.py``), streamed sub-groups (``streamed.py``),
+resident ones (``resident.py``) and host ones (``host_side.py``); this module holds the state they share and the
+step that runs them in order.
 """
 
 from __future__ import annotations
@@ -36,11 +41,15 @@ import torch
 from lightning_dos.engine import native
 from lightning_dos.engine.arrivals import GradientArrivals
 from lightning_dos.engine.atomic import TornStateError, UpdateGuard, UpdateProgress
+from lightning_dos.engine.host_side import HostSubGroups
+from lightning_dos.engine.in_flight import InFlightHandoff
 from lightning_dos.engine.inputs import StepInputs
 from lightning_dos.engine.kept_gradients import KeptGradients, sub_groups_of
-from lightning_dos.engine.kernels import apply_update, host_update, step_tensor
+from lightning_dos.engine.kernels import apply_update, host_update
 from lightning_dos.engine.pool import BufferPool, DeviceBuffer
 from lightning_dos.engine.recovery import settle_interrupted_update
+from lightning_dos.engine.resident import ResidentSubGroups
+from lightning_dos.engine.streamed import StreamedSubGroups
 from lightning_dos.engine.streams import Streams, make_streams
 from lightning_dos.model.budget_fit import fit_to_budget, plan_device_bytes
 from lightning_dos.model.perfmodel import FREE_MEMORY_MARGIN
@@ -49,7 +58,7 @@ from lightning_dos.model.step_report import StepReport
 from lightning_dos.model.update_rules import ADAM, Footprint, UpdateRule
 
 
-class InterleavedUpdate:
+class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, HostSubGroups):
     """Runs the optimizer over the rank's master partition, sub-group by sub-group, on host and device at once.
 
     Args:
@@ -202,118 +211,6 @@ class InterleavedUpdate:
         back = self.reports_issued - number
         return self._recent_reports[-1 - back] if 0 <= back < len(self._recent_reports) else None
 
-    # -- overlapping the update with what follows it ----------------------------------------------
-
-    def start(self, work: Callable[[], None]) -> None:
-        """Run ``work`` (an update: :meth:`step` and what its caller stores with it) on a background thread and
-        return at once; :meth:`wait_sub_groups` and :meth:`wait_all` are the points that wait for it.
-
-        The thread holds :attr:`guard` for the whole of ``work``, so readers on other threads wait for it; the
-        call returns only once the thread holds it. An exception ``work`` raises is raised by :meth:`wait_all`.
-        """
-        self.wait_all()
-        self._started_timing = self.timing
-        with self._landing:
-            self._landed = {}
-        # Released once the thread holds the guard (a semaphore: a thread's start, not a stream's order).
-        holding = threading.Semaphore(0)
-
-        def run() -> None:
-            try:
-                with self.guard.updating():
-                    holding.release()
-                    # A new thread's current device is device 0, not the engine's: select it before any stream
-                    # operation (leaving a stream context would otherwise make a CUDA context on GPU 0).
-                    self.streams.bind_thread()
-                    work()
-            except BaseException as error:  # noqa: BLE001 - raised on the caller's thread by wait_all
-                self._background_error = error
-            finally:
-                self._end_landing()
-
-        self._background = threading.Thread(target=run, name="lightning-dos-update", daemon=True)
-        self._background.start()
-        holding.acquire()
-
-    def begin_early(self, work: Callable[[GradientArrivals], None]) -> None:
-        """Start a step during backward: ``work(arrivals)`` runs on the background thread (as :meth:`start`) and
-        passes ``arrivals`` to :meth:`step`, which updates host sub-groups as :meth:`grads_final` reports their
-        gradients final, then waits for :meth:`end_backward` to run (or skip) the rest of the step."""
-        arrivals = GradientArrivals()
-        self.start(lambda: work(arrivals))
-        self.arrivals = arrivals
-
-    def grads_final(self, index: int, event: object = None) -> None:
-        """Sub-group ``index``'s gradient is final (``event``: when its copy lands; None once it has)."""
-        if self.arrivals is not None:
-            self.arrivals.arrive(index, event)
-
-    def end_backward(self, proceed: bool, abandoned: bool = False) -> None:
-        """Backward is over: ``proceed`` runs the rest of the step begun by :meth:`begin_early`; False skips it (the
-        step's gradient norm is not finite); ``abandoned``: backward never finished, so the step is not taken. No-op
-        when no step was begun."""
-        arrivals, self.arrivals = self.arrivals, None
-        if arrivals is not None:
-            ended = GradientArrivals.RUN if proceed else GradientArrivals.SKIP
-            arrivals.end(GradientArrivals.ABANDON if abandoned else ended)
-
-    @property
-    def in_flight(self) -> bool:
-        """An update started by :meth:`start` has not been waited for by :meth:`wait_all` yet."""
-        return self._background is not None
-
-    def wait_sub_groups(self, indices: Sequence[int], stream: object = None) -> None:
-        """Block until the 16-bit parameters of sub-groups ``indices`` hold the update in flight's result (at
-        once when none is in flight); an update that fails is finished or undone before this returns.
-
-        With ``stream`` (the reader's device stream), the host waits only until each result is issued and that
-        stream waits for it to land; otherwise the host waits for it to land."""
-        with self._landing:
-            self._landing.wait_for(lambda: self._landed is None or all(i in self._landed for i in indices))
-            landed = self._landed if self._landed is not None else self._last_landed
-            events = [landed.get(i) for i in indices]
-        for event in events:
-            # Issued on the update's thread; the reader waits for it to land before the 16-bit result is read.
-            if stream is not None:
-                self.streams.wait(stream, event)
-            else:
-                self.streams.host_wait(event)
-
-    def wait_all(self) -> None:
-        """Block until the update in flight (and what its caller stores with it) is over; raise what
-        interrupted it, here, on the caller's thread."""
-        # A step begun during backward that backward never ended (it failed): nothing more is updated.
-        self.end_backward(False, abandoned=True)
-        thread, self._background = self._background, None
-        if thread is None:
-            return
-        thread.join()
-        error, self._background_error = self._background_error, None
-        if error is not None:
-            raise error
-
-    def _land(self, index: int, event: object) -> None:
-        """Sub-group ``index``'s 16-bit result is issued and lands at ``event``: readers of it may go on."""
-        with self._landing:
-            if self._landed is not None:
-                self._landed[index] = event
-                self.streams.landed(index)
-                self._landing.notify_all()
-
-    def _end_landing(self) -> None:
-        """The update is over (finished, or settled after an interruption): every sub-group is readable.
-
-        Sub-groups not landed by then (an interruption finished or undid them on the host) are released here, after
-        the last write to their 16-bit partitions: nothing waiting for them may go on before."""
-        with self._landing:
-            if self._landed is not None:
-                for index in range(len(self.sub_groups)):
-                    if index not in self._landed:
-                        self.streams.landed(index)
-                self._last_landed = self._landed
-            self._landed = None
-            self._landing.notify_all()
-
     # Views into the slabs, one per DeepSpeed flat partition: the adapter points DeepSpeed's master
     # partitions and the inner optimizer's state at these, so DeepSpeed's checkpoints see our state.
     def _flat(self, slab: torch.Tensor, flat: int) -> torch.Tensor:
@@ -442,66 +339,6 @@ class InterleavedUpdate:
         if self.on_point is not None:
             self.on_point(point, index)
 
-    def _update_as_gradients_arrive(
-        self, plan: Plan, inputs: StepInputs, progress: UpdateProgress, arrivals: GradientArrivals
-    ) -> StepReport:
-        """Update the plan's host sub-groups as backward reports their gradients final, until backward ends; return
-        what was done (``skipped`` when the step is skipped or abandoned, which must find nothing changed)."""
-        self.streams.start_timeline(self._step_timing)
-        report = self._new_report(plan, inputs)
-        self.updated_early = early = []
-        self._early_tail = None
-        step_tensors: dict[int, torch.Tensor] = {}
-        taking, error = True, None
-        while (arrival := arrivals.next()) is not None:
-            index, landed = arrival
-            if not taking or plan.places[index] != Place.HOST or index in plan.after_backward:
-                continue
-            # DeepSpeed copied the gradient on its own stream: the host reads it once that copy has landed.
-            self.streams.host_wait(landed)
-            began = time.perf_counter()  # the step's update time counts this work, not the waits for backward
-            try:
-                if index in self.resident:
-                    # Its state was resident on the device last step (this plan moves it home): current only there.
-                    self._evict([index])
-                # A finite sum means every element is finite (one NaN or infinity makes it NaN or infinite), and it
-                # allocates nothing the size of the gradient. A finite gradient whose sum overflows only stops the
-                # early updates: the rest of the step still updates it, exactly.
-                if not bool(torch.isfinite(self._slices(self.sub_groups[index], inputs)[2].sum())):
-                    # The global norm will not be finite either: DeepSpeed skips the step, so update nothing more.
-                    taking = False
-                    continue
-                landed = self._update_host_sub_group(index, inputs, report, step_tensors)
-                self._land(index, landed)
-                early.append(index)
-                self._early_tail = landed if landed is not None else self._early_tail
-            except BaseException as failure:  # noqa: BLE001 - raised once backward is over (see below)
-                # Finishing the step (recovery) needs every gradient final: wait for the end of backward first.
-                taking, error = False, failure
-            report.update_s += time.perf_counter() - began
-        if arrivals.proceed == GradientArrivals.RUN:
-            if error is not None:
-                raise error
-            return report
-        if progress.touched:
-            abandoned = arrivals.proceed == GradientArrivals.ABANDON
-            why = (
-                "backward failed, so the step cannot be completed,"
-                if abandoned
-                else "the gradient norm is not finite, so DeepSpeed skips the step,"
-            )
-            self.torn = (
-                f"lightning-dos: {why} after overlap='auto' had updated sub-groups {sorted(early)} of optimizer step "
-                f"{self.steps_taken} during backward; the optimizer state in this process mixes two steps, so it "
-                "refuses to step or to be checkpointed. Resume from the last checkpoint with overlap='forward', "
-                "which starts the update only once backward is over and the norm is known."
-            )
-            raise TornStateError(self.torn) from error
-        if arrivals.proceed == GradientArrivals.ABANDON:
-            self.steps_taken -= 1  # backward never ended: the step was not taken
-        report.skipped = True
-        return report
-
     def _update(
         self, plan: Plan, inputs: StepInputs, progress: UpdateProgress, early: StepReport | None = None
     ) -> StepReport:
@@ -560,38 +397,6 @@ class InterleavedUpdate:
         self.last_report = report
         return report
 
-    def _release_staging(self, buffers: list[DeviceBuffer]) -> None:
-        """Give this update's staging buffers back to the caching allocator as soon as its device side is issued
-        (``buffers`` is emptied: the engine keeps no reference). Work queued on them may still be running, so each
-        block is first recorded on the streams that use it (``record_stream``): the allocator hands it out again
-        only once that work has run, whatever stream asks for it next (the next forward's, on which it was
-        allocated, would otherwise get it at once). Nothing else is held between updates but resident state,
-        which only an explicit budget plans."""
-        streams = self.streams
-        for buf in buffers:
-            for tensor in (buf.param, buf.grad, *buf.states, *(() if buf.lp is None else (buf.lp,))):
-                for stream in (streams.h2d, streams.compute, streams.d2h):
-                    streams.record_stream(tensor, stream)
-        buffers.clear()
-        self.pool.release_staging()
-
-    def _allocate(self, plan: Plan) -> list[DeviceBuffer] | None:
-        """This update's streaming buffers (the plan fits the budget already); None (after one warning) when
-        the device is out of memory."""
-        device_ids = plan.streamed_indices
-        if not device_ids:
-            return []
-        count = min(plan.device_buffers, len(device_ids))
-        try:
-            # On h2d, their first user: the allocator may hand out a block whose previous owner's work is still
-            # queued on the allocating stream, which the uploads are then ordered after (torch's CUDA sanitizer
-            # reports an upload into a block allocated on another stream).
-            with self.streams.on(self.streams.h2d):
-                return self.pool.staging_for(count, max(self.sizes[i] for i in device_ids))
-        except torch.OutOfMemoryError:
-            self._warn_fallback("device staging could not be allocated (out of memory)")
-            return None
-
     def release_device_memory(self) -> None:
         """Bring resident state home and free every device buffer the engine holds (at teardown).
 
@@ -616,111 +421,7 @@ class InterleavedUpdate:
             )
             self._warned_fallback = True
 
-    # -- resident sub-groups ---------------------------------------------------------------------
-
-    def _make_resident(self, plan: Plan, streams: Streams) -> Plan:
-        """Bring the plan's new resident sub-groups' state up; those that do not fit go to the host."""
-        failed = []
-        for index in plan.resident_indices:
-            if index in self.resident:
-                continue
-            sg = self.sub_groups[index]
-            try:
-                with streams.on(streams.h2d):  # its first user (see _allocate)
-                    buf = self.pool.allocate_resident(sg.numel)
-            except torch.OutOfMemoryError:
-                self._warn_fallback("resident optimizer state could not be allocated (out of memory)")
-                failed.append(index)
-                continue
-            span = slice(sg.slab_offset, sg.slab_offset + sg.numel)
-            with streams.on(streams.h2d):
-                for dst, slab in zip((buf.param, *buf.states), (self.pool.param, *self.pool.states)):
-                    dst.copy_(slab[span], non_blocking=True)
-            self.resident[index] = buf
-        return plan.with_host(failed) if failed else plan
-
-    def _run_resident(self, plan: Plan, inputs: StepInputs, streams: Streams, report: StepReport) -> list:
-        """Upload only the gradient, update on the device, cast into the 16-bit partition; only that cast
-        comes down, and only when the 16-bit parameters live on the host. Returns the tail events."""
-        step_tensors: dict[int, torch.Tensor] = {}
-        last_download = None
-        for index in plan.resident_indices:
-            sg, buf = self.sub_groups[index], self.resident[index]
-            _, _, grad, lp = self._slices(sg, inputs)
-            kept = self.kept.gradient(index, self.resident)
-            if kept is None:
-                with streams.lane("upload", index, self.footprint.master * sg.numel, streams.h2d):
-                    buf.grad.copy_(grad, non_blocking=True)
-                report.h2d_bytes += self.footprint.master * sg.numel
-            uploaded = streams.record(streams.h2d)
-            # The update reads the gradient (and, the first time, the state) the h2d stream brought up.
-            streams.wait(streams.compute, uploaded)
-            with streams.lane("device_adam", index, self.footprint.master * sg.numel, streams.compute):
-                if sg.ds_group not in step_tensors:
-                    step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], self.device)
-                hyper = inputs.hypers[sg.param_group]
-                self.device_update(
-                    self.rule, buf.param, buf.grad, buf.states, step_tensors[sg.ds_group], hyper, inputs.inv_grad_scale,
-                    step_number=inputs.steps[sg.ds_group],
-                )  # fmt: skip
-                self._reached("updated", index)
-            with streams.lane("cast", index, self.lp_bytes * sg.numel, streams.compute):
-                # Into the buffer's 16-bit slot when the 16-bit partition lives on the host (parameter offload).
-                (buf.lp if buf.lp is not None else lp).copy_(buf.param)
-            self._reached("done", index)
-            if buf.lp is not None:
-                last_download = self._download_lp(index, buf.lp, lp, report)
-            self._land(index, last_download if buf.lp is not None else streams.record(streams.compute))
-            report.device_elements += sg.numel
-        return [last_download] if last_download is not None else []
-
-    def _download_lp(self, index: int, device_lp: torch.Tensor, lp: torch.Tensor, report: StepReport) -> object:
-        """Bring a device-cast 16-bit result down into the host-resident 16-bit partition (parameter offload)."""
-        streams = self.streams
-        # The download reads the cast the compute stream has just queued.
-        streams.wait(streams.d2h, streams.record(streams.compute))
-        with streams.lane("download", index, self.lp_bytes * lp.numel(), streams.d2h):
-            lp.copy_(device_lp[: lp.numel()], non_blocking=True)
-        report.d2h_bytes += self.lp_bytes * lp.numel()
-        return streams.record(streams.d2h)
-
-    def _download_resident(self, indices: list[int]) -> None:
-        """Copy resident state into the host slabs and wait for it (the host reads them next)."""
-        if not indices:
-            return
-        streams = self.streams
-        # No device-side wait: this runs between steps or before a step issues any work, and every step
-        # ends with the host waiting on all its streams' tails, so the compute stream's last writes to the
-        # resident state are complete before this download is issued (the stream-race test checks it).
-        with streams.on(streams.d2h):
-            for index in indices:
-                sg, buf = self.sub_groups[index], self.resident[index]
-                span = slice(sg.slab_offset, sg.slab_offset + sg.numel)
-                for slab, src in zip((self.pool.param, *self.pool.states), (buf.param, *buf.states)):
-                    slab[span].copy_(src, non_blocking=True)
-                self._reached("flush", index)
-        streams.host_wait(streams.record(streams.d2h))
-
-    def _evict(self, indices: list[int]) -> None:
-        """Bring resident state home and free it on the device."""
-        self._download_resident(indices)
-        for index in indices:
-            self.kept.forget(index)
-            self.pool.release_resident(self.resident.pop(index))
-
-    def flush_resident(self, indices: Sequence[int] | None = None) -> None:
-        """Make the host slabs current (a checkpoint or an accessor is about to read them); the state stays
-        resident. ``indices`` limits it to those sub-groups (None: all)."""
-        chosen = list(self.resident) if indices is None else [i for i in indices if i in self.resident]
-        self._download_resident(chosen)
-
-    def drop_resident(self, indices: Sequence[int] | None = None) -> None:
-        """Forget resident device state because the host slabs were just overwritten (a checkpoint load, an
-        accessor's write); the next step uploads the new values. ``indices`` limits it (None: all)."""
-        chosen = list(self.resident) if indices is None else [i for i in indices if i in self.resident]
-        for index in chosen:
-            self.kept.forget(index)
-            self.pool.release_resident(self.resident.pop(index))
+    # -- gradients backward keeps on the device for resident sub-groups ---------------------------
 
     def keep_gradient(self, flat: int, offset: int, grad: torch.Tensor) -> None:
         """Backward made ``grad`` final: the gradient of elements ``[offset, offset + grad.numel())`` of flat
@@ -770,109 +471,3 @@ class InterleavedUpdate:
             inputs.grads[sg.ds_group][local],
             inputs.lp_targets[sg.ds_group][local],
         )
-
-    def _launch_device_side(
-        self, plan: Plan, buffers: list[DeviceBuffer], inputs: StepInputs, streams: Streams, report: StepReport
-    ) -> list:
-        """Queue upload -> update + cast -> download for every device sub-group; return the tail events."""
-        step_tensors: dict[int, torch.Tensor] = {}
-        slot_free: list = [None] * len(buffers)
-        for j, index in enumerate(plan.streamed_indices):
-            sg = self.sub_groups[index]
-            n, slot = sg.numel, j % len(buffers)
-            buf = buffers[slot]
-            param, states, grad, lp = self._slices(sg, inputs)
-            d_param, d_grad = buf.param[:n], buf.grad[:n]
-            d_states = tuple(t[:n] for t in buf.states)
-            # Reuse the slot only after the download of its previous sub-group has finished.
-            streams.wait(streams.h2d, slot_free[slot])
-            with streams.lane("upload", index, self.footprint.streamed_up * n, streams.h2d):
-                for dst, src in zip((d_param, *d_states, d_grad), (param, *states, grad)):
-                    dst.copy_(src, non_blocking=True)
-            uploaded = streams.record(streams.h2d)
-            # The update reads what the upload wrote.
-            streams.wait(streams.compute, uploaded)
-            with streams.lane("device_adam", index, self.footprint.master * n, streams.compute):
-                if sg.ds_group not in step_tensors:
-                    step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], self.device)
-                hyper = inputs.hypers[sg.param_group]
-                step = step_tensors[sg.ds_group]
-                self.device_update(
-                    self.rule, d_param, d_grad, d_states, step, hyper, inputs.inv_grad_scale,
-                    step_number=inputs.steps[sg.ds_group],
-                )  # fmt: skip
-                self._reached("computed", index)
-            # Cast on the device, straight into DeepSpeed's 16-bit partition: no 16-bit upload needed
-            # (into the buffer's 16-bit slot instead when that partition lives on the host; it comes down below).
-            with streams.lane("cast", index, self.lp_bytes * n, streams.compute):
-                (buf.lp[:n] if buf.lp is not None else lp).copy_(d_param)
-            computed = streams.record(streams.compute)
-            # The download must not start before the update and the cast have finished with the buffer.
-            streams.wait(streams.d2h, computed)
-            down = self.footprint.streamed_down * n + (self.lp_bytes * n if buf.lp is not None else 0)
-            with streams.lane("download", index, down, streams.d2h):
-                self._reached("downloading", index, (d_param, *d_states))
-                pairs = list(zip((param, *states), (d_param, *d_states)))
-                if buf.lp is not None:
-                    pairs.append((lp, buf.lp[:n]))
-                for dst, src in pairs:
-                    dst.copy_(src, non_blocking=True)
-                self._reached("done", index)
-            slot_free[slot] = streams.record(streams.d2h)
-            # The next forward reads only the 16-bit result: cast on the device, it is there once the compute stream
-            # has run the cast; the state's download home (which the next backward and checkpoints wait for, with
-            # the whole update) need not hold the forward back. Cast into the buffer, it is there once downloaded.
-            self._land(index, computed if buf.lp is None else slot_free[slot])
-            report.h2d_bytes += self.footprint.streamed_up * n
-            report.d2h_bytes += down
-            report.device_elements += n
-        return [e for e in slot_free if e is not None]
-
-    def _run_host_side(
-        self, plan: Plan, inputs: StepInputs, streams: Streams, report: StepReport, skip: set[int]
-    ) -> list:
-        """The update on the CPU for every host sub-group not in ``skip`` (updated during backward already), each
-        followed by an asynchronous 16-bit upload; return the last upload (backward's phase's included: they all
-        share the ``lp_h2d`` stream)."""
-        step_tensors: dict[int, torch.Tensor] = {}
-        last_upload = self._early_tail if skip else None
-        for index in plan.host_indices:
-            if index not in skip:
-                landed = self._update_host_sub_group(index, inputs, report, step_tensors)
-                self._land(index, landed)
-                last_upload = landed if landed is not None else last_upload
-        return [last_upload] if last_upload is not None else []
-
-    def _update_host_sub_group(
-        self, index: int, inputs: StepInputs, report: StepReport, step_tensors: dict[int, torch.Tensor]
-    ) -> object:
-        """Host sub-group ``index``'s update, 16-bit cast and upload; return when its 16-bit result lands."""
-        streams = self.streams
-        sg = self.sub_groups[index]
-        param, states, grad, lp = self._slices(sg, inputs)
-        if sg.ds_group not in step_tensors:
-            step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], torch.device("cpu"))
-        # The 16-bit partition is in host memory already (CPU device, parameter offload): cast straight into
-        # it; otherwise into a slot of the pinned staging ring the upload reads, free once the upload that
-        # last read it has landed. Unscale, update and cast in one pass over memory.
-        staging, slot = lp, 0
-        if self.pool.lp_staging is not None:
-            slot, staging, last_read = self.pool.lp_staging.acquire(sg.numel)
-            # The host is about to overwrite what the slot's previous upload reads.
-            streams.host_wait(last_read)
-        hyper, step = inputs.hypers[sg.param_group], step_tensors[sg.ds_group]
-        with streams.lane("host_adam", index, self.footprint.master * sg.numel):
-            host_update(self.rule, param, grad, states, step, hyper, inputs.inv_grad_scale, staging)
-        report.host_elements += sg.numel
-        # One pass unscaled, updated and (on a CPU device) cast it: every point is recorded before any
-        # hook runs, so an interruption at any of them finds the sub-group's true progress.
-        self._reached_together(("unscaled", "updated", "done") if staging is lp else ("unscaled", "updated"), index)
-        if staging is lp:
-            return None
-        with streams.lane("lp_upload", index, self.lp_bytes * sg.numel, streams.lp_h2d):
-            lp.copy_(staging, non_blocking=True)
-        uploaded = streams.record(streams.lp_h2d)
-        self.pool.lp_staging.release(slot, uploaded)
-        self._reached("done", index)
-        report.h2d_bytes += self.lp_bytes * sg.numel
-        return uploaded

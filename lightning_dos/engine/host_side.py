@@ -1,0 +1,134 @@
+"""Host sub-groups: the update on the CPU, one pass per sub-group, and the 16-bit result's upload.
+
+Each host sub-group is unscaled, updated and cast in one pass (``kernels.host_update``), into the pinned 16-bit
+staging ring the upload reads (or straight into the 16-bit partition when that lives on the host). Under
+``overlap="auto"`` the host sub-groups whose gradients backward makes final are updated before backward ends.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from lightning_dos.engine.arrivals import GradientArrivals
+from lightning_dos.engine.atomic import TornStateError, UpdateProgress
+from lightning_dos.engine.inputs import StepInputs
+from lightning_dos.engine.kernels import host_update, step_tensor
+from lightning_dos.engine.streams import Streams
+from lightning_dos.model.plan import Place, Plan
+from lightning_dos.model.step_report import StepReport
+
+
+class HostSubGroups:
+    """The host side of an update (a part of :class:`~lightning_dos.engine.loop.InterleavedUpdate`, which holds
+    the state it reads)."""
+
+    def _update_as_gradients_arrive(
+        self, plan: Plan, inputs: StepInputs, progress: UpdateProgress, arrivals: GradientArrivals
+    ) -> StepReport:
+        """Update the plan's host sub-groups as backward reports their gradients final, until backward ends; return
+        what was done (``skipped`` when the step is skipped or abandoned, which must find nothing changed)."""
+        self.streams.start_timeline(self._step_timing)
+        report = self._new_report(plan, inputs)
+        self.updated_early = early = []
+        self._early_tail = None
+        step_tensors: dict[int, torch.Tensor] = {}
+        taking, error = True, None
+        while (arrival := arrivals.next()) is not None:
+            index, landed = arrival
+            if not taking or plan.places[index] != Place.HOST or index in plan.after_backward:
+                continue
+            # DeepSpeed copied the gradient on its own stream: the host reads it once that copy has landed.
+            self.streams.host_wait(landed)
+            began = time.perf_counter()  # the step's update time counts this work, not the waits for backward
+            try:
+                if index in self.resident:
+                    # Its state was resident on the device last step (this plan moves it home): current only there.
+                    self._evict([index])
+                # A finite sum means every element is finite (one NaN or infinity makes it NaN or infinite), and it
+                # allocates nothing the size of the gradient. A finite gradient whose sum overflows only stops the
+                # early updates: the rest of the step still updates it, exactly.
+                if not bool(torch.isfinite(self._slices(self.sub_groups[index], inputs)[2].sum())):
+                    # The global norm will not be finite either: DeepSpeed skips the step, so update nothing more.
+                    taking = False
+                    continue
+                landed = self._update_host_sub_group(index, inputs, report, step_tensors)
+                self._land(index, landed)
+                early.append(index)
+                self._early_tail = landed if landed is not None else self._early_tail
+            except BaseException as failure:  # noqa: BLE001 - raised once backward is over (see below)
+                # Finishing the step (recovery) needs every gradient final: wait for the end of backward first.
+                taking, error = False, failure
+            report.update_s += time.perf_counter() - began
+        if arrivals.proceed == GradientArrivals.RUN:
+            if error is not None:
+                raise error
+            return report
+        if progress.touched:
+            abandoned = arrivals.proceed == GradientArrivals.ABANDON
+            why = (
+                "backward failed, so the step cannot be completed,"
+                if abandoned
+                else "the gradient norm is not finite, so DeepSpeed skips the step,"
+            )
+            self.torn = (
+                f"lightning-dos: {why} after overlap='auto' had updated sub-groups {sorted(early)} of optimizer step "
+                f"{self.steps_taken} during backward; the optimizer state in this process mixes two steps, so it "
+                "refuses to step or to be checkpointed. Resume from the last checkpoint with overlap='forward', "
+                "which starts the update only once backward is over and the norm is known."
+            )
+            raise TornStateError(self.torn) from error
+        if arrivals.proceed == GradientArrivals.ABANDON:
+            self.steps_taken -= 1  # backward never ended: the step was not taken
+        report.skipped = True
+        return report
+
+    def _run_host_side(
+        self, plan: Plan, inputs: StepInputs, streams: Streams, report: StepReport, skip: set[int]
+    ) -> list:
+        """The update on the CPU for every host sub-group not in ``skip`` (updated during backward already), each
+        followed by an asynchronous 16-bit upload; return the last upload (backward's phase's included: they all
+        share the ``lp_h2d`` stream)."""
+        step_tensors: dict[int, torch.Tensor] = {}
+        last_upload = self._early_tail if skip else None
+        for index in plan.host_indices:
+            if index not in skip:
+                landed = self._update_host_sub_group(index, inputs, report, step_tensors)
+                self._land(index, landed)
+                last_upload = landed if landed is not None else last_upload
+        return [last_upload] if last_upload is not None else []
+
+    def _update_host_sub_group(
+        self, index: int, inputs: StepInputs, report: StepReport, step_tensors: dict[int, torch.Tensor]
+    ) -> object:
+        """Host sub-group ``index``'s update, 16-bit cast and upload; return when its 16-bit result lands."""
+        streams = self.streams
+        sg = self.sub_groups[index]
+        param, states, grad, lp = self._slices(sg, inputs)
+        if sg.ds_group not in step_tensors:
+            step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], torch.device("cpu"))
+        # The 16-bit partition is in host memory already (CPU device, parameter offload): cast straight into
+        # it; otherwise into a slot of the pinned staging ring the upload reads, free once the upload that
+        # last read it has landed. Unscale, update and cast in one pass over memory.
+        staging, slot = lp, 0
+        if self.pool.lp_staging is not None:
+            slot, staging, last_read = self.pool.lp_staging.acquire(sg.numel)
+            # The host is about to overwrite what the slot's previous upload reads.
+            streams.host_wait(last_read)
+        hyper, step = inputs.hypers[sg.param_group], step_tensors[sg.ds_group]
+        with streams.lane("host_adam", index, self.footprint.master * sg.numel):
+            host_update(self.rule, param, grad, states, step, hyper, inputs.inv_grad_scale, staging)
+        report.host_elements += sg.numel
+        # One pass unscaled, updated and (on a CPU device) cast it: every point is recorded before any
+        # hook runs, so an interruption at any of them finds the sub-group's true progress.
+        self._reached_together(("unscaled", "updated", "done") if staging is lp else ("unscaled", "updated"), index)
+        if staging is lp:
+            return None
+        with streams.lane("lp_upload", index, self.lp_bytes * sg.numel, streams.lp_h2d):
+            lp.copy_(staging, non_blocking=True)
+        uploaded = streams.record(streams.lp_h2d)
+        self.pool.lp_staging.release(slot, uploaded)
+        self._reached("done", index)
+        report.h2d_bytes += self.lp_bytes * sg.numel
+        return uploaded

@@ -1,0 +1,131 @@
+"""The update in flight: run on a thread of its own, and handed over sub-group by sub-group.
+
+Under ``overlap`` the step returns while its update goes on: :meth:`InFlightHandoff.start` runs it on a background
+thread that holds the engine's guard; each sub-group whose 16-bit result is issued is *landed* with the event it
+lands at, so that the next forward's all-gathers wait only for the sub-groups they read
+(:meth:`~InFlightHandoff.wait_sub_groups`), and :meth:`~InFlightHandoff.wait_all` waits for the rest and raises, on
+the caller's thread, what interrupted it. Under ``overlap="auto"`` the step begins during backward
+(:meth:`~InFlightHandoff.begin_early`), fed by backward's gradient arrivals.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+from lightning_dos.engine.arrivals import GradientArrivals
+
+
+class InFlightHandoff:
+    """The engine's hand-off of an update to a background thread and of each sub-group's result to its readers
+    (a part of :class:`~lightning_dos.engine.loop.InterleavedUpdate`, which holds the state it reads)."""
+
+    def start(self, work: Callable[[], None]) -> None:
+        """Run ``work`` (an update: :meth:`step` and what its caller stores with it) on a background thread and
+        return at once; :meth:`wait_sub_groups` and :meth:`wait_all` are the points that wait for it.
+
+        The thread holds :attr:`guard` for the whole of ``work``, so readers on other threads wait for it; the
+        call returns only once the thread holds it. An exception ``work`` raises is raised by :meth:`wait_all`.
+        """
+        self.wait_all()
+        self._started_timing = self.timing
+        with self._landing:
+            self._landed = {}
+        # Released once the thread holds the guard (a semaphore: a thread's start, not a stream's order).
+        holding = threading.Semaphore(0)
+
+        def run() -> None:
+            try:
+                with self.guard.updating():
+                    holding.release()
+                    # A new thread's current device is device 0, not the engine's: select it before any stream
+                    # operation (leaving a stream context would otherwise make a CUDA context on GPU 0).
+                    self.streams.bind_thread()
+                    work()
+            except BaseException as error:  # noqa: BLE001 - raised on the caller's thread by wait_all
+                self._background_error = error
+            finally:
+                self._end_landing()
+
+        self._background = threading.Thread(target=run, name="lightning-dos-update", daemon=True)
+        self._background.start()
+        holding.acquire()
+
+    def begin_early(self, work: Callable[[GradientArrivals], None]) -> None:
+        """Start a step during backward: ``work(arrivals)`` runs on the background thread (as :meth:`start`) and
+        passes ``arrivals`` to :meth:`step`, which updates host sub-groups as :meth:`grads_final` reports their
+        gradients final, then waits for :meth:`end_backward` to run (or skip) the rest of the step."""
+        arrivals = GradientArrivals()
+        self.start(lambda: work(arrivals))
+        self.arrivals = arrivals
+
+    def grads_final(self, index: int, event: object = None) -> None:
+        """Sub-group ``index``'s gradient is final (``event``: when its copy lands; None once it has)."""
+        if self.arrivals is not None:
+            self.arrivals.arrive(index, event)
+
+    def end_backward(self, proceed: bool, abandoned: bool = False) -> None:
+        """Backward is over: ``proceed`` runs the rest of the step begun by :meth:`begin_early`; False skips it (the
+        step's gradient norm is not finite); ``abandoned``: backward never finished, so the step is not taken. No-op
+        when no step was begun."""
+        arrivals, self.arrivals = self.arrivals, None
+        if arrivals is not None:
+            ended = GradientArrivals.RUN if proceed else GradientArrivals.SKIP
+            arrivals.end(GradientArrivals.ABANDON if abandoned else ended)
+
+    @property
+    def in_flight(self) -> bool:
+        """An update started by :meth:`start` has not been waited for by :meth:`wait_all` yet."""
+        return self._background is not None
+
+    def wait_sub_groups(self, indices: Sequence[int], stream: object = None) -> None:
+        """Block until the 16-bit parameters of sub-groups ``indices`` hold the update in flight's result (at
+        once when none is in flight); an update that fails is finished or undone before this returns.
+
+        With ``stream`` (the reader's device stream), the host waits only until each result is issued and that
+        stream waits for it to land; otherwise the host waits for it to land."""
+        with self._landing:
+            self._landing.wait_for(lambda: self._landed is None or all(i in self._landed for i in indices))
+            landed = self._landed if self._landed is not None else self._last_landed
+            events = [landed.get(i) for i in indices]
+        for event in events:
+            # Issued on the update's thread; the reader waits for it to land before the 16-bit result is read.
+            if stream is not None:
+                self.streams.wait(stream, event)
+            else:
+                self.streams.host_wait(event)
+
+    def wait_all(self) -> None:
+        """Block until the update in flight (and what its caller stores with it) is over; raise what
+        interrupted it, here, on the caller's thread."""
+        # A step begun during backward that backward never ended (it failed): nothing more is updated.
+        self.end_backward(False, abandoned=True)
+        thread, self._background = self._background, None
+        if thread is None:
+            return
+        thread.join()
+        error, self._background_error = self._background_error, None
+        if error is not None:
+            raise error
+
+    def _land(self, index: int, event: object) -> None:
+        """Sub-group ``index``'s 16-bit result is issued and lands at ``event``: readers of it may go on."""
+        with self._landing:
+            if self._landed is not None:
+                self._landed[index] = event
+                self.streams.landed(index)
+                self._landing.notify_all()
+
+    def _end_landing(self) -> None:
+        """The update is over (finished, or settled after an interruption): every sub-group is readable.
+
+        Sub-groups not landed by then (an interruption finished or undid them on the host) are released here, after
+        the last write to their 16-bit partitions: nothing waiting for them may go on before."""
+        with self._landing:
+            if self._landed is not None:
+                for index in range(len(self.sub_groups)):
+                    if index not in self._landed:
+                        self.streams.landed(index)
+                self._last_landed = self._landed
+            self._landed = None
+            self._landing.notify_all()
