@@ -204,13 +204,15 @@ _PROBE = """
 import sys, torch
 from pathlib import Path
 from lightning_dos.engine import native
-kernel = native.HostAdamKernel(Path(sys.argv[1]))
-state = [torch.ones(4096) for _ in range(4)]
-kernel(*state, 1.0, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, 0.5, torch.empty(4096, dtype=torch.bfloat16), 1)
+from lightning_dos.model.update_rules import Hyper
+kernel = native.HostUpdateKernel(Path(sys.argv[1]))
+p, g, m, v = (torch.ones(4096) for _ in range(4))
+hyper = Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)
+kernel.update("adam", p, g, (m, v), 1.0, hyper, 0.5, torch.empty(4096, dtype=torch.bfloat16), 1)
 """
 
 
-def build_targets(targets: list[str], directory: Path) -> dict[str, native.HostAdamKernel]:
+def build_targets(targets: list[str], directory: Path) -> dict[str, native.HostUpdateKernel]:
     """``host_adam.c`` built with ``-march=TARGET`` for each target, as the engine builds it for ``native``; a
     target the compiler refuses or this CPU cannot run (tried in a child process first) is printed and left out."""
     compiler, kernels = native._compiler(), {}
@@ -229,7 +231,7 @@ def build_targets(targets: list[str], directory: Path) -> dict[str, native.HostA
             why = "an illegal instruction" if probe.returncode in (-4, 132) else f"exit {probe.returncode}"
             print(f"-march={target}: left out, this CPU cannot run it ({why})")
             continue
-        kernels[target] = native.HostAdamKernel(library)
+        kernels[target] = native.HostUpdateKernel(library)
     return kernels
 
 
@@ -237,7 +239,7 @@ def _rows(
     buffers: list[torch.Tensor],
     tiles: list[int],
     deepspeed: tuple | None,
-    targets: dict[str, native.HostAdamKernel],
+    targets: dict[str, native.HostUpdateKernel],
 ) -> dict[str, Callable[[], None]]:
     """Every path as a closure over ``buffers`` (param, grad, moments, bf16 and fp32 targets, memcpy target);
     ``targets`` are the other builds of the compiled loop, by ``-march`` name."""
@@ -254,11 +256,10 @@ def _rows(
     def tiles_on_workers(tile: int, out: torch.Tensor) -> Callable[[], None]:
         return lambda: tiled_update(ADAM, p, g, (m, v), step, HYPER, 1.0 / SCALE, out, tile=tile)
 
-    def compiled(out: torch.Tensor, kernel: Callable[..., None] = native.host_adam) -> Callable[[], None]:
-        h = HYPER
-        return lambda: kernel(
-            p, g, m, v, 1.0, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled, 1.0 / SCALE, out
-        )
+    def compiled(out: torch.Tensor, kernel: native.HostUpdateKernel | None = None) -> Callable[[], None]:
+        # The engine's build through torch's dispatcher, as the engine calls it; or another build, directly.
+        update = native.host_update if kernel is None else kernel.update
+        return lambda: update("adam", p, g, (m, v), 1.0, HYPER, 1.0 / SCALE, out)
 
     def caller_tiles(tile: int = 1 << 19) -> None:  # every kernel an OpenMP region over torch's threads
         for start in range(0, n, tile):
@@ -316,7 +317,11 @@ def _rows(
 
 
 def _all_rows(
-    n: int, tiles: list[int], deepspeed: tuple | None, sub_group: int | None, targets: dict[str, native.HostAdamKernel]
+    n: int,
+    tiles: list[int],
+    deepspeed: tuple | None,
+    sub_group: int | None,
+    targets: dict[str, native.HostUpdateKernel],
 ) -> dict[str, Callable]:
     """Rows over one set of buffers, whole or cut into sub-groups (each row then runs every sub-group in turn)."""
     p, g, m, v = (torch.randn(n) for _ in range(4))

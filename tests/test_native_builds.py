@@ -150,20 +150,20 @@ X86_BUILDS = {
 
 
 @pytest.fixture(scope="module")
-def x86_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, native.HostAdamKernel]:
+def x86_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, native.HostUpdateKernel]:
     builds = {}
     for name, (level, defines) in X86_BUILDS.items():
         if level in x86_levels_this_cpu_runs():
             library = tmp_path_factory.mktemp("x86") / f"{name.replace(' ', '_').replace(',', '')}.so"
             native.compile_library(gcc_for(X86), [*TARGETS[level][1], "-fopenmp", *defines], library)
-            builds[name] = native.HostAdamKernel(library)
+            builds[name] = native.HostUpdateKernel(library)
     return builds
 
 
 @needs_torch_vector_path
 @pytest.mark.parametrize("build", X86_BUILDS)
 def test_every_x86_build_this_cpu_runs_is_bit_identical_to_torch(
-    build: str, x86_builds: dict[str, native.HostAdamKernel]
+    build: str, x86_builds: dict[str, native.HostUpdateKernel]
 ) -> None:
     """Every hyperparameter set (each loop variant), scaled and not, into bf16, fp16 and fp32: torch's bits."""
     if build not in x86_builds:
@@ -183,7 +183,7 @@ def test_every_x86_build_this_cpu_runs_is_bit_identical_to_torch(
 @needs_torch_vector_path
 @pytest.mark.parametrize("build", X86_BUILDS)
 def test_every_x86_build_runs_every_rule_and_storage_as_the_reference(
-    build: str, x86_builds: dict[str, native.HostAdamKernel]
+    build: str, x86_builds: dict[str, native.HostUpdateKernel]
 ) -> None:
     """Every rule's loop variants (test_native_rules.CASES) in every storage, scaled into fp16 and unscaled into
     bf16, on two threads: the bits of the reference (test_native_rules.reference_step; Lion: DeepSpeed's formula
@@ -230,7 +230,7 @@ def arm_programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 _RULE_IDS = {"adam": 0, "adagrad": 1, "lion": 2}
-#: DeepSpeed's Lion on Arm (HostAdamKernel.lion_form): no vector body (cpu_lion.h's is AVX only), its scalar loop
+#: DeepSpeed's Lion on Arm (HostUpdateKernel.lion_form): no vector body (cpu_lion.h's is AVX only), its scalar loop
 #: fused (every aarch64 CPU has FMA).
 ARM_LION_FORM = (0, True)
 _STORAGE_IDS = {"fp32": 0, "bf16-master": 1, "bf16": 2}

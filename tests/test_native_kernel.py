@@ -59,9 +59,11 @@ def _edge_values(numel: int) -> list[torch.Tensor]:
     return state
 
 
-def _native_step(state, hyper, step, scale, lp, kernel=native.host_adam, threads=None):  # noqa: ANN001, ANN202
-    h = hyper
-    kernel(*state, step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled, 1 / scale, lp, threads)
+def _native_step(state, hyper, step, scale, lp, kernel=None, threads=None):  # noqa: ANN001, ANN202
+    """One Adam step of the compiled kernel on ``state`` (param, grad, exp_avg, exp_avg_sq): through torch's
+    dispatcher (:func:`native.host_update`), or ``kernel``'s build (a :class:`native.HostUpdateKernel`)."""
+    update = native.host_update if kernel is None else kernel.update
+    update("adam", state[0], state[1], state[2:4], step, hyper, 1 / scale, lp, threads)
 
 
 def initial_state() -> list[torch.Tensor]:
@@ -90,8 +92,8 @@ def torch_reference(hyper: Hyper, scale: float) -> list[torch.Tensor]:
 
 
 def kernel_result(kernel, hyper: Hyper, scale: float, lp_dtype: torch.dtype) -> list[torch.Tensor]:  # noqa: ANN001
-    """param, exp_avg, exp_avg_sq and the cast copy after :data:`STEPS` of ``kernel`` (called as
-    :func:`native.host_adam`), checking that the gradient is read and never written."""
+    """param, exp_avg, exp_avg_sq and the cast copy after :data:`STEPS` of ``kernel`` (a build; None: the engine's,
+    through torch's dispatcher), checking that the gradient is read and never written."""
     state, lp = initial_state(), torch.empty(NUMEL, dtype=lp_dtype)
     for step, grad in zip(STEPS, gradients(scale)):
         state[1].copy_(grad)
@@ -130,7 +132,7 @@ def test_bit_identical_to_torchs_fused_adam_vector_path_then_cast(
     """Three steps from the same state: every element torch computes on its vector path (all but the last
     numel % 16) is the same bit for bit, the 16-bit copy is ``param.to(dtype)`` exactly, and the gradient is left
     as it came; with and without an unscale, Adam and AdamW, both forms of torch's lerp."""
-    result = kernel_result(native.host_adam, HYPERS[hyper], SCALES[scale], lp_dtype)
+    result = kernel_result(None, HYPERS[hyper], SCALES[scale], lp_dtype)
     assert_bit_identical_to_torch(result, torch_reference(HYPERS[hyper], SCALES[scale]), "the engine's build")
 
 
@@ -170,7 +172,7 @@ def test_every_instruction_set_and_build_gives_the_same_bits(tmp_path: Path) -> 
     }.items():
         target = tmp_path / f"{name.replace(' ', '_')}.so"
         native.compile_library(compiler, flags, target)
-        builds[name] = native.HostAdamKernel(target)
+        builds[name] = native.HostUpdateKernel(target)
     numel = 2 * native.MIN_ELEMENTS_PER_THREAD + 1037
     for lp_dtype in LP_DTYPES:
         outputs = {}
@@ -211,16 +213,18 @@ def test_the_engine_host_path_is_the_compiled_kernel_and_agrees_with_torchs_tile
 def test_bad_tensors_are_refused_before_anything_changes() -> None:
     param, grad, exp_avg, exp_avg_sq = _state(64, seed=0)
     before = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
-    h = ADAMW
-    hyper = (1, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled)
-    with pytest.raises(ValueError, match="contiguous fp32 CPU"):
-        native.host_adam(param, grad.double(), exp_avg, exp_avg_sq, *hyper)
-    with pytest.raises(ValueError, match="contiguous fp32 CPU"):
-        native.host_adam(param, torch.randn(128)[::2], exp_avg, exp_avg_sq, *hyper)
+
+    def adam(grad: torch.Tensor, lp_out: torch.Tensor | None = None) -> None:
+        native.host_update("adam", param, grad, (exp_avg, exp_avg_sq), 1, ADAMW, lp_out=lp_out)
+
+    with pytest.raises(ValueError, match="they must be one dtype"):
+        adam(grad.double())
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        adam(torch.randn(128)[::2])
     with pytest.raises(ValueError, match="lp_out"):
-        native.host_adam(param, grad, exp_avg, exp_avg_sq, *hyper, lp_out=torch.empty(63, dtype=torch.bfloat16))
+        adam(grad, lp_out=torch.empty(63, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="lp_out"):
-        native.host_adam(param, grad, exp_avg, exp_avg_sq, *hyper, lp_out=torch.empty(64, dtype=torch.int16))
+        adam(grad, lp_out=torch.empty(64, dtype=torch.int16))
     for now, then in zip((param, exp_avg, exp_avg_sq), before):
         assert torch.equal(now, then)
 

@@ -9,8 +9,8 @@ over threads once per call.
 The build takes a few seconds (60 loops: each rule, storage and loop-invariant choice, and Lion's two formulas):
 ``cc -O3 -march=native -fopenmp`` on one C file, no torch headers. It is loaded with ctypes after torch, so its
 OpenMP runtime is torch's and the sub-group is split over torch's threads, and it is called as the torch op
-``lightning_dos::host_update`` (every rule and storage: :func:`host_update`; ``lightning_dos::host_adam`` is fp32
-Adam, :func:`host_adam`), so dispatch modes see its reads and writes. The library is cached under
+``lightning_dos::host_update`` (every rule and storage: :func:`host_update`), so dispatch modes see its reads and
+writes. The library is cached under
 ``~/.cache/lightning_dos/native`` (``$XDG_CACHE_HOME`` is honoured), keyed by the source, the compiler and this
 CPU's flags, so a machine never loads a library built for another CPU. Where there is no compiler, or the build
 fails, the engine uses torch's kernels (the same formulas, slower; Lion's rounds as DeepSpeed's does only where it
@@ -53,7 +53,7 @@ _DTYPES = {
 }
 
 _lock = threading.Lock()
-_kernel: HostAdamKernel | None = None
+_kernel: HostUpdateKernel | None = None
 _failure: str | None = None
 _loaded = False
 _warned = False
@@ -210,9 +210,9 @@ def _check(rule: str, param: torch.Tensor, grad: torch.Tensor, states: Sequence[
         raise ValueError("lp_out must be a contiguous bf16, fp16 or fp32 CPU tensor with as many elements as param")
 
 
-class HostAdamKernel:
-    """A loaded build of ``host_adam.c``: :meth:`update` is :func:`host_update` and calling it is
-    :func:`host_adam` (each without the check that the kernel loads)."""
+class HostUpdateKernel:
+    """A loaded build of ``host_adam.c``: :meth:`update` is :func:`host_update` (without the check that the kernel
+    loads)."""
 
     def __init__(self, path: Path) -> None:
         """Load the library at ``path`` (built by :func:`build` or :func:`compile_library`)."""
@@ -259,30 +259,6 @@ class HostAdamKernel:
         if status == -2:  # the checks above make this unreachable; a library out of step with this file is not
             raise RuntimeError(f"{self.path} refused rule {rule!r} or its dtypes: rebuild it")
 
-    def __call__(
-        self,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        step: float,
-        lr: float,
-        beta1: float,
-        beta2: float,
-        eps: float,
-        weight_decay: float,
-        decoupled: bool,
-        inv_grad_scale: float = 1.0,
-        lp_out: torch.Tensor | None = None,
-        threads: int | None = None,
-    ) -> None:
-        numel = param.numel()
-        for t in (param, grad, exp_avg, exp_avg_sq):
-            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != numel:
-                raise ValueError("host_adam needs contiguous fp32 CPU tensors of one size")
-        hyper = Hyper(lr, beta1, beta2, eps, weight_decay, decoupled)
-        self.update("adam", param, grad, (exp_avg, exp_avg_sq), step, hyper, inv_grad_scale, lp_out, threads)
-
 
 def step_constants(
     step: float,
@@ -296,7 +272,7 @@ def step_constants(
 ) -> tuple[float | int, ...]:
     """Adam's scalars: ``inv_scale``, then :class:`Step`'s Adam fields from ``decoupled`` to ``neg_step_size``
     (Adam's loop reads no others), derived as torch's kernel derives them: in double, rounded to float where used.
-    The arguments are those of :func:`host_adam`."""
+    The arguments: the step number, Adam's hyperparameters and the gradient's unscale factor."""
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     lerp_weight = 1 - beta1
@@ -311,13 +287,13 @@ def step_constants(
     )  # fmt: skip
 
 
-def _load() -> HostAdamKernel | None:
+def _load() -> HostUpdateKernel | None:
     global _kernel, _failure, _loaded
     with _lock:
         if not _loaded:
             _loaded = True
             try:
-                _kernel = HostAdamKernel(build())
+                _kernel = HostUpdateKernel(build())
             except (OSError, RuntimeError, subprocess.SubprocessError) as error:
                 _failure = str(error)
         return _kernel
@@ -350,61 +326,8 @@ def warn_if_unavailable() -> None:
     )
 
 
-def host_adam(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step: float,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    inv_grad_scale: float = 1.0,
-    lp_out: torch.Tensor | None = None,
-    threads: int | None = None,
-) -> None:
-    """One Adam step over contiguous fp32 CPU tensors, with the unscale and the cast in the same pass.
-
-    Computes, for every element, what torch's fused CPU Adam computes on its vector path (see host_adam.c), from
-    the gradient multiplied by ``inv_grad_scale`` (the gradient itself is left as it came); the fresh weights are
-    also written to ``lp_out`` in its dtype. The caller checks :func:`available` first.
-
-    Args:
-        param: fp32 master weights, updated in place.
-        grad: fp32 gradient, read only.
-        exp_avg: first moment, updated in place.
-        exp_avg_sq: second moment, updated in place.
-        step: the step number being applied (1 for the first), for bias correction.
-        lr: learning rate.
-        beta1: first-moment decay.
-        beta2: second-moment decay.
-        eps: term added to the denominator.
-        weight_decay: weight-decay coefficient.
-        decoupled: True for AdamW's decoupled decay, False for Adam's L2 penalty.
-        inv_grad_scale: what the gradient is multiplied by (1 / DeepSpeed's combined scale); 1.0 for none.
-        lp_out: contiguous bf16, fp16 or fp32 CPU tensor of as many elements, or None for no copy.
-        threads: threads to split the elements over (default: torch's intra-op count; fewer for small
-            tensors, :data:`MIN_ELEMENTS_PER_THREAD` each at least).
-
-    Raises:
-        RuntimeError: the compiled kernel is unavailable (see :func:`unavailable_reason`).
-        ValueError: a tensor is not what the kernel takes; nothing has been changed.
-    """
-    if _load() is None:
-        raise RuntimeError(f"the compiled host Adam kernel is unavailable: {_failure}")
-    # Through torch's dispatcher, so that torch's dispatch modes (the stream-race checker in lightning_dos.sim)
-    # see which tensors the kernel reads and writes, as they see torch's own kernels.
-    torch.ops.lightning_dos.host_adam(
-        param, grad, exp_avg, exp_avg_sq, float(step), lr, beta1, beta2, eps, weight_decay, decoupled,
-        inv_grad_scale, lp_out, threads or 0,
-    )  # fmt: skip
-
-
 def lion_form(master_dtype: torch.dtype, state_dtype: torch.dtype) -> tuple[int, bool]:
-    """:meth:`HostAdamKernel.lion_form` of the engine's build.
+    """:meth:`HostUpdateKernel.lion_form` of the engine's build.
 
     Raises:
         RuntimeError: the compiled kernel is unavailable (see :func:`unavailable_reason`).
@@ -429,7 +352,7 @@ def host_update(
 
     Computes, for every element, what ``RULES[rule].torch_update`` computes on this CPU (bit for bit; Adam: on
     torch's vector body, see host_adam.c), or for Lion what DeepSpeed's ``DeepSpeedCPULion`` computes on these
-    tensors on this CPU (bit for bit, its vector body and its scalar loop: :meth:`HostAdamKernel.lion_form`), from
+    tensors on this CPU (bit for bit, its vector body and its scalar loop: :meth:`HostUpdateKernel.lion_form`), from
     the gradient multiplied by ``inv_grad_scale`` in fp32 (the gradient itself is left as it came). bf16 master
     weights, gradient or states are loaded into fp32, computed as fp32 ones are, and stored rounded to nearest
     even; the copy in ``lp_out`` is cast from the stored master weights (DeepSpeed copies its 16-bit partition from
@@ -463,10 +386,6 @@ def host_update(
     )  # fmt: skip
 
 
-def _host_adam_op(*args: object) -> None:
-    _load()(*args)  # host_adam checked that it loads
-
-
 def _host_update_op(
     rule: str,
     param: torch.Tensor,
@@ -488,20 +407,13 @@ def _host_update_op(
     _load().update(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, threads or None)
 
 
-#: The ops' schemas, in the order of :func:`host_adam`'s and :func:`host_update`'s arguments (the hyperparameters
-#: spelled out): (a!) marks what the kernel writes (every state tensor of the list); the gradient is read only.
-OP_SCHEMA = (
-    "host_adam(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, float step, float lr, "
-    "float beta1, float beta2, float eps, float weight_decay, bool decoupled, float inv_grad_scale, "
-    "Tensor(d!)? lp_out, int threads) -> ()"
-)
+#: The op's schema, in the order of :func:`host_update`'s arguments (the hyperparameters spelled out): (a!) marks
+#: what the kernel writes (every state tensor of the list); the gradient is read only.
 UPDATE_OP_SCHEMA = (
     "host_update(str rule, Tensor(a!) param, Tensor grad, Tensor(b!)[] states, float step, float lr, float beta1, "
     "float beta2, float eps, float weight_decay, bool decoupled, float lr_decay, float inv_grad_scale, "
     "Tensor(c!)? lp_out, int threads) -> ()"
 )
 _ops = torch.library.Library("lightning_dos", "FRAGMENT")  # kept: the registration lasts as long as this object
-_ops.define(OP_SCHEMA)
-_ops.impl("host_adam", _host_adam_op, "CPU")
 _ops.define(UPDATE_OP_SCHEMA)
 _ops.impl("host_update", _host_update_op, "CPU")
