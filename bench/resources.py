@@ -97,11 +97,27 @@ def threads_table(launchers: list[str]) -> str:
     return "\n".join(rows)
 
 
+#: Where the performance model lived before the folders became layers (issue 33), and the modules its imports
+#: named there, by where they are now: a baseline from before the move still loads against today's tree.
+_OLD_PERFMODEL = "lightning_dos/engine/perfmodel.py"
+_MOVED = {b"lightning_dos.engine.plan": b"lightning_dos.model.plan",
+          b"lightning_dos.engine.update_rules": b"lightning_dos.model.update_rules",
+          b"lightning_dos.engine.report": b"lightning_dos.model.step_report"}  # fmt: skip
+
+
 def load_baseline(revision: str) -> ModuleType:
-    """``lightning_dos/model/perfmodel.py`` as it was at ``revision`` (git), as a module of its own."""
-    source = subprocess.run(
-        ["git", "show", f"{revision}:lightning_dos/model/perfmodel.py"], cwd=ROOT, check=True, capture_output=True
-    ).stdout
+    """``lightning_dos/model/perfmodel.py`` as it was at ``revision`` (git), as a module of its own (before the
+    layout of issue 33: ``lightning_dos/engine/perfmodel.py``, its imports pointed at today's modules)."""
+    done = subprocess.run(
+        ["git", "show", f"{revision}:lightning_dos/model/perfmodel.py"], cwd=ROOT, capture_output=True
+    )
+    if done.returncode != 0:
+        done = subprocess.run(
+            ["git", "show", f"{revision}:{_OLD_PERFMODEL}"], cwd=ROOT, check=True, capture_output=True
+        )
+    source = done.stdout
+    for old, new in _MOVED.items():
+        source = source.replace(old, new)
     path = Path(tempfile.mkdtemp()) / f"perfmodel_{revision}.py"
     path.write_bytes(source)
     spec = importlib.util.spec_from_file_location(path.stem, path)

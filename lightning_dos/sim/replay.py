@@ -1,6 +1,6 @@
 """Replays the engine's logged schedule on a virtual node: a discrete-event model of one rank's hardware.
 
-The input is the stream-race checker's operation log (:class:`~lightning_dos.sim.sanitizer.LoggedOp`):
+The input is the stream-race checker's operation log (:class:`~lightning_dos.sim.findings.LoggedOp`):
 the order in which the engine *actually* issued its work, with every stream, event, wait and host wait.
 The model:
 
@@ -40,7 +40,7 @@ from typing import Any
 
 from lightning_dos.model.perfmodel import HardwareRates, rates_for, update_bytes
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
-from lightning_dos.sim.sanitizer import HOST, LoggedOp
+from lightning_dos.sim.findings import HOST, LoggedOp
 
 COPY_LANES = {"upload": "h2d", "lp_upload": "h2d", "download": "d2h", "grad_download": "d2h"}
 #: Compute-stream work whose logged ``seconds`` are its time (the forward's and backward's layers).

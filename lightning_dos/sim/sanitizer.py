@@ -40,7 +40,6 @@ import itertools
 import sys
 import weakref
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,14 +48,27 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_dos.engine import host_workers
-from lightning_dos.engine.arrivals import GradientArrivals
 from lightning_dos.engine.pool import FP32_BYTES
+from lightning_dos.sim.allocator_model import CachingAllocatorModel
+from lightning_dos.sim.deepspeed_model import DeepSpeedModel, ModelledBackward
+from lightning_dos.sim.findings import (
+    DS_ALLGATHER,
+    DS_REDUCE,
+    HOST,
+    TRAINING,
+    Access,
+    HostSync,
+    HostSyncError,
+    LoggedOp,
+    Race,
+    StreamRaceError,
+    _byte_range,
+    _Region,
+)
 from lightning_dos.sim.simstreams import (
-    COMPUTE,
     D2H,
     H2D,
     LP_H2D,
-    STREAM_NAMES,
     UPDATE,
     SimEvent,
     SimStream,
@@ -66,21 +78,8 @@ from lightning_dos.sim.simstreams import (
 #: torch versions whose private ``torch.cuda._sanitizer`` this module was tested with.
 TESTED_TORCH = "2.13"
 
-#: Pseudo-streams: the host thread, and DeepSpeed's streams as modelled.
-#: TRAINING is the training thread while the update runs on a thread of its own (``overlap="forward"``), HOST
-#: the thread running the update.
-HOST, DS_REDUCE, DS_ALLGATHER, TRAINING = 100, 101, 102, 103
-NAMES = {
-    **STREAM_NAMES,
-    HOST: "host",
-    DS_REDUCE: "deepspeed.reduce",
-    DS_ALLGATHER: "deepspeed.allgather",
-    TRAINING: "training thread",
-}
-
-
 #: The compiled one-pass host update (``native``): the rule's step and, when ``lp_out`` is given, the 16-bit cast.
-HOST_UPDATE_OPS = ("host_adam", "host_update")
+HOST_UPDATE_OPS = ("host_update",)
 #: Ops that only allocate memory: no work for the replay.
 ALLOCATIONS = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"})
 
@@ -118,97 +117,6 @@ def _torch_sanitizer() -> Any:
                 f"sanitizer was tested with torch {TESTED_TORCH}"
             )
     return csan
-
-
-@dataclass(frozen=True)
-class Access:
-    """One read or write of a byte range by one operation."""
-
-    start: int
-    end: int
-    write: bool
-    stream: int
-    seq: int
-    op: str
-    where: str
-
-    def describe(self) -> str:
-        verb = "wrote" if self.write else "read"
-        return f"{self.op} on {NAMES.get(self.stream, self.stream)} {verb} it ({self.where})"
-
-
-@dataclass(frozen=True)
-class Race:
-    """Two accesses to overlapping memory, at least one a write, with nothing ordering them (or a free
-    before an access to the freed block was ordered)."""
-
-    memory: str
-    current: Access | None
-    previous: Access
-
-    def __str__(self) -> str:
-        now = f"{self.current.describe()}" if self.current is not None else "the caching allocator freed it"
-        return f"race on {self.memory}: {now}, unordered with an earlier {self.previous.describe()}"
-
-
-@dataclass(frozen=True)
-class LoggedOp:
-    """One entry of the operation log, in host program order (what the replay consumes).
-
-    ``kind`` is ``op`` (work on ``stream``: ``lane`` says which, ``elements`` and ``nbytes`` how much),
-    ``record`` / ``wait`` (``event`` on ``stream``), ``host_wait`` (the host blocks on ``event``),
-    ``stream_sync`` (the host blocks on ``stream``), ``sync`` (the host waits for the whole device), or
-    ``host_record`` (the host thread marks ``event`` reached: a condition variable another thread waits on).
-    ``sub_group`` is the engine's sub-group the op worked on, when the engine named it (-1 otherwise).
-    ``host`` is the host thread that issued it (:data:`HOST`, the update's; :data:`TRAINING`, the training
-    thread's); ``seconds`` the time of a modelled forward or backward kernel (the iteration's replay).
-    """
-
-    kind: str
-    stream: int = HOST
-    lane: str = ""
-    elements: int = 0
-    nbytes: int = 0
-    event: int = 0
-    sub_group: int = -1
-    host: int = HOST
-    seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class HostSync:
-    """A host synchronisation issued inside one of the engine's device lanes.
-
-    ``what`` is the synchronisation (the op or call), ``lane`` and ``sub_group`` the engine's operation it was
-    issued in, ``where`` the engine's line, ``reason`` what the engine declared (``streams.host_sync``; None
-    for an undeclared one, which is an error).
-    """
-
-    what: str
-    lane: str
-    sub_group: int
-    where: str
-    reason: str | None = None
-
-    def __str__(self) -> str:
-        why = f" (declared: {self.reason})" if self.reason else ""
-        return f"host sync in the {self.lane} lane of sub-group {self.sub_group}: {self.what} ({self.where}){why}"
-
-
-@dataclass
-class _Region:
-    start: int
-    end: int
-    name: str
-    device: bool
-
-
-def _byte_range(t: torch.Tensor) -> tuple[int, int] | None:
-    if t.numel() == 0:
-        return None
-    span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
-    start = t.data_ptr()
-    return start, start + span * t.element_size()
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -255,7 +163,7 @@ class _LaneFunctions(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class StreamSanitizer:
+class StreamSanitizer(CachingAllocatorModel, DeepSpeedModel):
     """Checks happens-before between every access the engine (and modelled DeepSpeed) makes.
 
     Use :meth:`streams` to build the engine's simulated streams, :meth:`watch` to run the engine's calls
@@ -413,48 +321,6 @@ class StreamSanitizer:
         states = self.syncs.current_sync_states
         self.syncs._state_wait_for_other(states[waiter], states[target])
 
-    def on_alloc(self, tensor: torch.Tensor, stream: SimStream) -> None:
-        extent = _byte_range(tensor)
-        if extent is None:
-            return
-        # A new allocation starts a fresh history with a write on its stream, as torch's CUDA sanitizer models
-        # `torch.empty`: the caching allocator may hand out a block whose last user's work is still queued on that
-        # stream (it was freed there), so another stream's first access must be ordered after the allocation.
-        self.seq += 1
-        self.syncs.update_seq_num(stream.id, self.seq)
-        key = tensor.untyped_storage().data_ptr()
-        self._accesses[key] = [Access(*extent, True, stream.id, self.seq, "allocation", "the caching allocator")]
-        self.regions = [r for r in self.regions if r.end <= extent[0] or r.start >= extent[1]]
-        self.regions.append(_Region(*extent, f"device block of {tensor.numel()} x {tensor.dtype}", True))
-
-    def _track_temporary(self, tensor: torch.Tensor) -> None:
-        """A tensor a device kernel allocated (an optimizer formula's intermediate): device memory of the kernel's
-        stream until it is freed. On the simulated accelerator it is host memory that the host's own temporaries
-        may reuse next; on a GPU it never is, so its history goes with it."""
-        extent = _byte_range(tensor)
-        if extent is None or self._region(extent[0]) is not None:
-            return
-        region = _Region(*extent, f"device temporary of {tensor.numel()} x {tensor.dtype}", True)
-        self.regions.append(region)
-        weakref.finalize(tensor, self._forget_temporary, region)
-
-    def _forget_temporary(self, region: _Region) -> None:
-        self._accesses.pop(region.start, None)
-        self.regions = [r for r in self.regions if r is not region]
-
-    def on_free(self, start: int, end: int, stream: SimStream, recorded: tuple[SimStream, ...] = ()) -> None:
-        """A device block goes back to the caching allocator, which hands it next to work on ``stream`` (the one it
-        was allocated on) at once, or, for the streams in ``recorded`` (``record_stream``), only once the work they
-        hold now has run: every access to it must be ordered before one of those, or before the host's free."""
-        memory = self._label(start)
-        waiters = (stream.id, HOST, *(s.id for s in recorded))
-        for previous in self._accesses.pop(start, []):
-            if previous.stream == stream.id:
-                continue
-            if not any(self.syncs.is_ordered_after(w, previous.seq, previous.stream) for w in waiters):
-                self._report(Race(memory, None, previous))
-        self.regions = [r for r in self.regions if not (r.start == start and r.end == end)]
-
     # -- modelled accesses (DeepSpeed's side) -------------------------------------------------------
 
     def model_access(
@@ -599,171 +465,7 @@ class StreamSanitizer:
 
     # -- DeepSpeed's side around the engine's calls -------------------------------------------------
 
-    def watch(
-        self,
-        engine: Any,
-        backward_sync: bool = True,
-        overlap: bool = False,
-        early: bool = False,
-        threaded: bool = False,
-    ) -> None:
-        """Run ``engine``'s step, flush and drop under the checker, with DeepSpeed's accesses modelled.
-
-        Args:
-            engine: an :class:`~lightning_dos.engine.loop.InterleavedUpdate` built on :meth:`streams`.
-            backward_sync: DeepSpeed's ``reduce_and_partition_stream.synchronize()`` at the end of backward,
-                which it skips on accelerators that resolve data dependencies themselves.
-            overlap: model the next forward of ``overlap="forward"`` (each all-gather after the engine's wait for
-                its sub-groups, while the update may still run) instead of ``"off"``'s (after the step returned).
-            early: begin each step during backward, as ``overlap="auto"`` does: the step is handed the modelled
-                backward (:class:`ModelledBackward`), which copies one sub-group's gradient at a time on
-                DeepSpeed's reduce stream and reports it final with that copy's event.
-            threaded: the step runs inside work given to ``engine.start`` (as the adapter's overlapped update runs:
-                the step, then what its caller does after it, such as taking a step interrupted before any change
-                whole on the host), all of it checked on the update thread; the next forward is modelled once the
-                training thread has joined it (``engine.wait_all``), each sub-group's reads ordered only by the
-                engine's release of that sub-group (its wait returning), so that a write to a 16-bit partition
-                after its release is a race, wherever in the work it comes. Implies ``overlap``.
-        """
-        pool = engine.pool
-        slabs = [pool.param, *pool.states]
-        for slab, label in zip(slabs, ("param", *engine.rule.states), strict=True):
-            self.name(slab, f"{label} slab")
-        if pool.lp_staging is not None:
-            self.name(pool.lp_staging.storage, "16-bit staging ring")
-        step, flush, drop = engine.step, engine.flush_resident, engine.drop_resident
-        start, wait_all = engine.start, engine.wait_all
-        #: The inputs of the threaded update whose next forward is still to model.
-        joined: list[Any] = []
-
-        def watched_step(plan: Any, inputs: Any, arrivals: Any = None) -> Any:
-            # The training thread starts the update (on a thread of its own under overlap) after waiting for the
-            # previous one (its backward does), so both threads are in step here.
-            states = self.syncs.current_sync_states
-            self.syncs._state_wait_for_other(states[HOST], states[TRAINING])
-            self.syncs._state_wait_for_other(states[TRAINING], states[HOST])
-            for i, (grad, lp) in enumerate(zip(inputs.grads, inputs.lp_targets, strict=True)):
-                self.name(grad, f"gradient buffer {i}")
-                # In device memory, unless DeepSpeed offloads parameters (then the engine downloads 16-bit results).
-                self.name(lp, f"16-bit partition {i}", device=not engine.lp_downloads)
-            # Forward and backward use the gathered parameters on the default stream once it has waited for
-            # the all-gather (partitioned_param_coordinator: current_stream().wait_stream(allgather_stream)).
-            self.stream_wait_stream(COMPUTE, DS_ALLGATHER)
-            # Backward: the reduce stream waits for the default stream (stage3: wait_stream(current_stream()))
-            # and copies each gradient partition into the host buffers.
-            self.stream_wait_stream(DS_REDUCE, COMPUTE)
-            # On it too, the adapter's copies of those gradients into resident sub-groups' device slots
-            # (keep_gradient), which the step reads instead of uploading.
-            kept = engine.kept_gradient_slots
-            if kept:
-                self.model_access(DS_REDUCE, "lightning_dos.keep_gradient", writes=kept)
-            if early and arrivals is None:
-                arrivals = self.modelled_backward(engine, inputs, backward_sync)
-            elif arrivals is None:
-                self.backward(engine, inputs, backward_sync)
-            self._landings.clear()
-            if threaded:
-                joined[:] = [inputs]
-            with self.active():
-                report = step(plan, inputs, arrivals)
-            if threaded:
-                return report  # the forward comes once the whole work is joined (watched_wait_all)
-            if overlap:
-                self._overlapped_forward(engine, inputs)
-                # The training thread's backward, checkpoints and evaluation come after it joined the update.
-                states = self.syncs.current_sync_states
-                self.syncs._state_wait_for_other(states[TRAINING], states[HOST])
-            else:
-                self.next_forward(engine, inputs)
-            return report
-
-        def watched_flush() -> None:
-            with self.active():
-                flush()
-            # The checkpoint then reads the host slabs.
-            self.model_access(HOST, "checkpoint.save", reads=slabs)
-
-        def watched_drop() -> None:
-            # A checkpoint load has just written the host slabs.
-            self.model_access(HOST, "checkpoint.load", writes=slabs)
-            with self.active():
-                drop()
-
-        def watched_start(work: Any) -> None:
-            def checked() -> None:
-                with self.active():  # dispatch modes are per thread: check the update thread's work
-                    work()
-
-            start(checked)
-
-        def watched_wait_all() -> None:
-            try:
-                wait_all()
-            finally:
-                if joined:
-                    self._overlapped_forward(engine, joined.pop())
-                    states = self.syncs.current_sync_states
-                    self.syncs._state_wait_for_other(states[TRAINING], states[HOST])
-
-        engine.step, engine.flush_resident, engine.drop_resident = watched_step, watched_flush, watched_drop
-        if threaded:
-            engine.start, engine.wait_all = watched_start, watched_wait_all
-
     # -- DeepSpeed's backward and the next forward, as watch() models them (a timed replay adds their work) ------
-
-    def backward(self, engine: Any, inputs: Any, backward_sync: bool) -> None:
-        """Backward before a step that starts after it: DeepSpeed's reduce stream writes every gradient into the
-        host buffers, and the host waits for that stream at its end (when ``backward_sync``)."""
-        self.model_access(DS_REDUCE, "deepspeed.partition_grads", writes=inputs.grads)
-        if backward_sync:
-            self.stream_synchronize(DS_REDUCE)
-        self.end_of_backward(engine)
-
-    def end_of_backward(self, engine: Any) -> None:
-        """The adapter's event at the end of backward (after DeepSpeed's epilogue) on DeepSpeed's reduce stream,
-        handed to the engine: the step's only wait for backward's gradient copies (no device-wide wait)."""
-        event = SimEvent(next(self._backward_events), SimStream(DS_REDUCE, NAMES[DS_REDUCE]))
-        self.on_record(event)
-        engine.backward_ended(event)
-
-    def modelled_backward(self, engine: Any, inputs: Any, backward_sync: bool) -> ModelledBackward:
-        """Backward handed to a step begun during it (``overlap="auto"``)."""
-        return ModelledBackward(self, engine, inputs, backward_sync)
-
-    def next_forward(self, engine: Any, inputs: Any) -> None:
-        """The next forward after a step that returned with everything landed: DeepSpeed all-gathers each whole
-        16-bit partition on its own stream, waiting for nothing of ours."""
-        self.model_access(DS_ALLGATHER, "deepspeed.allgather", reads=inputs.lp_targets)
-
-    def forward_layers(self, sub_group: Any) -> None:
-        """The overlapped forward has gathered ``sub_group``'s parameters: its layers run (no access of ours)."""
-
-    def _overlapped_forward(self, engine: Any, inputs: Any) -> None:
-        """The next forward under ``overlap="forward"``: on the training thread, while the update may still run,
-        each all-gather first waits for its sub-groups (``engine.wait_sub_groups``, its stream waiting as on a GPU)
-        and then reads their 16-bit partitions on the all-gather stream; a host read (``GatheredParameters``) after
-        the host waited follows. Modelled one sub-group at a time, in order, as the forward reaches
-        them; only what the engine's wait orders is ordered, not the update's own final waits."""
-        self.host = TRAINING
-        gather_stream = SimStream(DS_ALLGATHER, NAMES[DS_ALLGATHER])
-        try:
-            for sg in engine.sub_groups:
-                landing = self._landings.get(sg.index)
-                # The condition variable the engine's wait blocks on. A sub-group the update never released
-                # (it would wait for ever) is read unordered, so that whatever wrote it is reported.
-                if landing is not None:
-                    self.syncs.stream_wait_for_event(TRAINING, landing)
-                    self._log(LoggedOp("host_wait", event=landing))
-                partition = inputs.lp_targets[sg.ds_group][sg.ds_offset : sg.ds_offset + sg.numel]
-                # The coordinator's all-gather, as on a GPU: its stream waits for the sub-group's landing event.
-                engine.wait_sub_groups([sg.index], gather_stream)
-                self.model_access(DS_ALLGATHER, "deepspeed.allgather (overlapped forward)", reads=[partition])
-                # deepspeed.zero.GatheredParameters (a callback's read): the host waits, then reads.
-                engine.wait_sub_groups([sg.index])
-                self.model_access(TRAINING, "GatheredParameters (overlapped forward)", reads=[partition])
-                self.forward_layers(sg)
-        finally:
-            self.host = HOST
 
     def check(self) -> None:
         """Raise :class:`StreamRaceError` if any race was found, else :class:`HostSyncError` if any undeclared host
@@ -772,36 +474,6 @@ class StreamSanitizer:
             raise StreamRaceError(self.races)
         if self.host_syncs:
             raise HostSyncError(self.host_syncs)
-
-
-class ModelledBackward(GradientArrivals):
-    """Backward as ``overlap="auto"`` meets it, in the update's own thread of control: each time the engine asks for
-    the next final gradient, DeepSpeed's reduce stream copies one sub-group's gradient into the host buffers (the
-    last sub-groups first, as backward visits the last layers first) and the sub-group is reported final with that
-    copy's event; after the last one, backward ends (with DeepSpeed's end-of-backward synchronisation when
-    ``backward_sync``) and the step proceeds."""
-
-    def __init__(self, checker: StreamSanitizer, engine: Any, inputs: Any, backward_sync: bool) -> None:
-        super().__init__()
-        self.checker, self.inputs, self.backward_sync, self.engine = checker, inputs, backward_sync, engine
-        self.order = [sg for sg in reversed(engine.sub_groups)]
-        self.reduce = SimStream(DS_REDUCE, NAMES[DS_REDUCE])
-        self.events = itertools.count(-1_000_000, -1)
-
-    def next(self) -> tuple[int, object] | None:
-        checker = self.checker
-        if not self.order:
-            if self.backward_sync:
-                checker.stream_synchronize(DS_REDUCE)
-            checker.end_of_backward(self.engine)
-            self.end(GradientArrivals.RUN)
-            return None
-        sg = self.order.pop(0)
-        grad = self.inputs.grads[sg.ds_group][sg.ds_offset : sg.ds_offset + sg.numel]
-        checker.model_access(DS_REDUCE, "deepspeed.partition_grads (one sub-group)", writes=[grad])
-        event = SimEvent(next(self.events), self.reduce)
-        checker.on_record(event)
-        return sg.index, event
 
 
 class _Active:
@@ -825,29 +497,6 @@ class _Active:
         if self.checker._depth == 0:
             self.checker._mode.__exit__(*exc)
             host_workers.workers = self._workers
-
-
-def _listed(findings: Sequence[object], what: str, shown: int = 10) -> str:
-    """``N what:`` and the first ``shown`` findings, one a line (a checker's error message)."""
-    lines = "\n  ".join(str(f) for f in findings[:shown])
-    more = f"\n  ... and {len(findings) - shown} more" if len(findings) > shown else ""
-    return f"{len(findings)} {what}:\n  {lines}{more}"
-
-
-class StreamRaceError(AssertionError):
-    """The engine's stream ordering has a race (each one listed)."""
-
-    def __init__(self, races: Sequence[Race]) -> None:
-        self.races = list(races)
-        super().__init__(_listed(self.races, "stream race(s)"))
-
-
-class HostSyncError(AssertionError):
-    """The engine synchronises the host with the device inside its device lanes without saying why."""
-
-    def __init__(self, syncs: Sequence[HostSync]) -> None:
-        self.syncs = list(syncs)
-        super().__init__(_listed(self.syncs, "host synchronisation(s) in the hot path"))
 
 
 __all__ = [

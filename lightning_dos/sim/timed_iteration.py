@@ -30,17 +30,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lightning_dos.sim.deepspeed_model import ModelledBackward
+from lightning_dos.sim.findings import DS_ALLGATHER, DS_REDUCE, HOST, NAMES, TRAINING, LoggedOp
 from lightning_dos.sim.replay import ReplayResult
-from lightning_dos.sim.sanitizer import (
-    DS_ALLGATHER,
-    DS_REDUCE,
-    HOST,
-    NAMES,
-    TRAINING,
-    LoggedOp,
-    ModelledBackward,
-    StreamSanitizer,
-)
+from lightning_dos.sim.sanitizer import StreamSanitizer
 from lightning_dos.sim.simstreams import COMPUTE, SimEvent, SimStream
 
 #: Marks between the host threads: backward has ended (the training thread's), the step has returned (the update's).
