@@ -374,17 +374,14 @@ def main(argv: list[str]) -> int:
     try:
         footprint = footprint_of(args.optimizer, args.master_dtype, args.state_dtype)
         rates, meta = load_profile(args.profile)
+        params = int(args.params) if args.params is not None else recipe_parameters(args.recipe)
+        gpus = args.gpus_per_node or int(meta.get("gpus_per_node", 1))
+        # Sized once, for the rank's partition, before any work (plan_rows takes the number as given).
+        args.sub_group_size = sub_group_size_of(args.sub_group_size, params // gpus)
     except (FileNotFoundError, ValueError) as error:
         print(f"lightning-dos plan: error: {error}", file=sys.stderr)
         return 2
-    try:
-        sub_group_size_of(args.sub_group_size, 1)  # checked before any work; sized per rank in plan_rows
-    except ValueError as error:
-        print(f"lightning-dos plan: error: {error}", file=sys.stderr)
-        return 2
     args.budget = int(args.budget) if args.budget is not None else None
-    params = int(args.params) if args.params is not None else recipe_parameters(args.recipe)
-    gpus = args.gpus_per_node or int(meta.get("gpus_per_node", 1))
     result = plan_rows(params, gpus, rates, meta, args, footprint)
     if args.json:
         print(json.dumps(result, indent=2))

@@ -349,8 +349,9 @@ def main(argv: list[str]) -> int:
     params = int(args.params) if args.params is not None else recipe_parameters(args.recipe)
     if params <= 0:
         return _fail("--params must be positive")
+    gpus = args.gpus_per_node or int(meta.get("gpus_per_node", 1))
     try:
-        sub_group_size_of(args.sub_group_size, 1)  # checked before any work; sized per rank below
+        sub_group_size = sub_group_size_of(args.sub_group_size, params // gpus)
     except ValueError as error:
         return _fail(str(error))
     phases = (args.forward_s, args.backward_s)
@@ -358,11 +359,10 @@ def main(argv: list[str]) -> int:
         return _fail("--forward-s and --backward-s go together: give both, or neither")
     if phases[0] is not None and not all(math.isfinite(t) and t > 0 for t in phases):
         return _fail(f"--forward-s and --backward-s must be positive seconds, got {phases[0]} and {phases[1]}")
-    gpus = args.gpus_per_node or int(meta.get("gpus_per_node", 1))
     budget, resident_ok = planning_budget(
         int(args.budget) if args.budget is not None else None, meta.get("device_free_bytes")
     )
-    sizes = sub_group_sizes(params, gpus, sub_group_size_of(args.sub_group_size, params // gpus))
+    sizes = sub_group_sizes(params, gpus, sub_group_size)
 
     def plan_for(mode: str | None = None) -> Plan:
         """What the strategy runs: "auto"'s plan (in ``mode``, once forward and backward are timed), else the fixed
