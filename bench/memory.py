@@ -175,7 +175,7 @@ def _bf16_states_strategy(system: str, sub_group_size: int) -> tuple[object, boo
     """``make_strategy`` with DeepSpeed's bf16 master weights and optimizer states configured."""
     from bench.run import stock_config
     from lightning_dos import DeepOptimizerStatesStrategy
-    from lightning_dos.integration.strategy import DeepSpeedCPUStrategy
+    from lightning_dos.integration.cpu_strategy import DeepSpeedCPUStrategy
 
     if system == "stock":
         return DeepSpeedCPUStrategy(config={**stock_config(sub_group_size), "bf16": dict(_BF16_SECTION)}), False

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_dos.host.cores import format_cpulist  # noqa: E402
-from lightning_dos.model import perfmodel  # noqa: E402
+from lightning_dos.model import perfmodel, plan_search  # noqa: E402
 
 JOB = ROOT / "tests" / "jobs" / "train_ranks.py"
 #: One H100 rank with a share of a many-core host (the rates tests/test_perfmodel.py uses).
@@ -105,25 +105,39 @@ _MOVED = {b"lightning_dos.engine.plan": b"lightning_dos.model.plan",
           b"lightning_dos.engine.report": b"lightning_dos.model.step_report"}  # fmt: skip
 
 
-def load_baseline(revision: str) -> ModuleType:
-    """``lightning_dos/model/perfmodel.py`` as it was at ``revision`` (git), as a module of its own (before the
-    layout of issue 33: ``lightning_dos/engine/perfmodel.py``, its imports pointed at today's modules)."""
-    done = subprocess.run(
-        ["git", "show", f"{revision}:lightning_dos/model/perfmodel.py"], cwd=ROOT, capture_output=True
-    )
-    if done.returncode != 0:
-        done = subprocess.run(
-            ["git", "show", f"{revision}:{_OLD_PERFMODEL}"], cwd=ROOT, check=True, capture_output=True
-        )
-    source = done.stdout
-    for old, new in _MOVED.items():
-        source = source.replace(old, new)
-    path = Path(tempfile.mkdtemp()) / f"perfmodel_{revision}.py"
+def _source_at(revision: str, path: str) -> bytes | None:
+    done = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=ROOT, capture_output=True)
+    return done.stdout if done.returncode == 0 else None
+
+
+def _module_from(name: str, source: bytes) -> ModuleType:
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
     path.write_bytes(source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = sys.modules[path.stem] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def load_baseline(revision: str) -> ModuleType:
+    """The module holding ``choose_plan`` at ``revision`` (git), loaded as a module of its own: its
+    ``lightning_dos/model/plan_search.py`` over that revision's ``perfmodel.py``; before the search had a module
+    of its own, ``lightning_dos/model/perfmodel.py``; before the layout of issue 33,
+    ``lightning_dos/engine/perfmodel.py`` (its imports pointed at today's modules)."""
+    model = _source_at(revision, "lightning_dos/model/perfmodel.py")
+    if model is None:
+        model = _source_at(revision, _OLD_PERFMODEL)
+        if model is None:
+            raise SystemExit(f"{revision}: no performance model found at this revision")
+    for old, new in _MOVED.items():
+        model = model.replace(old, new)
+    perfmodel_then = _module_from(f"perfmodel_{revision}", model)
+    search = _source_at(revision, "lightning_dos/model/plan_search.py")
+    if search is None:
+        return perfmodel_then
+    return _module_from(
+        f"plan_search_{revision}", search.replace(b"lightning_dos.model.perfmodel", perfmodel_then.__name__.encode())
+    )
 
 
 def _best_ms(fn, repeats: int) -> tuple[float, float]:  # noqa: ANN001
@@ -148,7 +162,7 @@ def plan_table(counts: list[int], baseline: ModuleType | None, baseline_max: int
             for budget in (None, 16 * sum(sizes) // 3):
 
                 def ours(sizes=sizes, budget=budget):  # noqa: ANN202
-                    return perfmodel.choose_plan(sizes, GPU, budget, 2, allow_resident=True)
+                    return plan_search.choose_plan(sizes, GPU, budget, 2, allow_resident=True)
 
                 ms, cpu_ms = _best_ms(ours, repeats)
                 plan, prediction = ours()

@@ -37,7 +37,7 @@ import lightning as L  # noqa: E402
 from lightning_dos import DeepOptimizerStatesStrategy  # noqa: E402
 from lightning_dos.data import ByteCorpusDataModule  # noqa: E402
 from lightning_dos.integration.callbacks.monitor import DOSMonitor  # noqa: E402
-from lightning_dos.integration.strategy import DeepSpeedCPUStrategy  # noqa: E402
+from lightning_dos.integration.cpu_strategy import DeepSpeedCPUStrategy  # noqa: E402
 from lightning_dos.recipes.gpt import GPT  # noqa: E402
 
 #: Model shapes: (layers, width, heads, sequence length, micro-batch).

@@ -37,10 +37,22 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'lightning_dos' has no attribute {name!r}")
 
 
+def _build_dos_strategy(**init_params: Any) -> Any:
+    from lightning_dos.integration.strategy import DeepOptimizerStatesStrategy
+
+    return DeepOptimizerStatesStrategy(**init_params)
+
+
 def _register() -> None:
-    # The strategy module registers "dos" as its import completes (also when this runs while it is being
-    # imported, which is how Lightning got loaded in the first place: then this returns the partial module).
-    importlib.import_module("lightning_dos.integration.strategy")
+    # A builder that imports the strategy module when the name is used, not the module itself: Lightning may be
+    # loading on behalf of one of this package's modules that the strategy module imports, still half-initialised
+    # here. The strategy module puts its class in the builder's place when it loads.
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_dos.integration.settings import DESCRIPTION
+
+    if "dos" not in StrategyRegistry:
+        StrategyRegistry.register("dos", _build_dos_strategy, description=DESCRIPTION)
 
 
 class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):

@@ -67,10 +67,10 @@ def pinned_torch_skip(nodeid: str, version: str) -> str | None:
     if why is not None:
         return f"pins torch {PINNED_TORCH}: {why.format(pinned=PINNED_TORCH)} (torch {version} here)"
     if name.split("::")[0] in SANITIZER_MODULES:
-        from lightning_dos.sim.sanitizer import SanitizerUnavailableError, _torch_sanitizer
+        from lightning_dos.sim.torch_csan import SanitizerUnavailableError, torch_sanitizer
 
         try:
-            _torch_sanitizer()
+            torch_sanitizer()
         except SanitizerUnavailableError as error:
             return f"pins torch {PINNED_TORCH}'s torch.cuda._sanitizer classes: {error}"
     return None

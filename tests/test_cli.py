@@ -13,7 +13,7 @@ import pytest
 
 from lightning_dos.integration.callbacks import DOSProgressBar
 from lightning_dos.integration.callbacks.progress import format_dos_metrics
-from lightning_dos.integration.strategy import cpu_supports_fp16
+from lightning_dos.integration.cpu_strategy import cpu_supports_fp16
 from tests.helpers import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dos import DeepOptimizerStatesStrategy
-from lightning_dos.integration.strategy import DOSConfigError, cpu_supports_fp16
+from lightning_dos.integration.cpu_strategy import cpu_supports_fp16
+from lightning_dos.integration.strategy import DOSConfigError
 from lightning_dos.model.plan import Place
 from tests.helpers import FP32_RTOL_PER_OP, TinyLM, full_parameters, loader, max_relative_error, trainer
 
@@ -116,7 +117,7 @@ def test_overflow_branch_with_dynamic_loss_scaling_on_any_cpu() -> None:
 
 def test_fp16_is_refused_up_front_where_deepspeed_cannot_run_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU without fp16 support, precision='16-mixed' fails before any work, naming the setting."""
-    import lightning_dos.integration.strategy as strategy_module
+    import lightning_dos.integration.cpu_strategy as strategy_module
 
     if cpu_supports_fp16():  # a CPU that runs fp16 takes the refusal branch too
         monkeypatch.setattr(strategy_module, "cpu_supports_fp16", lambda: False)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_dos import DeepOptimizerStatesStrategy
-from lightning_dos.integration.strategy import DeepSpeedCPUStrategy
+from lightning_dos.integration.cpu_strategy import DeepSpeedCPUStrategy
 from lightning_dos.model.plan import Place
 from tests.helpers import (
     FP32_RTOL,

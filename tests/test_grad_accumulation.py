@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_dos import DeepOptimizerStatesStrategy
-from lightning_dos.integration.strategy import DeepSpeedCPUStrategy
+from lightning_dos.integration.cpu_strategy import DeepSpeedCPUStrategy
 from tests.helpers import FP32_RTOL, TinyLM, full_parameters, loader, max_relative_error, trainer
 from tests.test_equivalence import SUB_GROUP, stock_offload_config
 

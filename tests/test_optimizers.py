@@ -15,7 +15,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dos import DeepOptimizerStatesStrategy
-from lightning_dos.integration.strategy import DeepSpeedCPUStrategy, DOSConfigError
+from lightning_dos.integration.cpu_strategy import DeepSpeedCPUStrategy
+from lightning_dos.integration.strategy import DOSConfigError
 from lightning_dos.model.plan import Place
 from tests.helpers import RandomPlacement, TinyLM, full_parameters, loader, max_relative_error, trainer
 

@@ -12,9 +12,7 @@ from hypothesis import strategies as st
 
 from lightning_dos.model.perfmodel import (
     HardwareRates,
-    _host_tail,
     adam_equivalent,
-    choose_plan,
     device_bytes,
     floor,
     predict,
@@ -22,6 +20,7 @@ from lightning_dos.model.perfmodel import (
     update_bytes,
 )
 from lightning_dos.model.plan import Place, Plan, all_host, even_plan
+from lightning_dos.model.plan_search import _host_tail, choose_plan
 from lightning_dos.model.step_report import Span, StepReport
 from lightning_dos.model.update_rules import ADAGRAD, ADAM, ADAM_FP32, LION, Footprint
 from lightning_dos.planning.estimator import RateEstimator

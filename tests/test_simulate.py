@@ -10,8 +10,9 @@ import pytest
 from lightning_dos.commands.main import main
 from lightning_dos.commands.simulate import copy_bytes, engine_log, rescale_copies, simulate, sub_group_sizes
 from lightning_dos.model.auto_plan import auto_plan
-from lightning_dos.model.perfmodel import HardwareRates, choose_plan
+from lightning_dos.model.perfmodel import HardwareRates
 from lightning_dos.model.plan import Place, Plan
+from lightning_dos.model.plan_search import choose_plan
 from lightning_dos.model.update_rules import ADAGRAD, ADAM, ADAM_FP32, LION, Footprint
 from lightning_dos.planning.profiles import load_profile
 from lightning_dos.sim.replay import replay

@@ -206,8 +206,13 @@ def test_default_sub_group_size_is_auto_and_deepspeed_packs_by_the_ceiling() -> 
 
 @pytest.mark.parametrize(
     "imports",
-    ["import lightning_dos; import lightning", "from lightning_dos import DeepOptimizerStatesStrategy"],
-    ids=["package-then-lightning", "strategy-class-first"],
+    [
+        "import lightning_dos; import lightning",
+        "from lightning_dos import DeepOptimizerStatesStrategy",
+        # A module the strategy module imports, first: Lightning then loads while it is half-initialised.
+        "from lightning_dos.integration.cpu_strategy import DeepSpeedCPUStrategy",
+    ],
+    ids=["package-then-lightning", "strategy-class-first", "base-strategy-first"],
 )
 def test_the_name_dos_is_registered_whatever_the_import_order(imports: str) -> None:
     """The package imports Lightning lazily; the name is registered as soon as Lightning is loaded."""
@@ -217,5 +222,6 @@ def test_the_name_dos_is_registered_whatever_the_import_order(imports: str) -> N
     from tests.helpers import clean_env
 
     code = f"{imports}\nfrom lightning.pytorch.strategies import StrategyRegistry\nassert 'dos' in StrategyRegistry\n"
+    code += "assert type(StrategyRegistry.get('dos')).__name__ == 'DeepOptimizerStatesStrategy'\n"
     done = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

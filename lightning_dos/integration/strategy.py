@@ -8,9 +8,7 @@ runs on the CPU device, slower but computing exactly the same thing.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import copy
 import functools
 import logging
 from collections.abc import Callable
@@ -20,12 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.environments import ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_dos.engine.streams import Streams
@@ -34,12 +31,9 @@ from lightning_dos.host import quiet
 from lightning_dos.host.cores import HostPlacement
 from lightning_dos.host.host_threads import apply_host_threads
 from lightning_dos.host.hostmem import LIMIT_ENV, check_host_memory
-from lightning_dos.host.ranks import (
-    Calibration,
-    calibrate_together,
-    destroy_process_group_at_exit,
-    reduce_min_over_ranks,
-)
+from lightning_dos.host.ranks import Calibration, calibrate_together, reduce_min_over_ranks
+from lightning_dos.integration.cpu_strategy import DeepSpeedCPUStrategy
+from lightning_dos.integration.held_signals import DeliverHeldSignals
 from lightning_dos.integration.optimizers import SUPPORTED, check_optimizer, rule_of
 from lightning_dos.integration.preflight import (
     HostFigure,
@@ -49,15 +43,17 @@ from lightning_dos.integration.preflight import (
     partition_numels,
     pin_backend,
 )
-from lightning_dos.integration.zero3 import ZeRO3Adapter, backward_overlap_blocker, load_zero3_weights_for_evaluation
-from lightning_dos.model.overlap import AUTO, FORWARD, MODES, OFF, Overlap
-from lightning_dos.model.perfmodel import HardwareRates
-from lightning_dos.model.plan import (
-    MAX_AUTO_SUB_GROUP,
-    FractionSpec,
-    coarse_share_warning,
-    parse_gpu_fraction,
+from lightning_dos.integration.settings import (
+    DEEPSPEED_SUB_GROUP_SIZE,
+    DESCRIPTION,
+    check_arguments,
+    check_master_dtypes,
+    merge_required_config,
 )
+from lightning_dos.integration.zero3 import ZeRO3Adapter, backward_overlap_blocker, load_zero3_weights_for_evaluation
+from lightning_dos.model.overlap import AUTO, FORWARD, OFF, Overlap
+from lightning_dos.model.perfmodel import HardwareRates
+from lightning_dos.model.plan import FractionSpec, coarse_share_warning, parse_gpu_fraction
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 from lightning_dos.planning.calibrate import HOST_BUFFER_BYTES, calibrate, calibration_numel
 from lightning_dos.planning.scheduler import PlacementScheduler
@@ -68,224 +64,6 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from lightning_dos.engine.loop import InterleavedUpdate
-
-#: DeepSpeed's own ``sub_group_size`` (how it packs parameters into flat partitions) under ``"auto"``; the
-#: engine then cuts those flats into sub-groups sized from the rank's partition.
-DEEPSPEED_SUB_GROUP_SIZE = MAX_AUTO_SUB_GROUP
-#: The values of ``overlap``.
-
-
-def _refuse(setting: str, value: Any, valid: str) -> DOSConfigError:
-    return DOSConfigError(f"{setting}={value!r} is not valid for DeepOptimizerStatesStrategy; {valid}")
-
-
-def merge_required_config(config: dict[str, Any], sub_group_size: int) -> dict[str, Any]:
-    """Return ``config`` with what the engine requires filled in; refuse keys that conflict with it.
-
-    Required: ZeRO stage 3, optimizer offload to ``cpu`` with pinned memory (``pin_memory: false`` is refused in
-    either offload section), TwinFlow's ``ratio`` left at
-    1.0 (the engine places sub-groups itself), and ``zero_force_ds_cpu_optimizer`` off so that
-    ``torch.optim.Adam``/``AdamW`` from ``configure_optimizers`` are accepted.
-    """
-    config = copy.deepcopy(config)
-    zero = config.setdefault("zero_optimization", {})
-    if not isinstance(zero, dict):
-        raise _refuse("config['zero_optimization']", zero, "it must be a mapping with 'stage': 3")
-    stage = zero.setdefault("stage", 3)
-    if stage != 3:
-        raise _refuse("zero_optimization.stage", stage, "the engine works on ZeRO stage 3 only: use 3")
-    offload = zero.get("offload_optimizer")
-    if offload is None:
-        offload = zero["offload_optimizer"] = {}
-    if not isinstance(offload, dict):
-        raise _refuse("zero_optimization.offload_optimizer", offload, "use a mapping with device 'cpu'")
-    device = str(offload.setdefault("device", "cpu")).lower()
-    if device != "cpu":
-        raise _refuse(
-            "zero_optimization.offload_optimizer.device",
-            offload["device"],
-            "the optimizer state must be offloaded to 'cpu'",
-        )
-    ratio = offload.get("ratio", 1.0)
-    if ratio != 1.0:
-        raise _refuse(
-            "zero_optimization.offload_optimizer.ratio",
-            ratio,
-            "TwinFlow's fixed ratio conflicts with the engine; use 1.0 and gpu_fraction instead",
-        )
-    _require_pinned(offload, "offload_optimizer")
-    zero.setdefault("sub_group_size", sub_group_size)
-    param_offload = zero.get("offload_param") or {}
-    param_device = str(param_offload.get("device", "none")).lower()
-    if param_device == "nvme":
-        raise _refuse("zero_optimization.offload_param.device", "nvme", "use 'cpu' or 'none'")
-    if param_device == "cpu":
-        _require_pinned(param_offload, "offload_param")
-    if config.get("zero_force_ds_cpu_optimizer", False):
-        raise _refuse("zero_force_ds_cpu_optimizer", True, "leave it false: the engine runs torch Adam/AdamW itself")
-    config["zero_force_ds_cpu_optimizer"] = False
-    config.setdefault("zero_allow_untested_optimizer", True)
-    return config
-
-
-def check_master_dtypes(config: dict[str, Any], optimizer: Any) -> None:
-    """Refuse, before DeepSpeed starts, a master-weight or optimizer-state dtype the engine cannot run.
-
-    The engine runs what DeepSpeed itself accepts under ZeRO-3 offload: fp32 master weights, or bf16 master weights
-    and gradients (``bf16.bf16_master_weights_and_grads``) with ``DeepSpeedCPUAdam``, its state in fp32 or, under
-    ``bf16.bf16_optimizer_states``, in bf16 (``DeepSpeedCPUAdam(..., fp32_optimizer_states=False)``). DeepSpeed
-    would refuse the other combinations with an assertion deep in its start-up; fp16 master weights it accepts,
-    the engine does not run them.
-    """
-    bf16, fp16 = config.get("bf16") or {}, config.get("fp16") or {}
-    if fp16.get("fp16_master_weights_and_grads", False):
-        raise _refuse(
-            "fp16.fp16_master_weights_and_grads",
-            True,
-            "the engine keeps master weights in fp32 or (bf16.bf16_master_weights_and_grads) bf16: leave it false",
-        )
-    master, states = bf16.get("bf16_master_weights_and_grads", False), bf16.get("bf16_optimizer_states", False)
-    if states and not master:
-        raise _refuse(
-            "bf16.bf16_optimizer_states",
-            True,
-            "it needs bf16.bf16_master_weights_and_grads: true (DeepSpeed requires it)",
-        )
-    if not master:
-        return
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    if type(optimizer) is not DeepSpeedCPUAdam:
-        raise _refuse(
-            "bf16.bf16_master_weights_and_grads",
-            True,
-            f"DeepSpeed keeps bf16 master weights only for DeepSpeedCPUAdam, and configure_optimizers returned "
-            f"{type(optimizer).__name__}: return DeepSpeedCPUAdam, or leave bf16 master weights off",
-        )
-    if states and getattr(optimizer, "fp32_optimizer_states", True):
-        raise _refuse(
-            "bf16.bf16_optimizer_states",
-            True,
-            "it needs the moments kept in bf16: build DeepSpeedCPUAdam(..., fp32_optimizer_states=False)",
-        )
-
-
-def _require_pinned(section: dict[str, Any], name: str) -> None:
-    """Refuse ``pin_memory: false`` in an offload section, else set it true.
-
-    Unpinned, the copies of that section's buffers become synchronous and silently remove the overlap the
-    engine exists for; a contradicting key is refused, like every other one.
-    """
-    if section.get("pin_memory", True) is not True:
-        raise _refuse(
-            f"zero_optimization.{name}.pin_memory",
-            section["pin_memory"],
-            "unpinned host buffers make their copies synchronous, which removes the overlap of transfers with "
-            "the update: remove the key or set it to true (where the CUDA runtime refuses to pin the engine's "
-            "slabs, they fall back to pageable memory by themselves, with a warning)",
-        )
-    section["pin_memory"] = True
-
-
-class DeepSpeedCPUStrategy(DeepSpeedStrategy):
-    """Lightning's :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`, able to run on CPU as well.
-
-    Stock DeepSpeed behaviour otherwise (it is the baseline the benchmarks compare against). Lightning's
-    strategy refuses non-CUDA accelerators; three changes lift that: skip the CUDA check in
-    ``setup_environment``, skip CUDA device-index validation in ``setup_distributed``, and give
-    ``deepspeed.initialize`` the local rank as ``device_rank`` where the device has no index.
-    Arguments are those of ``DeepSpeedStrategy``.
-    """
-
-    # -- running without CUDA: the three changes Lightning's strategy needs ----------------------
-
-    def setup_environment(self) -> None:
-        if isinstance(self.accelerator, CUDAAccelerator):
-            super().setup_environment()
-            return
-        _check_deepspeed_accelerator_is_cpu()
-        self._check_fp16_runs_here()
-        # Lightning's DeepSpeedStrategy refuses non-CUDA accelerators here; skip to DDP's setup.
-        DDPStrategy.setup_environment(self)
-
-    def _check_fp16_runs_here(self) -> None:
-        """Refuse fp16 before any work where DeepSpeed's CPU accelerator would refuse it mid-setup.
-
-        DeepSpeed runs fp16 on a CPU only where oneDNN has fp16 kernels (AVX-512-FP16 or AMX-FP16);
-        elsewhere ``deepspeed.initialize`` fails deep inside with a message naming no setting.
-        """
-        precision = str(getattr(self.precision_plugin, "precision", ""))
-        config = self.config if isinstance(self.config, dict) else {}
-        from_config = bool((config.get("fp16") or {}).get("enabled", False))
-        if not (precision.startswith("16") or from_config) or cpu_supports_fp16():
-            return
-        setting, value = ("precision", precision) if precision.startswith("16") else ("config['fp16']['enabled']", True)
-        raise DOSConfigError(
-            f"{setting}={value!r} cannot run on this CPU: DeepSpeed's CPU accelerator supports fp16 only on CPUs with "
-            "AVX-512-FP16 or AMX-FP16, which this one lacks; use precision='bf16-mixed' (or '32-true') instead"
-        )
-
-    def setup_distributed(self) -> None:
-        # Destroyed at exit, before the interpreter is torn down (see destroy_process_group_at_exit).
-        destroy_process_group_at_exit()
-        if isinstance(self.accelerator, CUDAAccelerator):
-            super().setup_distributed()
-            return
-        # Lightning validates CUDA device indices here, which CPU devices do not have.
-        reset_seed()
-        self.set_world_ranks()
-        with quiet.known_prints_dropped():  # DeepSpeed prints that its CPU comm op loaded, on every start
-            self._init_deepspeed_distributed()
-
-    @property
-    def _device_rank(self) -> int:
-        # `root_device.index` is None on CPU; DeepSpeed wants an int.
-        index = self.root_device.index
-        return index if index is not None else self.local_rank
-
-    # -- the seam where the engine attaches ----------------------------------------------------------
-
-    def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:
-        import deepspeed
-
-        model_parameters = filter(lambda p: p.requires_grad, model.parameters())
-        engine, ds_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=self._device_rank),
-            config=self.config,
-            model=model,
-            model_parameters=model_parameters,
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            dist_init_required=False,
-        )
-        if ds_optimizer is not None:
-            self._on_optimizer_ready(ds_optimizer)
-        return engine, ds_optimizer
-
-    def _on_optimizer_ready(self, ds_optimizer: Any) -> None:
-        """Called right after ``deepspeed.initialize`` built the ZeRO optimizer (subclasses attach here)."""
-
-    def _initialize_deepspeed_inference(self, model: Any) -> None:
-        import deepspeed
-        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
-
-        assert isinstance(self.config, dict)
-        inference_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
-        for key in ("fp16", "bf16"):
-            if key in self.config:
-                inference_config[key] = self.config[key]
-        inference_config["zero_allow_untested_optimizer"] = self.config["zero_allow_untested_optimizer"]
-        inference_config["zero_optimization"] = self.config["zero_optimization"]
-        remove_module_hooks(model)
-        self.model, _, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=self._device_rank),
-            config=inference_config,
-            model=model,
-            optimizer=None,
-            lr_scheduler=None,
-            model_parameters=[],
-            dist_init_required=False,
-        )
 
 
 class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
@@ -384,42 +162,26 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
     ) -> None:
         quiet.install()  # the pinned libraries' known per-step deprecations and start-up chatter
         self.fraction: FractionSpec = _validated_fraction(gpu_fraction)
-        if sub_group_size != "auto" and (
-            isinstance(sub_group_size, bool) or not isinstance(sub_group_size, int) or sub_group_size <= 0
-        ):
-            raise _refuse("sub_group_size", sub_group_size, "use 'auto' or a positive integer number of elements")
-        if gpu_memory_budget is not None and (
-            isinstance(gpu_memory_budget, bool) or not isinstance(gpu_memory_budget, int) or gpu_memory_budget < 0
-        ):
-            raise _refuse("gpu_memory_budget", gpu_memory_budget, "use None or a non-negative number of bytes")
-        if host_threads != "auto" and (
-            isinstance(host_threads, bool) or not isinstance(host_threads, int) or host_threads < 1
-        ):
-            raise _refuse("host_threads", host_threads, "use 'auto' or a positive integer number of threads")
-        if overlap not in MODES:
-            raise _refuse("overlap", overlap, f"use one of {', '.join(map(repr, MODES))}")
+        check_arguments(
+            sub_group_size=sub_group_size,
+            gpu_memory_budget=gpu_memory_budget,
+            host_threads=host_threads,
+            overlap=overlap,
+            stage=stage,
+            offload_optimizer=offload_optimizer,
+            offload_optimizer_device=offload_optimizer_device,
+            offload_parameters=offload_parameters,
+            offload_params_device=offload_params_device,
+            streams_factory=streams_factory,
+            deepspeed_kwargs=kwargs,
+        )
         #: What the update overlaps: "off", "forward" or "auto" (as asked; see ``dos_adapter.overlap`` for what runs).
         self.overlap = overlap
-        if stage != 3:
-            raise _refuse("stage", stage, "the engine works on ZeRO stage 3 only: use 3")
-        if not offload_optimizer:
-            raise _refuse("offload_optimizer", offload_optimizer, "the optimizer state is always offloaded: use True")
-        if offload_optimizer_device != "cpu":
-            raise _refuse("offload_optimizer_device", offload_optimizer_device, "use 'cpu' (NVMe is not supported)")
-        if offload_parameters and offload_params_device != "cpu":
-            raise _refuse("offload_params_device", offload_params_device, "use 'cpu' (NVMe is not supported)")
-        for key in ("zero_optimization", "remote_device"):
-            if key in kwargs and kwargs[key] not in (True, None):
-                raise _refuse(
-                    key, kwargs[key], "ZeRO-3 with CPU optimizer offload is always on; leave it at its default"
-                )
         # Pinned host memory is what makes the engine's transfers asynchronous, so it is always on;
         # LightningCLI passes the parent's default (False) along, which is not a user's choice to honour.
         kwargs.pop("pin_memory", None)
         self.sub_group_size = sub_group_size
         self.gpu_memory_budget = gpu_memory_budget
-        if streams_factory is not None and not callable(streams_factory):
-            raise _refuse("streams_factory", streams_factory, "use None or a callable taking the device")
         self.streams_factory = streams_factory
         self.host_threads = host_threads
         #: This rank's host threads and cores, once the process group is up.
@@ -645,8 +407,8 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         # Signals held during the update are delivered once Lightning has recorded the step (progress
         # counters, LR schedule), so that a checkpoint their handlers save is wholly post-step.
         self.dos_adapter.deliver_after_step = False
-        if not any(isinstance(callback, _DeliverHeldSignals) for callback in trainer.callbacks):
-            trainer.callbacks.insert(0, _DeliverHeldSignals())
+        if not any(isinstance(callback, DeliverHeldSignals) for callback in trainer.callbacks):
+            trainer.callbacks.insert(0, DeliverHeldSignals())
         self._callbacks_of = trainer.callbacks
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -702,34 +464,14 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             adapter.engine.pool.release_host()
         callbacks = self._callbacks_of
         if callbacks is not None:
-            callbacks[:] = [c for c in callbacks if not isinstance(c, _DeliverHeldSignals)]
+            callbacks[:] = [c for c in callbacks if not isinstance(c, DeliverHeldSignals)]
             self._callbacks_of = None
         super().teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "dos", cls, description="Deep Optimizer States: ZeRO-3 offload with interleaved CPU/GPU updates"
-        )
-
-
-class _DeliverHeldSignals(Callback):
-    """Runs first in ``on_train_batch_end``, where Lightning has recorded the optimizer step: delivers the
-    signals held during the update (and raises what interrupted it, if anything)."""
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        adapter = getattr(trainer.strategy, "dos_adapter", None)
-        if adapter is not None:
-            adapter.deliver()  # with an update still in flight (overlap), only if a signal is held
-
-    def _settle(self, trainer: pl.Trainer, *args: Any) -> None:
-        """An update still in flight (overlap) ends here, and what it held is delivered."""
-        adapter = getattr(trainer.strategy, "dos_adapter", None)
-        if adapter is not None:
-            adapter.settle()
-
-    # Evaluation reads the weights; the end of an epoch or of training may checkpoint them.
-    on_validation_start = on_train_epoch_end = on_train_end = _settle
+        # Replaces the builder the package registered before this module was loaded (see lightning_dos._register).
+        strategy_registry.register("dos", cls, description=DESCRIPTION, override=True)
 
 
 @functools.lru_cache(maxsize=8)
@@ -746,31 +488,10 @@ def _validated_fraction(value: float | str) -> FractionSpec:
         raise DOSConfigError(str(error)) from None
 
 
-def cpu_supports_fp16() -> bool:
-    """Whether DeepSpeed's CPU accelerator accepts fp16 on this CPU (oneDNN fp16 kernels: AVX-512-FP16 or AMX-FP16)."""
-    from deepspeed.accelerator import get_accelerator
-
-    return bool(get_accelerator().is_fp16_supported())
-
-
-def _check_deepspeed_accelerator_is_cpu() -> None:
-    from deepspeed.accelerator import get_accelerator
-
-    name = get_accelerator().device_name()  # public: "cpu", "cuda", ... (no private of DeepSpeed outside the adapter)
-    if name != "cpu":
-        raise DOSConfigError(
-            f"accelerator='cpu' was chosen but DeepSpeed selected its {name!r} accelerator; "
-            "set the environment variable DS_ACCELERATOR=cpu before starting Python"
-        )
-
-
-if "dos" not in StrategyRegistry:  # importing lightning_dos (lazily) brings this module in: Trainer(strategy="dos")
+if "dos" not in StrategyRegistry or StrategyRegistry["dos"]["strategy"] is not DeepOptimizerStatesStrategy:
     DeepOptimizerStatesStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "DOSConfigError",
     "DeepOptimizerStatesStrategy",
-    "DeepSpeedCPUStrategy",
-    "check_master_dtypes",
-    "merge_required_config",
 ]

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 from lightning_dos.model.iteration import iteration_s, predicted_timeline, shortest_iteration_plan
 from lightning_dos.model.overlap import OFF, Overlap
-from lightning_dos.model.perfmodel import HardwareRates, Prediction, choose_plan
+from lightning_dos.model.perfmodel import HardwareRates, Prediction
 from lightning_dos.model.plan import Plan
+from lightning_dos.model.plan_search import choose_plan
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 
 

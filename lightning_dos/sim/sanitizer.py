@@ -74,49 +74,12 @@ from lightning_dos.sim.simstreams import (
     SimStream,
     SimStreams,
 )
-
-#: torch versions whose private ``torch.cuda._sanitizer`` this module was tested with.
-TESTED_TORCH = "2.13"
+from lightning_dos.sim.torch_csan import SanitizerUnavailableError, torch_sanitizer
 
 #: The compiled one-pass host update (``native``): the rule's step and, when ``lp_out`` is given, the 16-bit cast.
 HOST_UPDATE_OPS = ("host_update",)
 #: Ops that only allocate memory: no work for the replay.
 ALLOCATIONS = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"})
-
-
-class SanitizerUnavailableError(RuntimeError):
-    """torch's private CUDA-sanitizer classes are missing or changed."""
-
-
-def _torch_sanitizer() -> Any:
-    """torch's ``StreamSynchronizations`` and ``zip_arguments``, checked; a clear error if they changed."""
-    try:
-        from torch.cuda import _sanitizer as csan
-    except ImportError as error:  # pragma: no cover - depends on the torch build
-        raise SanitizerUnavailableError(f"torch {torch.__version__} has no torch.cuda._sanitizer ({error})") from None
-    needed = {
-        "StreamSynchronizations": (
-            "create_stream",
-            "create_event",
-            "update_seq_num",
-            "record_state",
-            "stream_wait_for_event",
-            "is_ordered_after",
-            "_state_wait_for_other",
-            "current_sync_states",
-        ),
-        "zip_arguments": (),
-    }
-    for name, members in needed.items():
-        owner = getattr(csan, name, None)
-        probe = owner() if name == "StreamSynchronizations" and owner is not None else owner
-        missing = [m for m in members if not hasattr(probe, m)]
-        if owner is None or missing:
-            raise SanitizerUnavailableError(
-                f"torch {torch.__version__}'s torch.cuda._sanitizer.{name} lacks {missing or 'itself'}; the stream "
-                f"sanitizer was tested with torch {TESTED_TORCH}"
-            )
-    return csan
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -175,7 +138,7 @@ class StreamSanitizer(CachingAllocatorModel, DeepSpeedModel):
     """
 
     def __init__(self, memory_limit: int | None = None, raise_on_race: bool = False) -> None:
-        csan = _torch_sanitizer()
+        csan = torch_sanitizer()
         self._zip_arguments = csan.zip_arguments
         self.syncs = csan.StreamSynchronizations()
         for stream in (H2D, LP_H2D, D2H, UPDATE, HOST, DS_REDUCE, DS_ALLGATHER, TRAINING):

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_dos import DeepOptimizerStatesStrategy  # noqa: E402
 from lightning_dos.host.hostmem import resident_bytes, return_freed_memory  # noqa: E402
+from lightning_dos.integration.cpu_strategy import DeepSpeedCPUStrategy  # noqa: E402
 from lightning_dos.integration.preflight import deepspeed_sub_groups, figure_for  # noqa: E402
-from lightning_dos.integration.strategy import DeepSpeedCPUStrategy  # noqa: E402
 from lightning_dos.sim.simstreams import SimStreams  # noqa: E402
 
 #: DeepSpeed's device-side buffers kept small: on CPU they are host memory the pre-flight does not count.

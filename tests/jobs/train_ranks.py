@@ -29,8 +29,9 @@ import lightning_dos.integration.strategy  # noqa: E402
 from lightning_dos import DeepOptimizerStatesStrategy  # noqa: E402
 from lightning_dos.host.ranks import reduce_min_over_ranks  # noqa: E402
 from lightning_dos.integration.callbacks.monitor import DOSMonitor  # noqa: E402
-from lightning_dos.model.perfmodel import HardwareRates, choose_plan  # noqa: E402
+from lightning_dos.model.perfmodel import HardwareRates  # noqa: E402
 from lightning_dos.model.plan import Plan, parse_gpu_fraction  # noqa: E402
+from lightning_dos.model.plan_search import choose_plan  # noqa: E402
 from lightning_dos.planning.agree import agreed_plan_inputs  # noqa: E402
 from lightning_dos.planning.scheduler import PlacementScheduler  # noqa: E402
 from tests.helpers import TinyLM, full_parameters, lm_data, trainer  # noqa: E402

@@ -28,6 +28,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lightning_dos.integration.callbacks.memory_probe import CudaMemory, HostMemory, MemSample, memory_probe
 from lightning_dos.integration.metrics import SUMMARY
 from lightning_dos.integration.phases import DeviceClock
 from lightning_dos.integration.trace import TracedStep, write_trace
@@ -40,88 +41,6 @@ GB = 1e9
 SUMMARY_WINDOW = 10_000
 
 
-# -- memory: counters read at phase boundaries ---------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _MemSample:
-    """Memory at one boundary, with the highest values seen since the previous boundary (bytes)."""
-
-    allocated: int
-    reserved: int
-    peak_allocated: int
-    peak_reserved: int
-
-
-class _CudaMemory:
-    """The caching allocator's counters; the peak counters are reset at every boundary so that each
-    phase gets its own peak (this shares state with anything else that reads ``max_memory_*``)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def read(self) -> _MemSample:
-        d = self.device
-        sample = _MemSample(
-            torch.cuda.memory_allocated(d),
-            torch.cuda.memory_reserved(d),
-            torch.cuda.max_memory_allocated(d),
-            torch.cuda.max_memory_reserved(d),
-        )
-        torch.cuda.reset_peak_memory_stats(d)
-        return sample
-
-
-def _proc_status() -> dict[str, int] | None:
-    """``RssAnon``, ``VmRSS`` and ``VmHWM`` of this process in bytes, from ``/proc`` (Linux only)."""
-    try:
-        text = Path("/proc/self/status").read_text()
-    except OSError:
-        return None
-    values = {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("RssAnon", "VmRSS", "VmHWM"):
-            values[key] = int(rest.split()[0]) * 1024
-    return values if len(values) == 3 else None
-
-
-class _HostMemory:
-    """Host memory on CPU: *allocated* is anonymous RSS (tensors live there), *reserved* is total RSS.
-
-    Peaks inside a phase are not observable without sampling, except one: when the kernel's peak RSS
-    (VmHWM) rose during a phase, that new peak happened in it. Otherwise the boundary values bound it.
-    """
-
-    def __init__(self) -> None:
-        status = _proc_status()
-        self._hwm = status["VmHWM"] if status else 0
-
-    def read(self) -> _MemSample:
-        status = _proc_status()
-        if status is None:  # no /proc (macOS): psutil's RSS for both
-            import psutil
-
-            rss = int(psutil.Process().memory_info().rss)
-            return _MemSample(rss, rss, rss, rss)
-        anon, rss, hwm = status["RssAnon"], status["VmRSS"], status["VmHWM"]
-        peak = hwm if hwm > self._hwm else rss
-        self._hwm = hwm
-        return _MemSample(anon, rss, anon, peak)
-
-
-def _memory_probe(device: torch.device) -> _CudaMemory | _HostMemory | None:
-    if device.type == "cuda":
-        return _CudaMemory(device)
-    if _proc_status() is not None:
-        return _HostMemory()
-    try:
-        import psutil  # noqa: F401
-    except ImportError:
-        return None
-    return _HostMemory()
-
-
 # -- one training batch ---------------------------------------------------------------------------
 
 
@@ -131,7 +50,7 @@ class _Record:
 
     step: int
     marks: dict[str, Any] = field(default_factory=dict)
-    memory: dict[str, _MemSample] = field(default_factory=dict)
+    memory: dict[str, MemSample] = field(default_factory=dict)
     report: StepReport | None = None
     #: The engine's number for this batch's step report (None: the batch took no optimizer step); the report may
     #: come after the batch ends, when the update overlaps what follows the step.
@@ -244,7 +163,7 @@ class DOSMonitor(Callback):
 
     def _reset(self) -> None:
         self._clock = DeviceClock(torch.device("cpu"))
-        self._memory: _CudaMemory | _HostMemory | None = None
+        self._memory: CudaMemory | HostMemory | None = None
         self._every = 1
         self._open: _Record | None = None
         self._pending: deque[_Record] = deque()
@@ -267,7 +186,7 @@ class DOSMonitor(Callback):
         self.trace_path = None
         device = trainer.strategy.root_device
         self._clock = DeviceClock(device)
-        self._memory = _memory_probe(device)
+        self._memory = memory_probe(device)
         every = self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
         self._every = int(every)
 
