@@ -16,11 +16,13 @@ from lightning_dos.engine.loop import InterleavedUpdate
 from lightning_dos.integration.phases import IterationPhases
 from lightning_dos.model.auto_plan import auto_plan
 from lightning_dos.model.iteration import (
+    Speculation,
     UpdateTimeline,
     iteration_plan,
     iteration_s,
     predicted_timeline,
     shortest_iteration_plan,
+    speculation_of,
 )
 from lightning_dos.model.perfmodel import device_bytes, predict, rates_for
 from lightning_dos.model.plan import Place, Plan, parse_gpu_fraction
@@ -39,6 +41,44 @@ def test_a_hand_worked_iteration_for_each_mode() -> None:
     # off: 2 + 4 + 4. forward: sub-group 0's layers wait for it (2 s), sub-group 1's for it (4 s): 4 + 5.
     # auto: the CPU updates sub-group 1 from 2 s to 4 s during backward, then sub-group 0 by 2 s after it: 4 + 4.
     assert got == {"off": 10.0, "forward": 9.0, "auto": 8.0}
+
+
+def test_a_hand_worked_speculative_iteration_committed_and_clipped() -> None:
+    # The same two sub-groups with clipping on: each update during backward first copies the state aside (half an
+    # update here). Sub-group 1 is speculated from 2 s to 5 s, ending after backward (4 s): it lands 1 s after it;
+    # sub-group 0 then takes the CPU from 1 s to 3 s after backward. Committed: forward waits 3 s for sub-group 0,
+    # runs 1 s, then sub-group 1's 1 s: 4 + 5. Clipped: sub-group 1's state is copied back (from 1 s to 2 s), then
+    # both are updated: they land 4 s and 6 s after backward (4 + 7). At a commit rate of 0.5, the mean: 4 + 6.
+    timeline = UpdateTimeline(land_s=(2.0, 4.0), host_s=(2.0, 2.0), upload_s=(0.0, 0.0), device_end_s=0.0, total_s=4.0)
+
+    def auto(rate: float) -> float:
+        speculation = Speculation(commit_rate=rate, copy_share=0.5)
+        return iteration_s([1, 1], Plan((H, H)), timeline, forward_s=2.0, backward_s=4.0, speculation=speculation)[
+            "auto"
+        ]
+
+    assert auto(1.0) == 9.0 and auto(0.0) == 9.0  # at 0 the engine stops speculating: "forward" (4 + 5)
+    assert auto(0.5) == pytest.approx(0.5 * 9.0 + 0.5 * 11.0)
+    assert speculation_of(1.0).copy_share == pytest.approx(24 / 28)
+    with pytest.raises(ValueError, match="commit rate"):
+        speculation_of(1.5)
+
+
+def test_simulate_with_clipping_weighs_committed_and_clipped_steps(capsys: pytest.CaptureFixture) -> None:
+    """20B on paper-h100x4 at forward 0.5 s + backward 1 s with clipping: every step committed beats "forward", a
+    run that is always clipped runs as "forward" (its speculation stopped), replays within 10% of the model, no
+    race; the spare slots' host memory is reported."""
+    runs = {}
+    for rate in ("1.0", "0.0"):
+        runs[rate] = _simulate(capsys, "--forward-s", "0.5", "--backward-s", "1.0", "--clip", "--commit-rate", rate)
+    committed, clipped = runs["1.0"], runs["0.0"]
+    assert committed["iteration_s"]["auto"] < committed["iteration_s"]["forward"]
+    assert clipped["iteration_s"]["auto"] <= 1.02 * clipped["iteration_s"]["forward"]
+    for got in runs.values():
+        assert got["iteration_s"]["auto"] == pytest.approx(got["iteration_predicted_s"]["auto"], rel=0.10)
+        assert got["iteration_plans"]["auto"]["races"] == 0 and got["speculation_bytes"] > 0
+    assert cli_main(["simulate", "--params", "20e9", "--commit-rate", "0.5"]) == 2  # needs --clip
+    assert "--commit-rate needs --clip" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

@@ -144,7 +144,13 @@ def test_under_overlap_each_steps_engine_metrics_are_logged_once_its_update_is_o
     fit = trainer(strategy, steps=4, callbacks=callbacks, logger=logger, log_every_n_steps=1, clip=clip)
     fit.fit(TinyLM(), loader())
     rows = _rows(tmp_path)
-    assert sorted(rows) == list(range(4)) and strategy.dos_adapter.overlap == ("forward" if clip else "auto")
+    assert sorted(rows) == list(range(4)) and strategy.dos_adapter.overlap == "auto"
+    assert strategy.dos_adapter.speculative == bool(clip)  # with clipping, the updates begun in backward speculate
+    for step, row in rows.items():
+        assert row["dos/speculated"] >= 0 and ("dos/committed" in row) == (row["dos/speculated"] > 0), (step, row)
+    if clip:  # TinyLM's steps clip at 0.5: every speculation is redone, and the running rate says so
+        assert any(row["dos/speculated"] > 0 for row in rows.values())
+        assert all(row.get("dos/commit_rate", 0.0) == 0.0 for row in rows.values())
     for step, row in rows.items():
         for key in set(ENGINE_METRICS) - {"dos/update_predicted_s"}:  # this planner predicts nothing
             assert key in row and math.isfinite(row[key]), f"{key} at step {step}"
@@ -395,6 +401,7 @@ def _traced_lanes(root: Path, strategy: DeepOptimizerStatesStrategy) -> tuple[se
     implied = {PHASES_LANE} | ({"host_adam"} if Place.HOST in places else set())
     implied |= {"device_adam", "cast"} if places & {Place.DEVICE, Place.RESIDENT} else set()
     implied |= {"upload", "download"} if Place.DEVICE in places else set()
+    implied |= {"host_speculate"} if traced.report.speculated else set()  # with clipping, under overlap="auto"
     return {names[e["tid"]] for e in trace["traceEvents"] if e["ph"] == "X"}, implied
 
 
@@ -412,4 +419,5 @@ def test_under_the_default_overlap_the_trace_has_every_lane_it_has_under_off(tmp
     assert strategy.overlap == "auto" and strategy.dos_adapter.overlap != "off"
     assert lanes == implied and len(lanes) > 1, sorted(lanes)
     if fraction == 0.5:  # the same placement: the same lanes as "off"
-        assert lanes == off == {PHASES_LANE, "host_adam", "upload", "device_adam", "cast", "download"}
+        expected = {PHASES_LANE, "host_adam", "upload", "device_adam", "cast", "download"}
+        assert lanes - {"host_speculate"} == off == expected

@@ -115,11 +115,14 @@ def run(
     case: str = "adam-fp32",
     overlap: bool = False,
     early: bool = False,
+    clipped: bool | None = None,
 ) -> tuple[StreamSanitizer, list[torch.Tensor], object]:
     """Run ``scenario`` on an engine of ``case`` under the checker, next to plain AdamW; return the checker, the
     reference flats (plain AdamW's: only meaningful for the Adam fp32 case) and the engine. ``overlap``: the next
     forward is modelled as under ``overlap="forward"`` (each all-gather after the engine's per-sub-group wait);
-    ``early``: each step begins during the modelled backward, as under ``overlap="auto"``."""
+    ``early``: each step begins during the modelled backward, as under ``overlap="auto"``; ``clipped`` (with it):
+    the updates begun during backward are speculative, and each step turns out clipped (True: redone with half the
+    factor) or not (False: committed)."""
     engine_class = engine_class or loop_module.InterleavedUpdate
     rule, master_dtype, state_dtype = CASES[case]
     checker = StreamSanitizer(memory_limit=scenario.memory_limit)
@@ -144,7 +147,13 @@ def run(
         pool_module.LP_STAGING_SLOTS = default_slots
     if scenario.lp_staging_slots is not None:
         assert engine.pool.lp_staging.slots == scenario.lp_staging_slots
-    checker.watch(engine, backward_sync=backward_sync, overlap=overlap, early=early)
+    checker.watch(engine, backward_sync=backward_sync, overlap=overlap, early=early, clipped=clipped)
+    if clipped is not None:
+        engine.reserve_speculation(len(engine.sub_groups))
+        engine.speculated = []  # every sub-group saved into a spare slot, for the test to see
+        save = engine.spare.save
+        engine.spare.save = lambda index, *args: engine.speculated.append(index) or save(index, *args)
+    real_inv_grad_scale = scenario.inv_grad_scale * (0.5 if clipped else 1.0)
     gen = torch.Generator().manual_seed(0)
     reference = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in NUMELS]
     for i, flat in enumerate(reference):
@@ -178,10 +187,11 @@ def run(
                 for g in grads:
                     g.copy_(torch.randn(g.shape, generator=gen))
                 for p, g in zip(reference, grads):
-                    p.grad = g.float() * scenario.inv_grad_scale
+                    p.grad = g.float() * real_inv_grad_scale
                 plain.step()
                 taken += 1
                 inputs = StepInputs(grads, lp, HYPERS, [taken] * len(NUMELS), inv_grad_scale=scenario.inv_grad_scale)
+                inputs.speculative = clipped is not None
                 for flat, g in enumerate(grads):  # backward's copies into resident sub-groups' device slots
                     engine.keep_gradient(flat, 0, g)
                 failing = scenario.fail_at is not None and taken == 2
@@ -232,6 +242,23 @@ def test_targeted_plans_are_race_free_and_equal_plain_adamw(scenario: Scenario, 
     if any(p == H for step in scenario.steps if isinstance(step, Plan) for p in step.places):
         uploads = "lp_upload" in lanes
         assert uploads != scenario.lp_on_host, "host sub-groups upload their 16-bit copy on lp_h2d (unless offloaded)"
+
+
+@pytest.mark.parametrize("clipped", [False, True], ids=["committed", "redone"])
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_speculative_updates_committed_or_redone_are_race_free_and_equal_plain_adamw(
+    scenario: Scenario, clipped: bool
+) -> None:
+    """Under overlap="auto" with clipping: host sub-groups are updated during the modelled backward into spare
+    slots, then committed (their 16-bit results uploaded through the staging ring) or restored and redone."""
+    checker, reference, engine = run(scenario, overlap=True, early=True, clipped=clipped)
+    checker.check()
+    if any(H in step.places for step in scenario.steps if isinstance(step, Plan)) and not scenario.fail_at:
+        assert engine.speculated, "host sub-groups are speculated during the modelled backward"
+        assert bool(engine.updated_early) != clipped, "committed sub-groups count as updated early; redone do not"
+    assert engine.spare.held == {}
+    for i, expected in enumerate(reference):
+        torch.testing.assert_close(engine.param_view(i), expected, rtol=1e-5, atol=1e-7)
 
 
 #: Scenarios of plans only (no checkpoint, no skip): each has an all-host twin to compare with bit for bit.
@@ -518,12 +545,18 @@ def all_mutations() -> list[tuple[types.ModuleType, int, str]]:
 def races_of(engine_class: type, backward_sync: bool, case: str = "adam-fp32") -> list[str]:
     """The races of every scenario, with the next forward modelled as under ``overlap="off"``, then as under
     ``"forward"`` (where the engine's per-sub-group waits are what orders the all-gathers), then as under ``"auto"``
-    (the step also begun during backward, as each sub-group's gradient copy lands)."""
+    (the step also begun during backward, as each sub-group's gradient copy lands), exactly and speculatively."""
     for mode, (overlap, early) in OVERLAPS.items():
         for scenario in SCENARIOS:
             checker, _, _ = run(scenario, engine_class, backward_sync, case, overlap, early)
             if checker.races:
                 return [f"{scenario.name} (overlap={mode}): {r}" for r in checker.races]
+    # Under "auto" with clipping, steps that are not clipped: the speculative updates are committed (their 16-bit
+    # results go up through the staging ring). A clipped step's redo runs the host path above.
+    for scenario in SCENARIOS:
+        checker, _, _ = run(scenario, engine_class, backward_sync, case, True, True, clipped=False)
+        if checker.races:
+            return [f"{scenario.name} (overlap=auto, speculation committed): {r}" for r in checker.races]
     return []
 
 
@@ -595,7 +628,11 @@ def test_trainer_with_deepspeed_zero3_on_the_simulated_accelerator_is_race_free_
     reference = full_parameters(fit("auto"))
     checker = StreamSanitizer()
     placement = RandomPlacement(seed=3, places=(H, D, R))
-    strategy = DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=700, streams_factory=checker.streams)
+    # The checker models DeepSpeed's backward itself (its reduce stream): the update begins after it ("forward"). The
+    # step begun during backward ("auto") is checked against the modelled backward above.
+    strategy = DeepOptimizerStatesStrategy(
+        gpu_fraction=0.5, sub_group_size=700, streams_factory=checker.streams, overlap="forward"
+    )
     model = fit(strategy, callbacks=(Watch(checker), placement))
     checker.check()
     engine = strategy.dos_engine
@@ -613,7 +650,11 @@ def test_parameter_offload_on_the_simulated_accelerator_is_race_free_and_lands_1
     checker = StreamSanitizer()
     placement = RandomPlacement(seed=3, places=(H, D, R))
     strategy = DeepOptimizerStatesStrategy(
-        gpu_fraction=0.5, sub_group_size=700, streams_factory=checker.streams, offload_parameters=True
+        gpu_fraction=0.5,
+        sub_group_size=700,
+        streams_factory=checker.streams,
+        offload_parameters=True,
+        overlap="forward",
     )
     model = fit(strategy, callbacks=(Watch(checker), placement))
     checker.check()

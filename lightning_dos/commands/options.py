@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from lightning_dos.model.iteration import Speculation, speculation_of
 from lightning_dos.model.plan import auto_sub_group_size
 from lightning_dos.model.update_rules import OPTIMIZER_RULES, Footprint
 
@@ -40,6 +41,17 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--forward-s", type=float, help="forward seconds per iteration and rank: time the iteration")
     parser.add_argument("--backward-s", type=float, help="backward seconds per iteration and rank (with --forward-s)")
+    parser.add_argument(
+        "--clip",
+        action="store_true",
+        help="gradient clipping is on: under overlap 'auto' the updates begun during backward are speculative",
+    )
+    parser.add_argument(
+        "--commit-rate",
+        type=float,
+        default=1.0,
+        help="with --clip: the share of steps not clipped, whose speculative updates are kept (default 1.0)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -151,3 +163,15 @@ def recipe_parameters(path: str) -> int:
         int(args.get("block_size", 128)),
         bool(args.get("tie_embeddings", True)),
     )
+
+
+def speculation_option(args: argparse.Namespace, footprint: Footprint) -> Speculation | None:
+    """``--clip`` and ``--commit-rate`` as the iteration model takes them (None without ``--clip``); a commit rate
+    outside [0, 1] raises ValueError."""
+    if not args.clip:
+        if args.commit_rate != 1.0:
+            raise ValueError("--commit-rate needs --clip (without clipping nothing is speculative)")
+        return None
+    if not 0.0 <= args.commit_rate <= 1.0:
+        raise ValueError(f"--commit-rate={args.commit_rate:g} is not valid: use a share of steps in [0, 1]")
+    return speculation_of(args.commit_rate, footprint)

@@ -22,9 +22,11 @@ from lightning_dos.commands.options import (
     footprint_of,
     footprint_summary,
     recipe_parameters,
+    speculation_option,
     sub_group_size_of,
 )
 from lightning_dos.model.auto_plan import auto_plan
+from lightning_dos.model.iteration import Speculation
 from lightning_dos.model.overlap import MODES
 from lightning_dos.model.perfmodel import HardwareRates, floor, planning_budget, predict, rates_for
 from lightning_dos.model.plan import Place, Plan, split_into_sub_groups, stride_plan
@@ -159,7 +161,10 @@ def plan_rows(
     ]
     overlapped = None
     if args.forward_s is not None and args.backward_s is not None and accelerator:
-        overlapped = _overlapped_iterations(sizes, rates, lp, budget, resident_ok, args.forward_s, args.backward_s, fp)
+        speculation = speculation_option(args, fp)
+        overlapped = _overlapped_iterations(
+            sizes, rates, lp, budget, resident_ok, args.forward_s, args.backward_s, fp, speculation
+        )
     return {
         "overlapped": overlapped,
         "params": params,
@@ -193,14 +198,16 @@ def _overlapped_iterations(
     forward_s: float,
     backward_s: float,
     fp: Footprint,
+    speculation: Speculation | None = None,
 ) -> dict[str, dict[str, float | int]]:
     """Ours, per overlap mode: the predicted iteration and the streamed count of the plan the strategy runs once it
-    has timed forward and backward (``off``: the update's own best after forward and backward)."""
+    has timed forward and backward (``off``: the update's own best after forward and backward); with
+    ``speculation`` (``--clip``), ``auto``'s at its commit rate."""
     out = {}
     for mode in MODES:
         chosen = auto_plan(
             sizes, rates, lp, budget, allow_resident=resident_ok, footprint=fp, phases=(forward_s, backward_s),
-            overlap=mode,
+            overlap=mode, speculation=speculation,
         )  # fmt: skip
         out[mode] = {"iteration_s": chosen.iteration_s, "streamed": len(chosen.plan.streamed_indices)}
     return out
@@ -378,6 +385,7 @@ def main(argv: list[str]) -> int:
         gpus = args.gpus_per_node or int(meta.get("gpus_per_node", 1))
         # Sized once, for the rank's partition, before any work (plan_rows takes the number as given).
         args.sub_group_size = sub_group_size_of(args.sub_group_size, params // gpus)
+        speculation_option(args, footprint)  # a bad --commit-rate is refused before any work
     except (FileNotFoundError, ValueError) as error:
         print(f"lightning-dos plan: error: {error}", file=sys.stderr)
         return 2

@@ -39,11 +39,12 @@ from lightning_dos.engine.kernels import Hyper
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
 from lightning_dos.model.auto_plan import auto_plan
 from lightning_dos.model.iteration import (
+    Speculation,
     iteration_floor,
     iteration_s,
     predicted_timeline,
 )
-from lightning_dos.model.overlap import MODES, begins_in_backward, overlaps_forward
+from lightning_dos.model.overlap import AUTO, FORWARD, MODES, begins_in_backward, overlaps_forward
 from lightning_dos.model.perfmodel import (
     HardwareRates,
     Prediction,
@@ -162,11 +163,14 @@ def _steady_step(
     scale: float,
     footprint: Footprint,
     overlap: str = "off",
+    clipped: bool | None = None,
 ) -> list[LoggedOp]:
     """Build an engine of ``sizes / scale`` elements per sub-group on ``checker``'s streams, watched by it as
     ``overlap`` runs (:meth:`~lightning_dos.sim.sanitizer.StreamSanitizer.watch`), step it twice with ``plan`` and
     return the log of the second step (the steady state: the first brings resident state up), its copies rescaled
-    to ``footprint``'s bytes. The engine keeps its 16-bit parameters on the (simulated) device."""
+    to ``footprint``'s bytes. The engine keeps its 16-bit parameters on the (simulated) device. ``clipped`` (under
+    ``auto``): the updates begun during backward are speculative, and each step turns out clipped (True: they are
+    redone) or not (False: committed)."""
     small = _test_sizes(sizes, scale)
     engine = InterleavedUpdate(
         small,
@@ -180,7 +184,11 @@ def _steady_step(
         state_dtype=DTYPES[footprint.state],
         keep_resident_grads=footprint.grads_on_device,
     )
-    checker.watch(engine, overlap=overlaps_forward(overlap), early=begins_in_backward(overlap))
+    early = begins_in_backward(overlap)
+    checker.watch(engine, overlap=overlaps_forward(overlap), early=early, clipped=clipped if early else None)
+    speculative = early and clipped is not None
+    if speculative:  # one spare slot per sub-group, as speculation_memory="auto" gives where host memory allows
+        engine.reserve_speculation(len(small))
     hyper = [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)]
     grads = [torch.zeros(n, dtype=DTYPES[footprint.master]) for n in small]
     lp = [torch.zeros(n, dtype=engine.lp_dtype) for n in small]
@@ -189,7 +197,8 @@ def _steady_step(
             for flat, grad in enumerate(grads):
                 engine.keep_gradient(flat, 0, grad)
         checker.log.clear()
-        engine.step(plan, StepInputs(grads, lp, hyper * len(small), [step] * len(small)))
+        inputs = StepInputs(grads, lp, hyper * len(small), [step] * len(small), speculative=speculative)
+        engine.step(plan, inputs)
     assert not engine.lp_downloads and engine.lp_bytes == lp_bytes
     return rescale_copies(checker.log, copy_bytes(plan, small, footprint, lp_bytes, lp_downloads=False))[0]
 
@@ -204,12 +213,13 @@ def replay_iteration(
     mode: str,
     *,
     footprint: Footprint = ADAM_FP32,
+    clipped: bool | None = None,
 ) -> tuple[ReplayResult, int]:
     """One steady-state iteration under overlap ``mode`` (``off``, ``forward`` or ``auto``: the update begun during
-    backward, no clipping) replayed whole on the node ``rates`` describes: backward, the engine's update of ``plan``
-    as it issues it, and the next forward (:class:`~lightning_dos.sim.timed_iteration.TimedIteration`); return the
-    replay, its time from the start of backward to the end of the next forward and the update, and the races found.
-    """
+    backward; with ``clipped`` not None, speculatively, the step clipped or not) replayed whole on the node ``rates``
+    describes: backward, the engine's update of ``plan`` as it issues it, and the next forward
+    (:class:`~lightning_dos.sim.timed_iteration.TimedIteration`); return the replay, its time from the start of
+    backward to the end of the next forward and the update, and the races found."""
     scale = max(sizes) / SIM_ELEMENTS
     expected = copy_bytes(plan, _test_sizes(sizes, scale), footprint, lp_bytes, lp_downloads=False)
 
@@ -218,7 +228,7 @@ def replay_iteration(
 
     host = {i for i, place in enumerate(plan.places) if place == Place.HOST}
     checker = TimedIteration(sizes, scale, forward_s, backward_s, lp_bytes, host, replayed)
-    log = _steady_step(checker, sizes, plan, lp_bytes, scale, footprint, overlap=mode)
+    log = _steady_step(checker, sizes, plan, lp_bytes, scale, footprint, overlap=mode, clipped=clipped)
     return replay(log, rates, scale, footprint=footprint), len(checker.races)
 
 
@@ -245,6 +255,7 @@ def whole_iteration(
     trace: Path | None = None,
     resident_room: int = 0,
     plan_for: Callable[[str], Plan] | None = None,
+    speculation: Speculation | None = None,
 ) -> dict[str, Any]:
     """Iteration seconds per overlap mode, replayed whole (:func:`replay_iteration`: backward, the engine's update as
     it issues it and the next forward on the virtual node's streams) and predicted (the performance model). ``off``
@@ -254,16 +265,30 @@ def whole_iteration(
     ``stock`` is stock ZeRO-3 offload's update after forward and backward. With ``trace``, each mode's replay is
     written beside it as a Perfetto trace (``<trace stem>-iteration-<mode><suffix>``, its path in the mode's
     ``iteration_plans`` entry). ``iteration_floor_s`` is what no placement or schedule could beat
-    (:func:`~lightning_dos.model.iteration.iteration_floor`, resident state up to ``resident_room`` bytes)."""
+    (:func:`~lightning_dos.model.iteration.iteration_floor`, resident state up to ``resident_room`` bytes). With
+    ``speculation`` (gradient clipping), ``auto`` is replayed committed and clipped and the two are weighed by its
+    commit rate (at 0 the engine stops speculating: ``forward``'s replay); ``speculation_bytes`` is the host memory
+    its spare slots take (one per host sub-group it may update during backward)."""
     from lightning_dos.commands.plan import stock_update_s
 
     replayed, predicted, plans = {}, {}, {}
     for mode in MODES:
         plan = result.plan if plan_for is None else plan_for(mode)
-        run, races = replay_iteration(sizes, plan, rates, lp_bytes, forward_s, backward_s, mode, footprint=footprint)
+        args = (sizes, plan, rates, lp_bytes, forward_s, backward_s, mode)
+        run, races = replay_iteration(*args, footprint=footprint)
         replayed[mode] = run.time_s
+        if mode == AUTO and speculation is not None:
+            rate, run = speculation.commit_rate, None
+            if rate == 0.0:  # the commit policy stops speculating: "auto"'s plan runs as "forward" runs
+                run, races = replay_iteration(*args[:-1], FORWARD, footprint=footprint)
+                replayed[mode] = run.time_s
+            else:
+                committed, races = replay_iteration(*args, footprint=footprint, clipped=False)
+                redone, more = replay_iteration(*args, footprint=footprint, clipped=True) if rate < 1 else (None, 0)
+                replayed[mode] = rate * committed.time_s + (1 - rate) * (redone.time_s if redone else 0.0)
+                races, run = races + more, committed
         timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
-        predicted[mode] = iteration_s(sizes, plan, timeline, forward_s, backward_s)[mode]
+        predicted[mode] = iteration_s(sizes, plan, timeline, forward_s, backward_s, speculation)[mode]
         streamed = plan.streamed_indices
         plans[mode] = {
             "streamed": len(streamed),
@@ -271,12 +296,21 @@ def whole_iteration(
             "after_backward": len(plan.after_backward) if mode == "auto" else 0,
             "races": races,
         }
-        if trace is not None:
+        if trace is not None and run is not None:
             plans[mode]["trace"] = str(trace.with_name(f"{trace.stem}-iteration-{mode}{trace.suffix}"))
             title = f"one iteration, overlap={mode}, forward {forward_s:g} s + backward {backward_s:g} s"
             write_perfetto(plans[mode]["trace"], run, title)
     stock = forward_s + backward_s + stock_update_s(sum(sizes), rates, lp_bytes, footprint=footprint)
+    speculative = {}
+    if speculation is not None:
+        auto_plan_run = result.plan if plan_for is None else plan_for(AUTO)
+        slots = len(set(auto_plan_run.host_indices) - auto_plan_run.after_backward)
+        speculative = {
+            "commit_rate": speculation.commit_rate,
+            "speculation_bytes": slots * max(sizes) * (footprint.optimizer_state + lp_bytes),
+        }
     return {
+        **speculative,
         "forward_s": forward_s,
         "backward_s": backward_s,
         "forward_backward_s": forward_s + backward_s,
@@ -333,6 +367,7 @@ def main(argv: list[str]) -> int:
         footprint_of,
         footprint_summary,
         recipe_parameters,
+        speculation_option,
         sub_group_size_of,
     )
     from lightning_dos.planning.profiles import load_profile
@@ -352,6 +387,7 @@ def main(argv: list[str]) -> int:
     gpus = args.gpus_per_node or int(meta.get("gpus_per_node", 1))
     try:
         sub_group_size = sub_group_size_of(args.sub_group_size, params // gpus)
+        speculation = speculation_option(args, footprint)
     except ValueError as error:
         return _fail(str(error))
     phases = (args.forward_s, args.backward_s)
@@ -372,6 +408,7 @@ def main(argv: list[str]) -> int:
         chosen = auto_plan(
             sizes, rates, args.lp_bytes, budget, allow_resident=resident_ok, footprint=footprint,
             phases=None if mode is None else (args.forward_s, args.backward_s), overlap=mode or "off",
+            speculation=speculation if mode == AUTO else None,
         )  # fmt: skip
         return chosen.plan
 
@@ -395,6 +432,7 @@ def main(argv: list[str]) -> int:
                 trace=trace,
                 resident_room=budget if resident_ok and budget else 0,
                 plan_for=plan_for,
+                speculation=speculation,
             )
         )
     if args.json:

@@ -3,9 +3,10 @@
 Under ``overlap="auto"`` the step begins during backward: the update thread takes each host sub-group as soon as
 its gradient is final (backward has reduced every parameter in it, at the last micro-batch of an accumulation)
 and updates it while backward goes on. This is exact only when a sub-group's update depends on nothing but its
-own gradient: no gradient clipping and no fp16 loss scaling (the caller decides), and a finite global gradient
-norm, which only the end of backward can tell (DeepSpeed skips a step whose norm is not finite). The end of
-backward therefore says whether the rest of the step proceeds or the step is skipped.
+own gradient: no gradient clipping and no fp16 loss scaling, and a finite global gradient norm, which only the end
+of backward can tell (DeepSpeed skips a step whose norm is not finite). With clipping or loss scaling the update is
+speculative (:mod:`lightning_dos.engine.speculation`). The end of backward therefore says whether the rest of the
+step proceeds, with which gradient factor, or the step is skipped.
 
 Backward's side (the framework, on its own thread) calls :meth:`GradientArrivals.arrive` and then
 :meth:`GradientArrivals.end`; the update thread calls :meth:`GradientArrivals.next` until it returns None.
@@ -29,6 +30,9 @@ class GradientArrivals:
         self._final: deque[tuple[int, object]] = deque()
         #: None while backward goes on; then :attr:`RUN`, :attr:`SKIP` or :attr:`ABANDON`.
         self.proceed: str | None = None
+        #: With :attr:`RUN`: the step's real gradient factor, now that the global norm is known (None: the one the
+        #: step began with stands).
+        self.inv_grad_scale: float | None = None
 
     def arrive(self, index: int, event: object = None) -> None:
         """Sub-group ``index``'s gradient is final; ``event`` is when its copy lands (None: it has landed)."""
@@ -37,12 +41,13 @@ class GradientArrivals:
                 self._final.append((index, event))
                 self._changed.notify_all()
 
-    def end(self, proceed: str) -> None:
+    def end(self, proceed: str, inv_grad_scale: float | None = None) -> None:
         """Backward is over, or abandoned: ``proceed`` (:attr:`RUN`, :attr:`SKIP` or :attr:`ABANDON`) says what
-        follows."""
+        follows, and ``inv_grad_scale`` the step's real gradient factor (see :attr:`inv_grad_scale`)."""
         with self._changed:
             if self.proceed is None:
                 self.proceed = proceed
+                self.inv_grad_scale = inv_grad_scale
             self._changed.notify_all()
 
     def next(self) -> tuple[int, object] | None:

@@ -2,7 +2,9 @@
 
 Each host sub-group is unscaled, updated and cast in one pass (``kernels.host_update``), into the pinned 16-bit
 staging ring the upload reads (or straight into the 16-bit partition when that lives on the host). Under
-``overlap="auto"`` the host sub-groups whose gradients backward makes final are updated before backward ends.
+``overlap="auto"`` the host sub-groups whose gradients backward makes final are updated before backward ends
+(speculatively, with their untouched state kept, when the step's gradient factor is not known yet:
+:mod:`lightning_dos.engine.speculation`).
 """
 
 from __future__ import annotations
@@ -28,11 +30,15 @@ class HostSubGroups:
         self, plan: Plan, inputs: StepInputs, progress: UpdateProgress, arrivals: GradientArrivals
     ) -> StepReport:
         """Update the plan's host sub-groups as backward reports their gradients final, until backward ends; return
-        what was done (``skipped`` when the step is skipped or abandoned, which must find nothing changed)."""
+        what was done (``skipped`` when the step is skipped or abandoned, which must find nothing changed).
+
+        With ``inputs.speculative`` each of them is updated on a copy-kept basis (:class:`SpareSlabs`), and backward's
+        end commits or undoes those updates (:meth:`_settle_speculation`); without it, they are final at once."""
         self.streams.start_timeline(self._step_timing)
         report = self._new_report(plan, inputs)
         self.updated_early = early = []
         self._early_tail = None
+        speculating = inputs.speculative and self.spare.slots > 0
         step_tensors: dict[int, torch.Tensor] = {}
         taking, error = True, None
         while (arrival := arrivals.next()) is not None:
@@ -53,14 +59,24 @@ class HostSubGroups:
                     # The global norm will not be finite either: DeepSpeed skips the step, so update nothing more.
                     taking = False
                     continue
-                landed = self._update_host_sub_group(index, inputs, report, step_tensors)
-                self._land(index, landed)
-                early.append(index)
-                self._early_tail = landed if landed is not None else self._early_tail
+                if speculating:
+                    taking = self._speculate(index, inputs, step_tensors)
+                    report.speculated += 1 if taking else 0
+                else:
+                    landed = self._update_host_sub_group(index, inputs, report, step_tensors)
+                    self._land(index, landed)
+                    early.append(index)
+                    self._early_tail = landed if landed is not None else self._early_tail
             except BaseException as failure:  # noqa: BLE001 - raised once backward is over (see below)
                 # Finishing the step (recovery) needs every gradient final: wait for the end of backward first.
                 taking, error = False, failure
             report.update_s += time.perf_counter() - began
+        if self.spare.held:
+            began = time.perf_counter()
+            self._settle_speculation(inputs, report, arrivals)
+            report.update_s += time.perf_counter() - began
+        elif arrivals.proceed == GradientArrivals.RUN and arrivals.inv_grad_scale is not None:
+            inputs.inv_grad_scale = arrivals.inv_grad_scale
         if arrivals.proceed == GradientArrivals.RUN:
             if error is not None:
                 raise error
@@ -83,6 +99,77 @@ class HostSubGroups:
             self.steps_taken -= 1  # backward never ended: the step was not taken
         report.skipped = True
         return report
+
+    def _speculate(self, index: int, inputs: StepInputs, step_tensors: dict[int, torch.Tensor]) -> bool:
+        """Update host sub-group ``index`` with the guessed factor, its untouched state kept in a spare slot and its
+        16-bit result held there (nothing the framework reads changes); False when no slot is free (the sub-group,
+        and any later one, waits for the step after backward)."""
+        sg = self.sub_groups[index]
+        param, states, grad, _ = self._slices(sg, inputs)
+        lp = self.spare.save(index, param, states)
+        if lp is None:
+            return False
+        if sg.ds_group not in step_tensors:
+            step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], torch.device("cpu"))
+        hyper, step = inputs.hypers[sg.param_group], step_tensors[sg.ds_group]
+        try:
+            with self.streams.lane("host_speculate", index, self.footprint.master * sg.numel):
+                host_update(self.rule, param, grad, states, step, hyper, inputs.inv_grad_scale, lp)
+        except BaseException:
+            self.spare.restore(index, param, states)  # whatever the kernel wrote is undone
+            raise
+        if self.on_point is not None:  # a test seam only: speculation records no progress (nothing is final yet)
+            self.on_point("speculated", index)
+        return True
+
+    def _settle_speculation(self, inputs: StepInputs, report: StepReport, arrivals: GradientArrivals) -> None:
+        """Backward is over: commit the speculated sub-groups when the step runs with the factor they were updated
+        with, else put their untouched state back (clipped, loss scale changed: they are updated again after
+        backward with the real factor; skipped or abandoned: nothing of the step remains)."""
+        real = arrivals.inv_grad_scale
+        commit = arrivals.proceed == GradientArrivals.RUN and (real is None or real == inputs.inv_grad_scale)
+        report.committed = commit
+        if not commit:
+            self._restore_speculated(inputs)
+            if real is not None:
+                inputs.inv_grad_scale = real
+            return
+        try:
+            for index in list(self.spare.held):
+                landed = self._commit(index, inputs, report)
+                self._land(index, landed)
+                self.updated_early.append(index)
+                self._early_tail = landed if landed is not None else self._early_tail
+        except BaseException:
+            # Those not committed yet go back to their untouched state: the recovery updates them like any other
+            # sub-group the interrupted step had not reached.
+            self._restore_speculated(inputs)
+            raise
+
+    def _restore_speculated(self, inputs: StepInputs) -> None:
+        for index in list(self.spare.held):
+            param, states, _, _ = self._slices(self.sub_groups[index], inputs)
+            self.spare.restore(index, param, states)
+
+    def _commit(self, index: int, inputs: StepInputs, report: StepReport) -> object:
+        """Sub-group ``index``'s speculative update is the step's: its 16-bit result goes to the parameters as a host
+        update's would; return when it lands."""
+        sg = self.sub_groups[index]
+        _, _, _, lp = self._slices(sg, inputs)
+        result = self.spare.speculative_lp(index, sg.numel)
+        report.host_elements += sg.numel
+        self._reached_together(("unscaled", "updated"), index)
+        streams = self.streams
+        if self.pool.lp_staging is None:
+            lp.copy_(result)
+            self.spare.drop(index)
+            self._reached("done", index)
+            return None
+        slot, staging, last_read = self.pool.lp_staging.acquire(sg.numel)
+        streams.host_wait(last_read)  # the host is about to overwrite what the slot's previous upload reads
+        staging.copy_(result)
+        self.spare.drop(index)
+        return self._upload_staged(index, lp, staging, slot, report)
 
     def _run_host_side(
         self, plan: Plan, inputs: StepInputs, streams: Streams, report: StepReport, skip: set[int]
@@ -125,10 +212,18 @@ class HostSubGroups:
         self._reached_together(("unscaled", "updated", "done") if staging is lp else ("unscaled", "updated"), index)
         if staging is lp:
             return None
-        with streams.lane("lp_upload", index, self.lp_bytes * sg.numel, streams.lp_h2d):
+        return self._upload_staged(index, lp, staging, slot, report)
+
+    def _upload_staged(
+        self, index: int, lp: torch.Tensor, staging: torch.Tensor, slot: int, report: StepReport
+    ) -> object:
+        """Upload host sub-group ``index``'s 16-bit result from its slot of the staging ring on the ``lp_h2d`` stream;
+        the slot is free again once the upload has landed, which is returned."""
+        streams = self.streams
+        with streams.lane("lp_upload", index, self.lp_bytes * lp.numel(), streams.lp_h2d):
             lp.copy_(staging, non_blocking=True)
         uploaded = streams.record(streams.lp_h2d)
         self.pool.lp_staging.release(slot, uploaded)
         self._reached("done", index)
-        report.h2d_bytes += self.lp_bytes * sg.numel
+        report.h2d_bytes += self.lp_bytes * lp.numel()
         return uploaded

@@ -64,14 +64,15 @@ class InFlightHandoff:
         if self.arrivals is not None:
             self.arrivals.arrive(index, event)
 
-    def end_backward(self, proceed: bool, abandoned: bool = False) -> None:
-        """Backward is over: ``proceed`` runs the rest of the step begun by :meth:`begin_early`; False skips it (the
-        step's gradient norm is not finite); ``abandoned``: backward never finished, so the step is not taken. No-op
-        when no step was begun."""
+    def end_backward(self, proceed: bool, abandoned: bool = False, inv_grad_scale: float | None = None) -> None:
+        """Backward is over: ``proceed`` runs the rest of the step begun by :meth:`begin_early`, with
+        ``inv_grad_scale`` (the real gradient factor, which decides whether a speculative update is committed or
+        redone; None: the factor the step began with); False skips it (overflow, or the step's gradient norm is not
+        finite); ``abandoned``: backward never finished, so the step is not taken. No-op when no step was begun."""
         arrivals, self.arrivals = self.arrivals, None
         if arrivals is not None:
             ended = GradientArrivals.RUN if proceed else GradientArrivals.SKIP
-            arrivals.end(GradientArrivals.ABANDON if abandoned else ended)
+            arrivals.end(GradientArrivals.ABANDON if abandoned else ended, inv_grad_scale)
 
     @property
     def in_flight(self) -> bool:

@@ -21,6 +21,10 @@ class StepInputs:
         hypers: hyperparameters of each optimizer param group.
         steps: the step number to apply to each flat partition (1 for its first update).
         inv_grad_scale: factor that unscales and clips gradients (1 / DeepSpeed's combined scale).
+        speculative: ``inv_grad_scale`` is a guess made before the global gradient norm was known (gradient
+            clipping or fp16 loss scaling; the guess is "not clipped"): what a step begun during backward updates
+            with it is kept undoable until backward's end gives the real factor
+            (:mod:`lightning_dos.engine.speculation`).
         predicted_s: the performance model's prediction for this step's plan, if any.
         predicted_iteration_s: the whole iteration's prediction for this step's plan, if any.
     """
@@ -30,5 +34,6 @@ class StepInputs:
     hypers: Sequence[Hyper]
     steps: Sequence[int]
     inv_grad_scale: float = 1.0
+    speculative: bool = False
     predicted_s: float | None = None
     predicted_iteration_s: float | None = None

@@ -102,18 +102,20 @@ def torch_update(
     inv_grad_scale: float = 1.0,
     lp_out: torch.Tensor | None = None,
     step_number: float | None = None,
+    keep_grad: bool = False,
 ) -> None:
     """:func:`apply_update` with torch's kernels: the rule's formula in fp32 whatever the storage dtypes.
 
     bf16 master weights, gradients or states are loaded into fp32 copies, updated, and stored back rounded to
     nearest even (what DeepSpeed's CPU optimizers do with bf16 state); the gradient is unscaled in fp32. With
-    fp32 storage the update runs in place and the gradient is unscaled in place. Arguments as for
+    fp32 storage the update runs in place and the gradient is unscaled in place, unless ``keep_grad`` (the same
+    values, into a temporary: a speculative update must leave the gradient for its redo). Other arguments as for
     :func:`apply_update`.
     """
     stored = (param, *states)
     if all(t.dtype == torch.float32 for t in (*stored, grad)):
         if inv_grad_scale != 1.0:
-            grad.mul_(inv_grad_scale)
+            grad = grad * inv_grad_scale if keep_grad else grad.mul_(inv_grad_scale)
         rule.torch_update(param, grad, states, step, hyper, step_number)
     else:
         work = [t.float() if t.dtype != torch.float32 else t for t in stored]
@@ -212,7 +214,8 @@ def tiled_update(
     """:func:`host_update` with torch's kernels, for machines without a C compiler.
 
     The sub-group is processed in tiles of ``tile`` elements: each tile is unscaled, updated and cast by
-    :func:`torch_update`, each step reading what the previous one left in cache. With more than one torch thread
+    :func:`torch_update`, each step reading what the previous one left in cache; the host gradient is left as it
+    is (as the compiled kernel leaves it: a speculative update is redone from it). With more than one torch thread
     and the opt-in host workers enabled, each worker thread takes a contiguous share and runs its tiles on its
     own (no barrier between kernels; see ``host_workers``); otherwise the caller runs the tiles with torch's own
     threads. Arguments as for :func:`host_update`.
@@ -224,7 +227,7 @@ def tiled_update(
             span = slice(start, min(end, start + tile))
             torch_update(
                 rule, param[span], grad[span], [s[span] for s in states], step, hyper, inv_grad_scale,
-                None if lp_out is None else lp_out[span], step_number,
+                None if lp_out is None else lp_out[span], step_number, keep_grad=True,
             )  # fmt: skip
 
     pool = host_workers.workers()

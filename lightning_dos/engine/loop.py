@@ -49,6 +49,7 @@ from lightning_dos.engine.kernels import apply_update, host_update
 from lightning_dos.engine.pool import BufferPool, DeviceBuffer
 from lightning_dos.engine.recovery import settle_interrupted_update
 from lightning_dos.engine.resident import ResidentSubGroups
+from lightning_dos.engine.speculation import SpareSlabs
 from lightning_dos.engine.streamed import StreamedSubGroups
 from lightning_dos.engine.streams import Streams, make_streams
 from lightning_dos.model.budget_fit import fit_to_budget, plan_device_bytes
@@ -190,9 +191,12 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         self._background_error: BaseException | None = None
         #: Backward's hand-over to a step begun during backward (:meth:`begin_early`); None otherwise.
         self.arrivals: GradientArrivals | None = None
-        #: Sub-groups the last step updated during backward, in the order their gradients became final.
+        #: Sub-groups the last step updated during backward, in the order their gradients became final (speculated
+        #: ones once committed).
         self.updated_early: list[int] = []
         self._early_tail: object = None
+        #: Spare slots for speculative updates during backward (none until :meth:`reserve_speculation`).
+        self.spare = SpareSlabs(0, 0, master_dtype, (), lp_dtype)
 
     @property
     def last_report(self) -> StepReport | None:
@@ -259,6 +263,21 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
             self.sizes, plan, budget, footprint=self.footprint, lp_bytes=self.lp_bytes,
             lp_downloads=self.lp_downloads, rates=self.rates,
         )  # fmt: skip
+
+    def reserve_speculation(self, slots: int) -> int:
+        """Allocate ``slots`` spare slots (each the largest sub-group's state and 16-bit result) for updates begun
+        during backward before the gradient norm is known; 0 frees them (speculation off). Return the host bytes
+        held."""
+        if self.in_flight or self.spare.held:
+            raise RuntimeError("the spare slots cannot change while an update is in flight")
+        states = tuple(state.dtype for state in self.pool.states)
+        self.spare = SpareSlabs(slots, max(self.sizes, default=0), self.pool.param.dtype, states, self.lp_dtype)
+        return self.spare.nbytes
+
+    def speculation_slot_bytes(self) -> int:
+        """Host bytes one spare slot holds (:meth:`reserve_speculation`)."""
+        states = tuple(state.dtype for state in self.pool.states)
+        return SpareSlabs.slot_bytes(max(self.sizes, default=0), self.pool.param.dtype, states, self.lp_dtype)
 
     def skip(self, plan: Plan) -> StepReport:
         """Record a skipped step (fp16 overflow): nothing is touched."""
@@ -371,6 +390,7 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         if early is not None:  # what backward's phase did counts in this step's report
             report.host_elements, report.h2d_bytes = early.host_elements, early.h2d_bytes
             report.update_s = early.update_s
+            report.speculated, report.committed = early.speculated, early.committed
         report.fallback_host = [i for i in requested.device_indices if plan.places[i] == Place.HOST]
         if report.fallback_host:
             self._warn_fallback(f"{len(report.fallback_host)} sub-group(s) did not fit the device memory budget")

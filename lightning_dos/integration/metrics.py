@@ -55,6 +55,8 @@ METRICS = {
         Metric("gpu_fraction", "device share", "%", 100.0, device=True),
         Metric("mem_peak_update_gb", "peak memory, update", "GB"),
         Metric("pinned_gb", "pinned host memory", "GB"),
+        Metric("speculated", "sub-groups speculated", ""),
+        Metric("commit_rate", "speculation committed", "%", 100.0),
     )
 }
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from lightning_dos.errors import DOSConfigError
 from lightning_dos.model.overlap import MODES
-from lightning_dos.model.plan import MAX_AUTO_SUB_GROUP
+from lightning_dos.model.plan import MAX_AUTO_SUB_GROUP, FractionSpec, parse_gpu_fraction
 
 #: How ``"dos"`` is described in Lightning's strategy registry.
 DESCRIPTION = "Deep Optimizer States: ZeRO-3 offload with interleaved CPU/GPU updates"
@@ -19,6 +19,14 @@ DEEPSPEED_SUB_GROUP_SIZE = MAX_AUTO_SUB_GROUP
 
 def refuse(setting: str, value: Any, valid: str) -> DOSConfigError:
     return DOSConfigError(f"{setting}={value!r} is not valid for DeepOptimizerStatesStrategy; {valid}")
+
+
+def validated_fraction(value: float | str) -> FractionSpec:
+    """``gpu_fraction`` parsed, or refused naming what would be valid."""
+    try:
+        return parse_gpu_fraction(value)
+    except ValueError as error:
+        raise DOSConfigError(str(error)) from None
 
 
 def check_arguments(
@@ -33,6 +41,7 @@ def check_arguments(
     offload_parameters: Any,
     offload_params_device: Any,
     streams_factory: Any,
+    speculation_memory: Any,
     deepspeed_kwargs: dict[str, Any],
 ) -> None:
     """Refuse, naming the argument and what would be valid, a strategy argument the engine cannot run (see
@@ -52,6 +61,12 @@ def check_arguments(
         raise refuse("host_threads", host_threads, "use 'auto' or a positive integer number of threads")
     if overlap not in MODES:
         raise refuse("overlap", overlap, f"use one of {', '.join(map(repr, MODES))}")
+    if speculation_memory != "auto" and (
+        isinstance(speculation_memory, bool) or not isinstance(speculation_memory, int) or speculation_memory < 0
+    ):
+        raise refuse(
+            "speculation_memory", speculation_memory, "use 'auto' or a non-negative number of bytes (0 turns it off)"
+        )
     if stage != 3:
         raise refuse("stage", stage, "the engine works on ZeRO stage 3 only: use 3")
     if not offload_optimizer:

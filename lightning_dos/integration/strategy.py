@@ -35,6 +35,12 @@ from lightning_dos.host.ranks import Calibration, calibrate_together, reduce_min
 from lightning_dos.integration.cpu_strategy import DeepSpeedCPUStrategy
 from lightning_dos.integration.held_signals import DeliverHeldSignals
 from lightning_dos.integration.optimizers import SUPPORTED, check_optimizer, rule_of
+from lightning_dos.integration.overlap_mode import (
+    plan_for_speculation,
+    reserve_speculation,
+    resolve_overlap,
+    speculation_budget,
+)
 from lightning_dos.integration.preflight import (
     HostFigure,
     config_footprint,
@@ -49,11 +55,14 @@ from lightning_dos.integration.settings import (
     check_arguments,
     check_master_dtypes,
     merge_required_config,
+    validated_fraction,
 )
-from lightning_dos.integration.zero3 import ZeRO3Adapter, backward_overlap_blocker, load_zero3_weights_for_evaluation
-from lightning_dos.model.overlap import AUTO, FORWARD, OFF, Overlap
+from lightning_dos.integration.zero3 import (
+    ZeRO3Adapter,
+    load_zero3_weights_for_evaluation,
+)
 from lightning_dos.model.perfmodel import HardwareRates
-from lightning_dos.model.plan import FractionSpec, coarse_share_warning, parse_gpu_fraction
+from lightning_dos.model.plan import FractionSpec, coarse_share_warning
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 from lightning_dos.planning.calibrate import HOST_BUFFER_BYTES, calibrate, calibration_numel
 from lightning_dos.planning.scheduler import PlacementScheduler
@@ -105,14 +114,23 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         overlap: what the optimizer update overlaps, not what it computes: on CPU every mode gives bit-identical
             results; on a GPU placement depends on the mode, timings and free memory, so modes agree to float
             precision, and bit for bit only for the same placement. ``"auto"`` (the
-            default): ``"forward"``, and, when no step needs global information (no gradient clipping, no fp16
-            loss scaling), the step begins during backward: each host sub-group is updated on a background
-            thread as soon as backward has made its gradient final (the last layers' first); otherwise it runs as
-            ``"forward"`` and says why once. ``"forward"``: the step returns while the update runs (host
-            sub-groups on a background thread, device work on the engine's streams), and every all-gather of the
-            next forward first waits for exactly the sub-groups holding the parameters it gathers; the next
-            backward, evaluation, checkpoints, DeepSpeed's accessors and teardown wait for the whole update.
+            default): ``"forward"``, and the step begins during backward: each host sub-group is updated on a
+            background thread as soon as backward has made its gradient final (the last layers' first); with
+            gradient clipping or fp16 loss scaling, speculatively (see ``speculation_memory``); where it cannot
+            (no speculation memory, optimizer state on NVMe) it runs as ``"forward"`` and says why once.
+            ``"forward"``: the step returns while the update runs (host sub-groups on a background thread,
+            device work on the engine's streams), and every all-gather of the next forward first waits for
+            exactly the sub-groups holding the parameters it gathers; the next backward, evaluation, checkpoints,
+            DeepSpeed's accessors and teardown wait for the whole update.
             ``"off"``: the step returns once the update is over.
+        speculation_memory: host bytes per rank for speculative updates, which let ``overlap="auto"`` begin the
+            update during backward with gradient clipping or fp16 loss scaling on: each host sub-group whose gradient
+            is final is updated as if the step were not clipped, its untouched state kept in a spare slot; backward's
+            end keeps the update (not clipped: most steps after warm-up) or restores the state and updates it again
+            (clipped), so every outcome is bit-identical to ``overlap="off"``. ``"auto"``: up to half the host memory
+            the pre-flight finds spare, at most one slot per sub-group; a number of bytes: that much (counted by the
+            pre-flight); 0: off (``"auto"`` then runs as ``"forward"`` with clipping). A run whose steps are all
+            clipped stops speculating by itself (and says so).
         host_threads: torch threads of each rank for host Adam and casts. ``"auto"``: the CPUs the local
             ranks may use are split into disjoint sets, one per rank (its accelerator's NUMA node first, where
             sysfs tells), each rank is bound to its set and runs one thread per physical core of it; a binding
@@ -145,6 +163,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         streams_factory: Callable[[torch.device], Streams] | None = None,
         host_threads: int | str = "auto",
         overlap: str = "auto",
+        speculation_memory: int | str = "auto",
         accelerator: Accelerator | None = None,
         stage: int = 3,
         offload_optimizer: bool = True,
@@ -161,7 +180,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         **kwargs: Any,
     ) -> None:
         quiet.install()  # the pinned libraries' known per-step deprecations and start-up chatter
-        self.fraction: FractionSpec = _validated_fraction(gpu_fraction)
+        self.fraction: FractionSpec = validated_fraction(gpu_fraction)
         check_arguments(
             sub_group_size=sub_group_size,
             gpu_memory_budget=gpu_memory_budget,
@@ -173,10 +192,14 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             offload_parameters=offload_parameters,
             offload_params_device=offload_params_device,
             streams_factory=streams_factory,
+            speculation_memory=speculation_memory,
             deepspeed_kwargs=kwargs,
         )
         #: What the update overlaps: "off", "forward" or "auto" (as asked; see ``dos_adapter.overlap`` for what runs).
         self.overlap = overlap
+        self.speculation_memory = speculation_memory
+        #: Host bytes this rank may hold for speculative updates, decided by the pre-flight (0: none).
+        self._speculation_bytes = 0
         # Pinned host memory is what makes the engine's transfers asynchronous, so it is always on;
         # LightningCLI passes the parent's default (False) along, which is not a user's choice to honour.
         kwargs.pop("pin_memory", None)
@@ -302,8 +325,12 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             engine_on_accelerator=on_cuda or getattr(self.streams_factory, "is_async", False) is True,
         )
         local_ranks = max(1, len(self.parallel_devices or [None]))
+        self._speculation_bytes = speculation_budget(
+            self.config, self.overlap, self.speculation_memory, figure.total, local_ranks
+        )
+        counted = self._speculation_bytes if self.speculation_memory != "auto" else 0  # "auto" fits by construction
         check_host_memory(
-            local_ranks * figure.total,
+            local_ranks * (figure.total + counted),
             what=(
                 f"the offloaded optimizer state of {total / 1e6:.1f}M parameters ({per_rank / 1e6:.1f}M per rank, "
                 f"{local_ranks} rank(s) on this node: {figure.describe(per_rank)})"
@@ -329,8 +356,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             gpu_memory_budget=self.gpu_memory_budget,
             streams_factory=self.streams_factory,
             optimizer=getattr(self, "_dos_user_optimizer", None),
-            overlap=self._overlap_mode(ds_optimizer),
+            overlap=resolve_overlap(self.overlap, ds_optimizer, self._speculation_bytes, self.speculation_memory),
         )
+        reserve_speculation(adapter, ds_optimizer, self._speculation_bytes)
         sizes = adapter.engine.sizes
         if self.engine_sub_group_size == "auto":
             rank_zero_info(
@@ -355,28 +383,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             overlap=adapter.overlap,
         )
         self.dos_adapter.planner = self.dos_scheduler
-
-    def _overlap_mode(self, ds_optimizer: Any) -> Overlap:
-        """What runs for ``self.overlap``: "auto" only where nothing needs the whole gradient first, else "forward";
-        said once (each line fits 80 columns after Lightning's ``INFO: `` prefix)."""
-        if self.overlap == OFF:
-            rank_zero_info("lightning-dos: overlap='off': each step waits for its update")
-            return OFF
-        if self.overlap == FORWARD:
-            rank_zero_info("lightning-dos: overlap='forward': the update overlaps the next forward")
-            return FORWARD
-        blocker = backward_overlap_blocker(ds_optimizer)
-        if blocker is None:
-            rank_zero_info(
-                "lightning-dos: overlap='auto': host sub-groups are updated during backward\n"
-                "as their gradients become final; the rest overlaps the next forward"
-            )
-            return AUTO
-        rank_zero_info(
-            "lightning-dos: overlap='auto' runs as 'forward' (the update overlaps\n"
-            f"the next forward, not backward):\n{blocker}"
-        )
-        return FORWARD
+        plan_for_speculation(self.dos_scheduler, adapter)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint; for ``validate``/``test``/``predict`` read the weights without an optimizer.
@@ -479,13 +486,6 @@ def _calibrated_rates(device: torch.device, numel: int, footprint: Footprint = A
     """This machine's rates for ``device`` on host buffers of ``numel`` elements, for the engine's rule and dtypes,
     measured once per process, size and footprint (they do not change between fits)."""
     return calibrate(device, numel, footprint=footprint)
-
-
-def _validated_fraction(value: float | str) -> FractionSpec:
-    try:
-        return parse_gpu_fraction(value)
-    except ValueError as error:
-        raise DOSConfigError(str(error)) from None
 
 
 if "dos" not in StrategyRegistry or StrategyRegistry["dos"]["strategy"] is not DeepOptimizerStatesStrategy:

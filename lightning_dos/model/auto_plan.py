@@ -13,8 +13,8 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_dos.model.iteration import iteration_s, predicted_timeline, shortest_iteration_plan
-from lightning_dos.model.overlap import OFF, Overlap
+from lightning_dos.model.iteration import Speculation, iteration_s, predicted_timeline, shortest_iteration_plan
+from lightning_dos.model.overlap import AUTO, FORWARD, OFF, Overlap
 from lightning_dos.model.perfmodel import HardwareRates, Prediction
 from lightning_dos.model.plan import Plan
 from lightning_dos.model.plan_search import choose_plan
@@ -49,6 +49,7 @@ def auto_plan(
     footprint: Footprint = ADAM_FP32,
     phases: tuple[float, float] | None = None,
     overlap: Overlap = OFF,
+    speculation: Speculation | None = None,
 ) -> AutoPlan:
     """The plan ``gpu_fraction="auto"`` runs for sub-groups of ``sizes``.
 
@@ -63,16 +64,22 @@ def auto_plan(
         footprint: the optimizer's rule and dtypes.
         phases: measured (forward, backward) seconds; None before they are known.
         overlap: what the update overlaps (:mod:`lightning_dos.model.overlap`).
+        speculation: gradient clipping under ``auto`` (the updates begun during backward are speculative): the
+            placement and its iteration are those of the mean over committed and clipped steps at its commit rate.
     """
     update_plan, update = _update_best(tuple(sizes), rates, budget, lp_bytes, allow_resident, lp_on_host, footprint)
     if phases is None or min(phases) <= 0 or lp_on_host:
         return AutoPlan(update_plan, update, update_plan, None)
     forward_s, backward_s = phases
+    # A commit rate of 0 stops speculation (the engine's commit policy): the update then overlaps the next forward.
+    searched = FORWARD if overlap == AUTO and speculation is not None and speculation.commit_rate == 0 else overlap
     plan = shortest_iteration_plan(
-        sizes, rates, lp_bytes, update_plan, forward_s, backward_s, overlap, footprint=footprint
-    )
+        sizes, rates, lp_bytes, update_plan, forward_s, backward_s, searched, footprint=footprint,
+        speculation=speculation,
+    )  # fmt: skip
     timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
-    return AutoPlan(update_plan, update, plan, iteration_s(sizes, plan, timeline, forward_s, backward_s)[overlap])
+    predicted = iteration_s(sizes, plan, timeline, forward_s, backward_s, speculation)[overlap]
+    return AutoPlan(update_plan, update, plan, predicted)
 
 
 @functools.lru_cache(maxsize=16)

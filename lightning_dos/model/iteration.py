@@ -11,7 +11,9 @@ makes sub-group ``i``'s gradient final when it has done the share of the sub-gro
 - ``forward``: the update starts when backward ends and the next forward runs beside it, each sub-group's layers
   waiting for its landing; the next backward waits for the whole update (it writes the gradients it reads).
 - ``auto``: ``forward``, and during backward the CPU updates each host sub-group as soon as its gradient is final
-  (the last sub-groups first); those it started before backward ended are not updated again after it.
+  (the last sub-groups first); those it started before backward ended are not updated again after it. With
+  gradient clipping (:class:`Speculation`) those updates are speculative: each first copies the sub-group's state
+  aside; a step that is not clipped lands them when backward ends, a clipped one copies them back and redoes them.
 
 Not modelled: the GPU's compute shared by the forward and the device sub-groups' updates (the device sub-groups
 come first and finish early), and DeepSpeed's own work between the phases. Pure arithmetic: no torch.
@@ -25,7 +27,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from lightning_dos.model.overlap import MODES
-from lightning_dos.model.perfmodel import HardwareRates, device_bytes, least_update_s, predict, rates_for
+from lightning_dos.model.perfmodel import (
+    HardwareRates,
+    device_bytes,
+    least_update_s,
+    predict,
+    rates_for,
+    update_bytes,
+)
 from lightning_dos.model.plan import Place, Plan, even_plan
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 
@@ -69,10 +78,41 @@ class UpdateTimeline:
         return land, end
 
 
+@dataclass(frozen=True)
+class Speculation:
+    """Gradient clipping (or fp16 loss scaling) under ``auto``: the host updates begun during backward are
+    speculative (:mod:`lightning_dos.engine.speculation`).
+
+    Attributes:
+        commit_rate: the share of steps that are not clipped, whose speculative updates are committed; the others
+            restore each speculated sub-group and update it again after backward. At 0 the engine stops
+            speculating (its commit policy), so ``auto`` runs as ``forward``.
+        copy_share: a sub-group's copy into its spare slot (or back from it), in units of its update's CPU time:
+            the state read and written once, against the update's bytes (:func:`speculation_of`).
+    """
+
+    commit_rate: float
+    copy_share: float
+
+
+def speculation_of(commit_rate: float, footprint: Footprint = ADAM_FP32) -> Speculation:
+    """:class:`Speculation` at ``commit_rate`` for ``footprint``'s rule and dtypes (Adam in fp32: a copy is 24 of the
+    update's 28 bytes per element)."""
+    if not 0.0 <= commit_rate <= 1.0:
+        raise ValueError(f"commit rate {commit_rate} is not in [0, 1]")
+    return Speculation(commit_rate, 2 * footprint.optimizer_state / update_bytes(footprint))
+
+
 def iteration_s(
-    sizes: Sequence[int], plan: Plan, timeline: UpdateTimeline, forward_s: float, backward_s: float
+    sizes: Sequence[int],
+    plan: Plan,
+    timeline: UpdateTimeline,
+    forward_s: float,
+    backward_s: float,
+    speculation: Speculation | None = None,
 ) -> dict[str, float]:
-    """Iteration time of each mode in :data:`MODES` for ``plan``'s update over sub-groups of ``sizes``."""
+    """Iteration time of each mode in :data:`MODES` for ``plan``'s update over sub-groups of ``sizes``; with
+    ``speculation`` (gradient clipping), ``auto`` is the mean over committed and clipped steps at its commit rate."""
     total = sum(sizes)
     before = list(itertools.accumulate(sizes, initial=0))
     forward_share = [forward_s * n / total for n in sizes]
@@ -80,8 +120,18 @@ def iteration_s(
     final_at = [backward_s * (total - before[i]) / total for i in range(len(sizes))]
     off = forward_s + backward_s + timeline.total_s
     forward = backward_s + _forward_beside_update(timeline.land_s, forward_share, timeline.total_s)
-    land, end = _auto_update(plan, timeline, final_at, backward_s)
-    auto = backward_s + _forward_beside_update(land, forward_share, end)
+
+    def auto_when(committed: bool | None) -> float:
+        land, end = _auto_update(plan, timeline, final_at, backward_s, speculation, committed)
+        return backward_s + _forward_beside_update(land, forward_share, end)
+
+    if speculation is None:
+        auto = auto_when(None)
+    elif speculation.commit_rate == 0.0:
+        auto = forward
+    else:
+        rate = speculation.commit_rate
+        auto = rate * auto_when(True) + (1 - rate) * (auto_when(False) if rate < 1.0 else 0.0)
     return {"off": off, "forward": forward, "auto": auto}
 
 
@@ -133,19 +183,33 @@ def _forward_beside_update(land_s: Sequence[float], forward_share: Sequence[floa
 
 
 def _auto_update(
-    plan: Plan, timeline: UpdateTimeline, final_at: Sequence[float], backward_s: float
+    plan: Plan,
+    timeline: UpdateTimeline,
+    final_at: Sequence[float],
+    backward_s: float,
+    speculation: Speculation | None = None,
+    committed: bool | None = None,
 ) -> tuple[list[float], float]:
-    """Landing times and the end of the update under ``auto``, from the end of backward (negative: before it)."""
+    """Landing times and the end of the update under ``auto``, from the end of backward (negative: before it). With
+    ``speculation``, each update during backward first copies the sub-group's state into its spare slot; a
+    ``committed`` step uploads their results once backward ends, a clipped one copies them back and updates them
+    again after backward."""
     host = [i for i, place in enumerate(plan.places) if place == Place.HOST]
+    copy_share = speculation.copy_share if speculation is not None else 0.0
     cpu, ready = 0.0, {}
     for i in sorted(set(host) - plan.after_backward, reverse=True):  # the order backward makes gradients final
         start = max(cpu, final_at[i])
         if start >= backward_s:  # taken after backward's end: the rest of the step updates it
             break
-        cpu = start + timeline.host_s[i]
+        cpu = start + timeline.host_s[i] * (1 + copy_share)
         ready[i] = cpu - backward_s
     # After backward: the device side as launched, the remaining host sub-groups in order once the CPU is free.
     cpu = max(0.0, cpu - backward_s)
+    if speculation is not None and committed:  # committed at backward's end: nothing speculative lands before
+        ready = {i: max(0.0, at) for i, at in ready.items()}
+    elif speculation is not None:  # clipped: each speculated sub-group's state is copied back, then redone below
+        cpu += sum(timeline.host_s[i] * copy_share for i in ready)
+        ready = {}
     for i in host:
         if i not in ready:
             cpu += timeline.host_s[i]
@@ -164,6 +228,7 @@ def iteration_plan(
     *,
     footprint: Footprint = ADAM_FP32,
     resident: Sequence[int] = (),
+    speculation: Speculation | None = None,
 ) -> Plan:
     """The streamed/host placement that minimises ``mode``'s predicted iteration (not the update alone), through
     ``buffers`` staging buffers (what fits the device, as the update-only plan found), the sub-groups in
@@ -178,7 +243,7 @@ def iteration_plan(
     def predicted(candidate: Sequence[str]) -> float:
         plan = _plan_of(candidate, buffers)
         timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
-        return iteration_s(sizes, plan, timeline, forward_s, backward_s)[mode]
+        return iteration_s(sizes, plan, timeline, forward_s, backward_s, speculation)[mode]
 
     candidates = []
     for streamed, first in itertools.product(range(len(free) + 1), (True, False)):
@@ -186,6 +251,8 @@ def iteration_plan(
         candidates.append([DEVICE if i in device else role for i, role in enumerate(roles)])
     if mode == "auto":
         per_element = rates_for(rates, footprint).host_s_per_element
+        if speculation is not None:  # each update during backward copies the sub-group's state aside first
+            per_element *= 1 + speculation.copy_share
         candidates += _spread_candidates(sizes, roles, free, backward_s, per_element)
     best = min(((predicted(c), c) for c in candidates), key=lambda pair: pair[0])
     return _plan_of(_refined(best[1], best[0], free, predicted, late=mode == "auto"), buffers)
@@ -302,23 +369,25 @@ def shortest_iteration_plan(
     mode: str,
     *,
     footprint: Footprint = ADAM_FP32,
+    speculation: Speculation | None = None,
 ) -> Plan:
     """Of ``update_best`` (the plan that minimises the update alone) and :func:`iteration_plan` with the same
     resident sub-groups through as many staging buffers, if it needs no more device memory, the one whose
     predicted ``mode`` iteration is shorter (``update_best`` on a tie): what ``gpu_fraction="auto"`` runs once
-    forward and backward are measured."""
+    forward and backward are measured; with ``speculation`` (clipping), ``auto``'s iteration at its commit rate."""
     if mode not in MODES[1:]:
         return update_best
     buffers, resident = update_best.device_buffers, update_best.resident_indices
     candidate = iteration_plan(
-        sizes, rates, lp_bytes, buffers, forward_s, backward_s, mode, footprint=footprint, resident=resident
-    )
+        sizes, rates, lp_bytes, buffers, forward_s, backward_s, mode, footprint=footprint, resident=resident,
+        speculation=speculation,
+    )  # fmt: skip
     if device_bytes(sizes, candidate, footprint=footprint) > device_bytes(sizes, update_best, footprint=footprint):
         return update_best
 
     def iteration(plan: Plan) -> float:
         timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
-        return iteration_s(sizes, plan, timeline, forward_s, backward_s)[mode]
+        return iteration_s(sizes, plan, timeline, forward_s, backward_s, speculation)[mode]
 
     return candidate if iteration(candidate) < iteration(update_best) else update_best
 

@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from lightning_dos.model.plan import Plan
 
 #: The lanes of the update pipeline, one per kind of operation. ``host_adam`` covers a host
-#: sub-group's Adam and its cast into 16-bit staging; ``upload`` carries device sub-groups' fp32
-#: state up; ``lp_upload`` carries host sub-groups' 16-bit parameters up on a stream of its own.
-LANES = ("host_adam", "upload", "device_adam", "cast", "download", "lp_upload")
+#: sub-group's Adam and its cast into 16-bit staging; ``host_speculate`` the same done during backward before the
+#: gradient norm is known (its untouched state copied first; committed or redone once backward ends);
+#: ``upload`` carries device sub-groups' fp32 state up; ``lp_upload`` carries host sub-groups' 16-bit parameters up
+#: on a stream of its own.
+LANES = ("host_adam", "host_speculate", "upload", "device_adam", "cast", "download", "lp_upload")
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,10 @@ class StepReport:
         pinned_bytes: host bytes held by the engine's buffer pool (pinned when pinning works).
         fallback_host: sub-groups the plan put on the device but that ran on the host because device
             staging could not be allocated.
+        speculated: host sub-groups updated during backward before the gradient norm was known (gradient
+            clipping or fp16 loss scaling).
+        committed: whether those speculative updates were kept (the step was not clipped); None when none was
+            made. When False they were undone and updated again with the real factor (or the step was skipped).
         spans: one :class:`Span` per operation, only when timing is enabled.
     """
 
@@ -77,6 +83,8 @@ class StepReport:
     device_staging_bytes: int = 0
     pinned_bytes: int = 0
     fallback_host: list[int] = field(default_factory=list)
+    speculated: int = 0
+    committed: bool | None = None
     spans: list[Span] = field(default_factory=list)
 
     @property

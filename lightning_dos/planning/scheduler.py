@@ -34,6 +34,7 @@ import torch
 
 from lightning_dos.engine.loop import InterleavedUpdate
 from lightning_dos.model.auto_plan import auto_plan
+from lightning_dos.model.iteration import Speculation
 from lightning_dos.model.overlap import OFF, check_overlap
 from lightning_dos.model.perfmodel import HardwareRates, predict
 from lightning_dos.model.plan import FractionSpec, Plan, all_host
@@ -91,6 +92,9 @@ class PlacementScheduler:
         self._plan: Plan | None = None
         self._planned_at = 0
         self._seen_step = 0
+        #: Under overlap="auto" with gradient clipping, the speculation the iteration is planned for (its commit
+        #: rate as observed so far): the strategy installs it; None: the updates begun during backward are exact.
+        self.speculation: Callable[[], Speculation | None] | None = None
         #: Predicted and measured update times of recent steps, for the monitor and tests.
         self.history: list[tuple[float | None, float]] = []
 
@@ -189,6 +193,7 @@ class PlacementScheduler:
             footprint=self.footprint,
             phases=self.phases,
             overlap=self.overlap,
+            speculation=self.speculation() if self.speculation is not None else None,
         )
         #: The plan that minimises the update alone (the one run with overlap off, or before the phases are known).
         self.update_plan = chosen.update_plan

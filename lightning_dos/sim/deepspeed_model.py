@@ -35,6 +35,7 @@ class DeepSpeedModel:
         overlap: bool = False,
         early: bool = False,
         threaded: bool = False,
+        clipped: bool | None = None,
     ) -> None:
         """Run ``engine``'s step, flush and drop under the checker, with DeepSpeed's accesses modelled.
 
@@ -53,6 +54,9 @@ class DeepSpeedModel:
                 training thread has joined it (``engine.wait_all``), each sub-group's reads ordered only by the
                 engine's release of that sub-group (its wait returning), so that a write to a 16-bit partition
                 after its release is a race, wherever in the work it comes. Implies ``overlap``.
+            clipped: with ``early``, the steps' updates during backward are speculative (``inputs.speculative``)
+                and backward ends with the real gradient factor: the one they began with (False: committed), or
+                half of it (True: the step is clipped, so they are restored and redone). None: not speculative.
         """
         pool = engine.pool
         slabs = [pool.param, *pool.states]
@@ -88,6 +92,8 @@ class DeepSpeedModel:
                 self.model_access(DS_REDUCE, "lightning_dos.keep_gradient", writes=kept)
             if early and arrivals is None:
                 arrivals = self.modelled_backward(engine, inputs, backward_sync)
+                if clipped is not None:
+                    arrivals.real_inv_grad_scale = inputs.inv_grad_scale * (0.5 if clipped else 1.0)
             elif arrivals is None:
                 self.backward(engine, inputs, backward_sync)
             self._landings.clear()
@@ -206,6 +212,8 @@ class ModelledBackward(GradientArrivals):
         self.order = [sg for sg in reversed(engine.sub_groups)]
         self.reduce = SimStream(DS_REDUCE, NAMES[DS_REDUCE])
         self.events = itertools.count(-1_000_000, -1)
+        #: The gradient factor backward's end hands the step (None: the one it began with).
+        self.real_inv_grad_scale: float | None = None
 
     def next(self) -> tuple[int, object] | None:
         checker = self.checker
@@ -213,7 +221,7 @@ class ModelledBackward(GradientArrivals):
             if self.backward_sync:
                 checker.stream_synchronize(DS_REDUCE)
             checker.end_of_backward(self.engine)
-            self.end(GradientArrivals.RUN)
+            self.end(GradientArrivals.RUN, self.real_inv_grad_scale)
             return None
         sg = self.order.pop(0)
         grad = self.inputs.grads[sg.ds_group][sg.ds_offset : sg.ds_offset + sg.numel]

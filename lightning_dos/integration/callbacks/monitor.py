@@ -116,7 +116,10 @@ class DOSMonitor(Callback):
     ``dos/iteration_predicted_s`` (the whole iteration's prediction, overlap included, beside ``dos/step_s``,
     once ``gpu_fraction="auto"`` has timed forward and backward on an accelerator),
     ``dos/pinned_gb`` (host memory really pinned; 0 without CUDA), ``dos/fallback_subgroups`` (sub-groups the
-    plan put on the device that ran on the host for lack of device memory) and ``dos/host_threads``, torch's
+    plan put on the device that ran on the host for lack of device memory), ``dos/speculated`` (host sub-groups
+    updated during backward before the gradient norm was known: gradient clipping under ``overlap="auto"``),
+    ``dos/committed`` (1 when those updates were kept, 0 when the step was clipped and they were redone) and
+    ``dos/commit_rate`` (the share of such steps committed so far), and ``dos/host_threads``, torch's
     intra-op threads on this rank. Beside them, the learning rate each param group's update of the step used
     (``lr-AdamW/pg1``, ... as Lightning's ``LearningRateMonitor`` names it). When the monitor logs at the trainer's
     ``log_every_n_steps`` (the default), a step's metrics go through ``LightningModule.log``, so each logged
@@ -175,6 +178,8 @@ class DOSMonitor(Callback):
         self._engine_best: tuple[float, float] | None = None
         self._traced: list[TracedStep] = []
         self._trace_origin: Any = None
+        #: Steps whose updates were begun speculatively during backward: [redone, committed].
+        self._speculative_steps = [0, 0]
 
     # -- Lightning hooks ----------------------------------------------------------------------
 
@@ -344,7 +349,13 @@ class DOSMonitor(Callback):
             "dos/pinned_gb": report.pinned_bytes / GB,
             "dos/engine_update_s": report.update_s,
             "dos/fallback_subgroups": float(len(report.fallback_host)),
+            "dos/speculated": float(report.speculated),
         }
+        if report.committed is not None:
+            row["dos/committed"] = float(report.committed)
+            self._speculative_steps[report.committed] += 1
+        if any(self._speculative_steps):
+            row["dos/commit_rate"] = self._speculative_steps[True] / sum(self._speculative_steps)
         if seconds > 0:
             row["dos/h2d_gbps"] = report.h2d_bytes / seconds / GB
             row["dos/d2h_gbps"] = report.d2h_bytes / seconds / GB

@@ -36,6 +36,7 @@ from lightning_dos.integration.zero3.state_access import TRIM_EVERY_BYTES, State
 from lightning_dos.model.overlap import OFF, Overlap, check_overlap, overlaps_forward
 from lightning_dos.model.plan import Plan, auto_sub_group_size
 from lightning_dos.model.step_report import StepReport
+from lightning_dos.planning.speculation import CommitPolicy
 
 #: Planner signature: given the step about to run, return its plan and the predicted update time. A planner may
 #: also have ``wants_phases`` (True when its plan depends on forward and backward times) and
@@ -61,7 +62,8 @@ class ZeRO3Adapter(ForwardGathers, BackwardHooks, StateAccess):
             :meth:`finish_update` (called by the framework before backward, evaluation, checkpoints, teardown)
             waits for the whole update. ``"auto"``: ``"forward"``, and the step begins during backward: each
             host sub-group is updated once backward has made its gradient final (only valid when
-            :func:`backward_overlap_blocker` finds nothing). ``"off"``: the step returns once the update is over.
+            :func:`backward_overlap_blocker` finds nothing; speculatively, see :attr:`speculative`, where
+            :func:`needs_global_norm` finds something). ``"off"``: the step returns once the update is over.
             (:mod:`lightning_dos.model.overlap`: what runs, after the strategy resolved its setting.)
     """
 
@@ -147,6 +149,10 @@ class ZeRO3Adapter(ForwardGathers, BackwardHooks, StateAccess):
         self._param_sub_groups: dict[int, list[int]] = {}
         if overlaps_forward(overlap):
             self._wait_before_gathers(z)
+        #: Updates begun during backward are speculative (gradient clipping or fp16 loss scaling: the strategy sets
+        #: this once it has reserved the engine's spare slots), and the policy that stops them when they never pay.
+        self.speculative = False
+        self.commit_policy = CommitPolicy()
         #: The step begun during this backward (plan, inputs, step counts); None when none was.
         self._early: tuple[Plan, StepInputs, list[int]] | None = None
         #: Under overlap="auto", the plan made before backward for the step it begins: (step, plan, prediction).
@@ -293,7 +299,8 @@ class ZeRO3Adapter(ForwardGathers, BackwardHooks, StateAccess):
             if early is None:
                 self.engine.skip(plan)
                 return
-            # The step begun during backward stops; it raises (torn state) if it had updated anything already.
+            # The step begun during backward stops: speculative updates are undone; it raises (torn state) if it had
+            # updated anything exactly (no clipping) already.
             self.engine.end_backward(False)
             self.finish_update()
             return
@@ -307,7 +314,9 @@ class ZeRO3Adapter(ForwardGathers, BackwardHooks, StateAccess):
         self.signals.hold()
         try:
             if early is not None:
-                self.engine.end_backward(True)  # the rest of the step begun during backward runs now
+                # The rest of the step begun during backward runs now, with the real factor: speculative updates made
+                # with another (the step is clipped) are undone and redone.
+                self.engine.end_backward(True, inv_grad_scale=self._inverse_grad_scale(scaled_norm))
             else:
                 with self.engine.guard.updating():
                     # Read on this thread: the LR schedule changes the hyperparameters right after the step returns.

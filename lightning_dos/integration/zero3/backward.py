@@ -1,7 +1,8 @@
 """Forward and backward as the adapter sees them: gradients becoming final, backward's end, phases.
 
-Under ``overlap="auto"`` the step begins during backward: the adapter watches DeepSpeed's boundary copies
-of each gradient partition, hands each engine sub-group whose gradient is final to the update, and marks
+Under ``overlap="auto"`` the step begins during backward (speculatively under gradient clipping or fp16 loss
+scaling): the adapter watches DeepSpeed's boundary copies of each gradient partition, hands each engine sub-group
+whose gradient is final to the update, and marks
 the end of backward with an event on the stream its copies ran on. It also times forward and backward for
 the planner and measures their peak device memory for the engine's budget.
 """
@@ -48,9 +49,11 @@ class BackwardHooks:
             if self.overlap != AUTO:
                 return
             # The copy was issued on DeepSpeed's current (reduce) stream: its event is when the gradient lands.
-            landed = engine.streams.record(engine.streams.current)
             if self._early is None:
+                if not self._begins_early():
+                    return
                 self._begin_early()
+            landed = engine.streams.record(engine.streams.current)
             for index, count in self._overlaps(flat, offset, grad_buffer.numel()):
                 self._missing[index] -= count
                 if self._missing[index] == 0:
@@ -104,11 +107,23 @@ class BackwardHooks:
                 "ZeRO3Adapter.before_backward before each backward"
             )
         _, plan, predicted = upcoming
-        # No clipping and no fp16 loss scaling (backward_overlap_blocker): the unscale factor needs no norm.
+        # The factor of a step that is not clipped (a norm of 0): exact without clipping and fp16 loss scaling; with
+        # them, a guess that backward's end confirms or refutes (speculative).
         steps, inputs = self._inputs(predicted, 0.0)
+        inputs.speculative = self.speculative
         self._early = (plan, inputs, steps)
         self.signals.hold()  # the update has begun (a no-op off the main thread: see before_backward)
         self.engine.begin_early(lambda arrivals: self._apply(plan, inputs, steps, arrivals))
+
+    def _begins_early(self) -> bool:
+        """Whether this step begins during backward: always when its updates need no global norm; with gradient
+        clipping or fp16 loss scaling (speculative updates), while the commit rate says it pays."""
+        if not self.speculative:
+            return True
+        last = self.engine.last_report
+        if last is not None:
+            self.commit_policy.observe(last.step, last.committed)
+        return self.commit_policy.speculates(self.engine.steps_taken + 1)
 
     def _measure_peak(self, begins: bool = False) -> None:
         """Under overlap, the most device memory held at once over this iteration's forwards and backwards (an

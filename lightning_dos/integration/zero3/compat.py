@@ -161,19 +161,27 @@ def _accelerator_device() -> str:
 
 
 def backward_overlap_blocker(zero_optimizer: object) -> str | None:
-    """Why the step cannot begin during backward with this ZeRO-3 optimizer (None: it can, exactly).
+    """Why the step cannot begin during backward with this ZeRO-3 optimizer at all (None: it can; exactly, or
+    speculatively where :func:`needs_global_norm` says so).
 
-    A sub-group's update may start once its own gradient is final only when it needs nothing global: gradient
-    clipping scales every gradient by the global norm, and fp16 loss scaling may skip the step on any overflow.
-    (A non-finite norm in fp32 or bf16 makes DeepSpeed skip the step too: the engine stops at the first non-finite
-    gradient it meets, and says so if it had updated anything by then.)"""
+    (A non-finite norm makes DeepSpeed skip the step: the engine stops at the first non-finite gradient it meets,
+    and undoes or says what it had updated by then.)"""
+    z = zero_optimizer
+    if getattr(z, "swap_optimizer", False):
+        return "the optimizer state is swapped to NVMe"
+    if not hasattr(z, "_offload_grad_partition_at_boundary"):
+        return f"DeepSpeed {_deepspeed_version()} has no _offload_grad_partition_at_boundary to watch"
+    return None
+
+
+def needs_global_norm(zero_optimizer: object) -> str | None:
+    """What makes a sub-group's update depend on the whole gradient (None: nothing; its own gradient suffices).
+
+    Gradient clipping scales every gradient by the global norm, and fp16 loss scaling may skip the step on an
+    overflow anywhere: an update begun during backward is then speculative (:mod:`lightning_dos.engine.speculation`)."""
     z = zero_optimizer
     if z.clip_grad > 0.0:
         return f"gradient clipping (gradient_clip_val={z.clip_grad:g}) needs the global gradient norm"
     if z.dtype == torch.float16:
         return "fp16 loss scaling may skip the step on an overflow anywhere"
-    if getattr(z, "swap_optimizer", False):
-        return "the optimizer state is swapped to NVMe"
-    if not hasattr(z, "_offload_grad_partition_at_boundary"):
-        return f"DeepSpeed {_deepspeed_version()} has no _offload_grad_partition_at_boundary to watch"
     return None

@@ -1,0 +1,108 @@
+"""What ``overlap`` runs as, decided once DeepSpeed is up: "auto" begins the step during backward where it can
+(speculatively with gradient clipping or fp16 loss scaling, in spare host memory), else runs as "forward"; said once.
+
+Every line said fits 80 columns after Lightning's ``INFO: `` prefix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_dos.host.hostmem import host_memory
+from lightning_dos.integration.zero3 import ZeRO3Adapter, backward_overlap_blocker, needs_global_norm
+from lightning_dos.model.iteration import speculation_of
+from lightning_dos.model.overlap import AUTO, FORWARD, OFF, Overlap
+from lightning_dos.planning.scheduler import PlacementScheduler
+
+
+def speculation_budget(
+    config: dict[str, Any], overlap: str, speculation_memory: int | str, rank_bytes: int, local_ranks: int
+) -> int:
+    """Host bytes a rank may hold for speculative updates (the pre-flight's part): none unless ``overlap="auto"``
+    runs with gradient clipping or fp16 loss scaling (``config``, DeepSpeed's); ``speculation_memory`` bytes, or
+    under ``"auto"`` half of what the node has spare beyond every local rank's ``rank_bytes``, shared by the
+    ``local_ranks``."""
+    clips = float(config.get("gradient_clipping") or 0.0) > 0.0
+    scales = bool((config.get("fp16") or {}).get("enabled", False))
+    if overlap != AUTO or not (clips or scales):
+        return 0
+    if speculation_memory != "auto":
+        return int(speculation_memory)
+    memory = host_memory()
+    if memory is None:  # no limit to read (no /proc): speculate only within an explicit speculation_memory
+        return 0
+    return max(0, memory.headroom - local_ranks * rank_bytes) // (2 * local_ranks)
+
+
+def resolve_overlap(asked: str, ds_optimizer: Any, speculation_bytes: int, speculation_memory: int | str) -> Overlap:
+    """What runs for ``overlap=asked``: "auto" only where the step may begin during backward (exactly, or
+    speculatively within ``speculation_bytes``), else "forward"; said once, except for "auto" whose line
+    :func:`reserve_speculation` says once the engine exists."""
+    if asked == OFF:
+        rank_zero_info("lightning-dos: overlap='off': each step waits for its update")
+        return OFF
+    if asked == FORWARD:
+        rank_zero_info("lightning-dos: overlap='forward': the update overlaps the next forward")
+        return FORWARD
+    blocker = backward_overlap_blocker(ds_optimizer)
+    if blocker is None and (needs_global_norm(ds_optimizer) is None or speculation_bytes > 0):
+        return AUTO
+    if blocker is None:
+        spare = "speculation_memory=0" if speculation_memory == 0 else "no host memory is spare"
+        blocker = f"{needs_global_norm(ds_optimizer)},\nand {spare} for speculative updates"
+    _say_forward(blocker)
+    return FORWARD
+
+
+def reserve_speculation(adapter: ZeRO3Adapter, ds_optimizer: Any, speculation_bytes: int) -> None:
+    """Under "auto": reserve the engine's spare slots where updates begun during backward are speculative (or run
+    as "forward" when not one fits in ``speculation_bytes``), and say what runs."""
+    if adapter.overlap != AUTO:
+        return
+    reason = needs_global_norm(ds_optimizer)
+    if reason is None:
+        rank_zero_info(
+            "lightning-dos: overlap='auto': host sub-groups are updated during backward\n"
+            "as their gradients become final; the rest overlaps the next forward"
+        )
+        return
+    engine = adapter.engine
+    slot = engine.speculation_slot_bytes()
+    slots = min(len(engine.sub_groups), speculation_bytes // max(1, slot))
+    if slots == 0:
+        adapter.overlap = FORWARD
+        _say_forward(
+            f"{reason},\nand one sub-group's state ({_size(slot)}) exceeds the speculation memory "
+            f"({_size(speculation_bytes)})"
+        )
+        return
+    held = engine.reserve_speculation(slots)
+    adapter.speculative = True
+    adapter.commit_policy.say = rank_zero_info
+    rank_zero_info(
+        "lightning-dos: overlap='auto': host sub-groups are updated during backward\n"
+        "as their gradients become final, speculatively, as\n"
+        f"{reason}:\n"
+        "each update is kept if the step is not clipped, else redone after it\n"
+        f"({slots} of {len(engine.sub_groups)} sub-groups, {_size(held)} of host memory)"
+    )
+
+
+def plan_for_speculation(scheduler: PlacementScheduler, adapter: ZeRO3Adapter) -> None:
+    """Where the updates begun during backward are speculative, the scheduler plans the iteration for the commit
+    rate observed so far (:attr:`~lightning_dos.planning.speculation.CommitPolicy.expected_rate`)."""
+    if adapter.speculative:
+        policy, footprint = adapter.commit_policy, adapter.engine.footprint
+        scheduler.speculation = lambda: speculation_of(policy.expected_rate, footprint)
+
+
+def _say_forward(why: str) -> None:
+    rank_zero_info(
+        f"lightning-dos: overlap='auto' runs as 'forward' (the update overlaps\nthe next forward, not backward):\n{why}"
+    )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
