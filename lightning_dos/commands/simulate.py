@@ -211,9 +211,9 @@ def replay_iteration(
     forward_s: float,
     backward_s: float,
     mode: str,
+    clipped: bool | None = None,
     *,
     footprint: Footprint = ADAM_FP32,
-    clipped: bool | None = None,
 ) -> tuple[ReplayResult, int]:
     """One steady-state iteration under overlap ``mode`` (``off``, ``forward`` or ``auto``: the update begun during
     backward; with ``clipped`` not None, speculatively, the step clipped or not) replayed whole on the node ``rates``
@@ -250,12 +250,12 @@ def whole_iteration(
     lp_bytes: int,
     forward_s: float,
     backward_s: float,
+    speculation: Speculation | None = None,
     *,
     footprint: Footprint = ADAM_FP32,
     trace: Path | None = None,
     resident_room: int = 0,
     plan_for: Callable[[str], Plan] | None = None,
-    speculation: Speculation | None = None,
 ) -> dict[str, Any]:
     """Iteration seconds per overlap mode, replayed whole (:func:`replay_iteration`: backward, the engine's update as
     it issues it and the next forward on the virtual node's streams) and predicted (the performance model). ``off``
@@ -362,32 +362,26 @@ def _fail(message: str) -> int:
 
 def main(argv: list[str]) -> int:
     """Run ``lightning-dos simulate`` (``argv`` without the subcommand); returns the exit status."""
-    from lightning_dos.commands.options import (
-        footprint_label,
-        footprint_of,
-        footprint_summary,
-        recipe_parameters,
-        speculation_option,
-        sub_group_size_of,
-    )
+    from lightning_dos.commands import options
+    from lightning_dos.commands.simulate_table import print_summary
     from lightning_dos.planning.profiles import load_profile
 
     args = _parser().parse_args(argv)
     try:
-        footprint = footprint_of(args.optimizer, args.master_dtype, args.state_dtype)
+        footprint = options.footprint_of(args.optimizer, args.master_dtype, args.state_dtype)
         rates, meta = load_profile(args.profile)
         spec = parse_gpu_fraction(args.gpu_fraction)
     except (FileNotFoundError, ValueError) as error:
         return _fail(str(error))
     if rates.device_adam_eps <= 0 or rates.shared_cpu:
         return _fail(f"profile {args.profile!r} has no accelerator to simulate (device_adam_eps is 0 or shared_cpu)")
-    params = int(args.params) if args.params is not None else recipe_parameters(args.recipe)
+    params = int(args.params) if args.params is not None else options.recipe_parameters(args.recipe)
     if params <= 0:
         return _fail("--params must be positive")
     gpus = args.gpus_per_node or int(meta.get("gpus_per_node", 1))
     try:
-        sub_group_size = sub_group_size_of(args.sub_group_size, params // gpus)
-        speculation = speculation_option(args, footprint)
+        sub_group_size = options.sub_group_size_of(args.sub_group_size, params // gpus)
+        speculation = options.speculation_option(args, footprint)
     except ValueError as error:
         return _fail(str(error))
     phases = (args.forward_s, args.backward_s)
@@ -416,7 +410,7 @@ def main(argv: list[str]) -> int:
     result = simulate(sizes, plan, rates, args.lp_bytes, footprint=footprint)
     trace = write_perfetto(args.trace, result.replayed, f"{params / 1e9:.1f}B on {args.profile}")
     summary = _summary(result, params, gpus, args.profile, trace)
-    summary.update(footprint_summary(args, footprint), precision=footprint_label(args))
+    summary.update(options.footprint_summary(args, footprint), precision=options.footprint_label(args))
     summary["budget_gb"] = None if budget is None else budget / 1e9
     summary["budget_kind"] = "forward/backward peak" if resident_ok else "update only"
     if args.forward_s is not None:
@@ -438,7 +432,7 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        _print(summary)
+        print_summary(summary)
     return 0
 
 
@@ -469,70 +463,3 @@ def _summary(result: Simulation, params: int, gpus: int, profile: str, trace: Pa
         "races": result.races,
         "trace": str(trace),
     }
-
-
-def _print(s: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(highlight=False)  # wraps at the terminal's width, or COLUMNS, or 80 in a pipe or a log file
-    plan = s["plan"]
-    budget = s.get("budget_gb")
-    if budget is not None and s.get("budget_kind") == "update only":
-        memory = (
-            f"default settings: nothing resident, the update's buffers within {budget:.1f} GB "
-            "(free after backward, less 10%)"
-        )
-    elif budget is not None:
-        memory = f"--budget {budget:.1f} GB spare at the forward/backward peak: resident state and the update's buffers"
-    else:
-        memory = "no device memory limit"
-    console.print(
-        f"SIMULATED (not measured): {s['params'] / 1e9:.1f}B params on {s['gpus']} rank(s), profile {s['profile']}\n"
-        f"optimizer: {s.get('precision', 'Adam, fp32 master and states')}\n"
-        f"per rank: {s['sub_groups_per_rank']} sub-groups, {plan['streamed']} streamed through "
-        f"{plan['device_buffers']} buffer(s), {plan['resident']} resident, {plan['host']} on the host\n"
-        f"device memory: {memory}",
-        markup=False,
-    )
-    table = Table(title="the engine's schedule on a virtual node")
-    table.add_column("quantity")
-    table.add_column("value", justify="right")
-    table.add_row("update s (engine schedule replayed)", f"{s['update_s']:.3f}")
-    table.add_row("update s (perfmodel.predict)", f"{s['predicted_s']:.3f}")
-    table.add_row("replay / prediction", f"{s['replay_over_prediction']:.3f}")
-    for lane, share in s["busy_share"].items():
-        table.add_row(f"busy share: {lane}", f"{share:.0%}")
-    table.add_row("GB host->device", f"{s['h2d_bytes'] / 1e9:.2f}")
-    table.add_row("GB device->host", f"{s['d2h_bytes'] / 1e9:.2f}")
-    table.add_row("GB on the GPU during the update", f"{s['update_device_bytes'] / 1e9:.2f}")
-    table.add_row("GB held through forward and backward", f"{s['held_between_updates_bytes'] / 1e9:.2f}")
-    table.add_row("stream races found", str(s["races"]))
-    console.print(table)
-    if "iteration_s" in s:
-        _print_iteration(console, s)
-    console.print(f"trace: {s['trace']} (open in https://ui.perfetto.dev)", markup=False)
-    for mode, plan in s.get("iteration_plans", {}).items():
-        if "trace" in plan:
-            console.print(f"trace of one iteration, overlap={mode}: {plan['trace']}", markup=False)
-
-
-def _print_iteration(console: Any, s: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    title = f"iteration s, forward {s['forward_s']:g} s + backward {s['backward_s']:g} s"
-    table = Table(title=title)
-    for column in ("overlap", "replayed", "predicted", "floor", "vs off", "vs stock"):
-        table.add_column(column, justify="left" if column == "overlap" else "right")
-    replayed, predicted, floor = s["iteration_s"], s["iteration_predicted_s"], s["iteration_floor_s"]
-    for mode in ("stock", "off", "forward", "auto"):
-        table.add_row(
-            mode,
-            f"{replayed[mode]:.3f}",
-            f"{predicted[mode]:.3f}",
-            f"{floor[mode]:.3f}" if mode in floor else "",
-            f"{replayed[mode] / replayed['off']:.2f}x",
-            f"{replayed[mode] / replayed['stock']:.2f}x",
-        )
-    table.add_row("forward + backward", f"{s['forward_backward_s']:.3f}", "", "", "", "")
-    console.print(table)
