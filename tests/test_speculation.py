@@ -313,6 +313,8 @@ def test_a_small_speculation_memory_speculates_as_many_sub_groups_as_it_holds(th
     engine = model.trainer.strategy.dos_engine
     assert engine.speculation_slot_bytes() == 704 * 16
     assert engine.spare.slots == 2
+    figure = model.trainer.strategy.dos_host_figure  # the pre-flight's figure counts them
+    assert ("spare slots for speculative updates", 2 * 704 * 16) in figure.items
     assert 0 < max(outcomes.speculated.values()) <= 2
 
 

@@ -56,18 +56,18 @@ def resolve_overlap(asked: str, ds_optimizer: Any, speculation_bytes: int, specu
     return FORWARD
 
 
-def reserve_speculation(adapter: ZeRO3Adapter, ds_optimizer: Any, speculation_bytes: int) -> None:
+def reserve_speculation(adapter: ZeRO3Adapter, ds_optimizer: Any, speculation_bytes: int) -> int:
     """Under "auto": reserve the engine's spare slots where updates begun during backward are speculative (or run
-    as "forward" when not one fits in ``speculation_bytes``), and say what runs."""
+    as "forward" when not one fits in ``speculation_bytes``), and say what runs; return the host bytes reserved."""
     if adapter.overlap != AUTO:
-        return
+        return 0
     reason = needs_global_norm(ds_optimizer)
     if reason is None:
         rank_zero_info(
             "lightning-dos: overlap='auto': host sub-groups are updated during backward\n"
             "as their gradients become final; the rest overlaps the next forward"
         )
-        return
+        return 0
     engine = adapter.engine
     slot = engine.speculation_slot_bytes()
     slots = min(len(engine.sub_groups), speculation_bytes // max(1, slot))
@@ -77,7 +77,7 @@ def reserve_speculation(adapter: ZeRO3Adapter, ds_optimizer: Any, speculation_by
             f"{reason},\nand one sub-group's state ({_size(slot)}) exceeds the speculation memory "
             f"({_size(speculation_bytes)})"
         )
-        return
+        return 0
     held = engine.reserve_speculation(slots)
     adapter.speculative = True
     adapter.commit_policy.say = rank_zero_info
@@ -88,6 +88,7 @@ def reserve_speculation(adapter: ZeRO3Adapter, ds_optimizer: Any, speculation_by
         "each update is kept if the step is not clipped, else redone after it\n"
         f"({slots} of {len(engine.sub_groups)} sub-groups, {_size(held)} of host memory)"
     )
+    return held
 
 
 def plan_for_speculation(scheduler: PlacementScheduler, adapter: ZeRO3Adapter) -> None:

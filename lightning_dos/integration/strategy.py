@@ -358,7 +358,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             optimizer=getattr(self, "_dos_user_optimizer", None),
             overlap=resolve_overlap(self.overlap, ds_optimizer, self._speculation_bytes, self.speculation_memory),
         )
-        reserve_speculation(adapter, ds_optimizer, self._speculation_bytes)
+        spare = reserve_speculation(adapter, ds_optimizer, self._speculation_bytes)
+        if spare and self.dos_host_figure is not None:  # counted with the rest of the rank's host memory
+            self.dos_host_figure.items.append(("spare slots for speculative updates", spare))
         sizes = adapter.engine.sizes
         if self.engine_sub_group_size == "auto":
             rank_zero_info(
