@@ -55,7 +55,7 @@ def _adam(update):  # noqa: ANN001, ANN202
 
 ENGINE_ADAM, TILED_ADAM = _adam(host_update), _adam(tiled_update)
 PATHS = {"engine": ENGINE_ADAM, "tiles": TILED_ADAM}
-#: What each path leaves in the gradient: the compiled kernel unscales in registers, torch's tiles in place.
+#: Both paths leave the gradient as it came: the compiled kernel unscales in registers, torch's tiles into a temporary.
 STATE_NAMES = ("param", "grad", "exp_avg", "exp_avg_sq", "lp")
 
 
