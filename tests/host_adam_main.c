@@ -15,8 +15,9 @@ typedef struct {
     int32_t fields[11]; /* host_adam.c's Step: ints and floats, 4 bytes each, passed through as they came */
 } Step;
 
-int dos_host_update(int rule, int dtypes, void *param, const void *grad, void *state0, void *state1, void *lp,
-                    int lp_kind, int64_t numel, float inv_scale, const Step *step, int threads);
+int dos_host_update(int rule, int dtypes, void *param, const void *grad, void *state0, void *state1,
+                    void *param_out, void *state0_out, void *state1_out, void *lp, int lp_kind, int64_t numel,
+                    float inv_scale, const Step *step, int threads);
 
 static void read_exactly(FILE *in, void *buffer, size_t size) {
     if (fread(buffer, 1, size, in) != size) {
@@ -56,8 +57,8 @@ int main(int argc, char **argv) {
         read_exactly(in, &inv_scale, sizeof inv_scale);
         read_exactly(in, &step, sizeof step);
         read_exactly(in, grad, numel * master_size);
-        if (dos_host_update(rule, dtypes, param, grad, state[0], state[1], lp, lp_kind, numel, inv_scale, &step,
-                            threads) != 0)
+        if (dos_host_update(rule, dtypes, param, grad, state[0], state[1], NULL, NULL, NULL, lp, lp_kind, numel,
+                            inv_scale, &step, threads) != 0)
             return 3;
     }
     fclose(in);

@@ -42,8 +42,9 @@ REPORT_LINE = re.compile(r"host_adam\.c:(\d+):\d+: (optimized|missed): (.*)")
 CASTS = ("bf16 cast", "fp16 cast")
 #: Each rule's element loop, with its count of variants: one per storage (fp32, bf16 master weights, all bf16)
 #: and combination of loop-invariant choices (Adam: unscale, decoupled decay, lerp's form; Adagrad and Lion:
-#: unscale, decay; Lion also DeepSpeed's two formulas, its vector body's and its scalar loop's).
-LOOPS = {"adam loop": 3 * 8, "adagrad loop": 3 * 4, "lion loop": 3 * 4 * 2}
+#: unscale, decay; Lion also DeepSpeed's two formulas, its vector body's and its scalar loop's), each in place and
+#: out of place (a speculative update).
+LOOPS = {"adam loop": 3 * 8 * 2, "adagrad loop": 3 * 4 * 2, "lion loop": 3 * 4 * 2 * 2}
 X86, ARM = "x86_64", "aarch64"
 #: name: (architecture, flags, the vectors GCC 12 vectorizes with there)
 TARGETS = {

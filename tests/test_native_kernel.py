@@ -16,7 +16,7 @@ import torch
 
 from lightning_dos.engine import native
 from lightning_dos.engine.kernels import Hyper, host_update, step_tensor, tiled_update
-from lightning_dos.model.update_rules import ADAM
+from lightning_dos.model.update_rules import ADAM, RULES
 
 ADAMW = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True)
 HYPERS = {
@@ -310,3 +310,40 @@ def test_a_compiler_that_fails_is_reported_with_its_output(tmp_path: Path) -> No
     assert done.stdout.startswith("False") and "could not build host_adam.c" in done.stdout
     assert "failing-cc: cannot compile" in done.stdout and "-march=native" in done.stdout
     assert shutil.which("sh"), "the stand-in compiler is a shell script"
+
+
+@pytest.mark.parametrize("kernel", ["compiled", "torch"])
+@pytest.mark.parametrize("rule", ["adam", "adagrad", "lion"])
+@pytest.mark.parametrize(
+    "dtypes",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)],
+    ids=["fp32", "bf16-master", "bf16"],
+)
+def test_an_update_out_of_place_writes_what_one_in_place_writes_and_only_reads_its_input(
+    kernel: str, rule: str, dtypes: tuple[torch.dtype, torch.dtype], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A speculative update writes its result elsewhere (``out``): the same bits as the update in place, 16-bit
+    copy included, and the master weights and states it read are left as they were (the compiled kernel's out-of-
+    place loops; torch's path copies first). An odd size takes every thread's share and the scalar tail."""
+    if kernel == "compiled" and not native.available():
+        pytest.skip(f"the compiled kernel is unavailable here ({native.unavailable_reason()}); torch's case runs")
+    if kernel == "torch":
+        monkeypatch.setenv(native.ENV_SWITCH, "0")
+    master_dtype, state_dtype = dtypes
+    update_rule = RULES[rule]
+    numel = 3 * (1 << 14) + 77
+    gen = torch.Generator().manual_seed(5)
+    param = torch.randn(numel, generator=gen).to(master_dtype)
+    grad = torch.randn(numel, generator=gen).to(master_dtype)
+    states = [torch.rand(numel, generator=gen).to(state_dtype) for _ in update_rule.states]
+    hyper = Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, 0.0)
+    step = step_tensor(4, torch.device("cpu"))
+    in_place = (param.clone(), [s.clone() for s in states], torch.empty(numel, dtype=torch.bfloat16))
+    host_update(update_rule, in_place[0], grad, in_place[1], step, hyper, 0.25, in_place[2])
+    source = (param.clone(), [s.clone() for s in states])
+    out = (torch.full_like(param, float("nan")), [torch.full_like(s, float("nan")) for s in states])
+    lp = torch.empty(numel, dtype=torch.bfloat16)
+    host_update(update_rule, source[0], grad, source[1], step, hyper, 0.25, lp, out=out)
+    assert torch.equal(out[0], in_place[0]) and torch.equal(lp, in_place[2])
+    assert all(torch.equal(a, b) for a, b in zip(out[1], in_place[1], strict=True))
+    assert torch.equal(source[0], param) and all(torch.equal(a, b) for a, b in zip(source[1], states, strict=True))

@@ -67,6 +67,10 @@ typedef struct {
     const void *grad;
     void *state0;       /* Adam: exp_avg; Adagrad: sum; Lion: exp_avg */
     void *state1;       /* Adam: exp_avg_sq; unused by the others */
+    /* Where the new master weights and states go: NULL to overwrite param and the states (in place), else
+     * arrays of their dtypes and size that the update writes instead, leaving param and the states as they were
+     * (a speculative update: its result becomes current only once the step is known to run as guessed). */
+    void *param_out, *state0_out, *state1_out;
     void *lp;
     int lp_kind;
     int rule, dtypes;
@@ -234,8 +238,20 @@ static inline float from_bf16(uint16_t h) {
     uint16_t *restrict state0_h = (JOB)->state0;                                                \
     float *restrict state1 = (JOB)->state1;                                                     \
     uint16_t *restrict state1_h = (JOB)->state1;                                                \
+    float *restrict param_o = (JOB)->param_out;                                                 \
+    uint16_t *restrict param_h_o = (JOB)->param_out;                                            \
+    float *restrict state0_o = (JOB)->state0_out;                                               \
+    uint16_t *restrict state0_h_o = (JOB)->state0_out;                                          \
+    float *restrict state1_o = (JOB)->state1_out;                                               \
+    uint16_t *restrict state1_h_o = (JOB)->state1_out;                                          \
     const float inv_scale = (JOB)->inv_scale;                                                   \
-    (void)param_h, (void)grad_h, (void)state0_h, (void)state1, (void)state1_h
+    (void)param_h, (void)grad_h, (void)state0_h, (void)state1, (void)state1_h, (void)param_o, (void)param_h_o; \
+    (void)state0_o, (void)state0_h_o, (void)state1_o, (void)state1_h_o
+
+/* The array a loop stores into: the input's own (in place) or its `_o` twin (out of place). `outplace` is a
+ * constant in every loop, so each loop has one kind of store, and no two restrict pointers it uses alias (an
+ * in-place loop never touches the `_o` pointers, which are NULL for it). */
+#define OUT(P) (outplace ? P##_o : P)
 
 /* The new weight p of element i: stored (rounded for bf16 master weights), and the stored value kept in fp32 in
  * `fresh` for the cast when the master weights are bf16 (the 16-bit copy is cast from the stored master weights, as
@@ -244,10 +260,10 @@ static inline float from_bf16(uint16_t h) {
     do {                                                \
         if (MASTER16) {                                 \
             const uint16_t stored = to_bf16(P);         \
-            param_h[I] = stored;                        \
+            OUT(param_h)[I] = stored;                   \
             fresh[(I) - begin] = from_bf16(stored);     \
         } else {                                        \
-            param[I] = (P);                             \
+            OUT(param)[I] = (P);                        \
         }                                               \
     } while (0)
 
@@ -257,11 +273,14 @@ static inline float from_bf16(uint16_t h) {
 static inline __attribute__((always_inline)) void adam_block(const Job *job, float *restrict fresh, int64_t begin,
                                                              int64_t end, const int unscale, const int decoupled,
                                                              const int lerp_small, const int master16,
-                                                             const int states16) {
+                                                             const int states16, const int outplace) {
     VIEWS(job);
     const float decay_factor = job->s.decay_factor, weight_decay = job->s.weight_decay;
     const float lerp_coeff = job->s.lerp_coeff, beta2 = job->s.beta2, sq_coeff = job->s.sq_coeff;
     const float bc2_sqrt = job->s.bc2_sqrt, eps = job->s.eps, neg_step_size = job->s.neg_step_size;
+    /* Element i reads and writes element i only, and the out-of-place loop's seven arrays are distinct: without
+     * the pragma GCC versions the loop for aliasing and, past its limit of checks (x86-64-v2), keeps it scalar. */
+#pragma GCC ivdep
     for (int64_t i = begin; i < end; i++) { /* vectorized: adam loop */
         float g = LOAD(master16, grad, grad_h, i);
         if (unscale) g = g * inv_scale;
@@ -271,8 +290,8 @@ static inline __attribute__((always_inline)) void adam_block(const Job *job, flo
         float m = LOAD(states16, state0, state0_h, i);
         m = lerp_small ? FMA(lerp_coeff, g - m, m) : FMA(lerp_coeff, g - m, g);
         float v = FMA(sq_coeff * g, g, LOAD(states16, state1, state1_h, i) * beta2);
-        STORE(states16, state0, state0_h, i, m);
-        STORE(states16, state1, state1_h, i, v);
+        STORE(states16, OUT(state0), OUT(state0_h), i, m);
+        STORE(states16, OUT(state1), OUT(state1_h), i, v);
         float denom = sqrtf(v) / bc2_sqrt + eps;
         STORE_WEIGHT(master16, i, p + neg_step_size * m / denom);
     }
@@ -286,7 +305,7 @@ static inline __attribute__((always_inline)) void adam_block(const Job *job, flo
 static inline __attribute__((always_inline)) void adagrad_block(const Job *job, float *restrict fresh,
                                                                 int64_t begin, int64_t end, const int unscale,
                                                                 const int decays, const int master16,
-                                                                const int states16) {
+                                                                const int states16, const int outplace) {
     VIEWS(job);
     const float weight_decay = job->s.weight_decay, eps = job->s.eps, neg_clr = job->s.neg_step_size;
     for (int64_t i = begin; i < end; i++) { /* vectorized: adagrad loop */
@@ -295,7 +314,7 @@ static inline __attribute__((always_inline)) void adagrad_block(const Job *job, 
         float p = LOAD(master16, param, param_h, i);
         if (decays) g = FMA(p, weight_decay, g);
         float sum = FMA(g, g, LOAD(states16, state0, state0_h, i));
-        STORE(states16, state0, state0_h, i, sum);
+        STORE(states16, OUT(state0), OUT(state0_h), i, sum);
         float std = sqrtf(sum) + eps;
         STORE_WEIGHT(master16, i, p + neg_clr * g / std);
     }
@@ -352,7 +371,7 @@ static int64_t lion_vector_end(int dtypes, int64_t numel) {
 static inline __attribute__((always_inline)) void lion_block(const Job *job, float *restrict fresh, int64_t begin,
                                                              int64_t end, const int unscale, const int decays,
                                                              const int master16, const int states16,
-                                                             const int form) {
+                                                             const int form, const int outplace) {
     VIEWS(job);
     const float beta1 = job->s.beta1, beta2 = job->s.beta2, lr = job->s.neg_step_size, wd = job->s.weight_decay;
     const float one_minus_beta1 = 1.0f - beta1, one_minus_beta2 = 1.0f - beta2;
@@ -376,38 +395,46 @@ static inline __attribute__((always_inline)) void lion_block(const Job *job, flo
         const float move = -copysignf(lr, c);
         if (decays) p = (form == LION_VECTOR || LION_FUSED) ? FMA(p, after_decay, move) : p * after_decay + move;
         else p = p + move;
-        STORE(states16, state0, state0_h, i, m_next);
+        STORE(states16, OUT(state0), OUT(state0_h), i, m_next);
         STORE_WEIGHT(master16, i, p);
     }
 }
 
 static inline __attribute__((always_inline)) void run_blocks(const Job *job, const int rule, const int unscale,
                                                              const int flag0, const int flag1, const int master16,
-                                                             const int states16) {
+                                                             const int states16, const int outplace) {
     float fresh[BLOCK] __attribute__((aligned(64)));
     for (int64_t begin = job->begin; begin < job->end; begin += BLOCK) {
         int64_t end = begin + BLOCK < job->end ? begin + BLOCK : job->end;
-        if (rule == RULE_ADAM) adam_block(job, fresh, begin, end, unscale, flag0, flag1, master16, states16);
-        else if (rule == RULE_ADAGRAD) adagrad_block(job, fresh, begin, end, unscale, flag0, master16, states16);
+        if (rule == RULE_ADAM)
+            adam_block(job, fresh, begin, end, unscale, flag0, flag1, master16, states16, outplace);
+        else if (rule == RULE_ADAGRAD)
+            adagrad_block(job, fresh, begin, end, unscale, flag0, master16, states16, outplace);
         else {
             /* DeepSpeed's vector body before job->lion_vector_end, its scalar loop from there (fresh[k] is
              * element begin + k of the block in either part) */
             int64_t cut = job->lion_vector_end;
             cut = cut < begin ? begin : cut > end ? end : cut;
-            lion_block(job, fresh, begin, cut, unscale, flag0, master16, states16, LION_VECTOR);
-            lion_block(job, fresh + (cut - begin), cut, end, unscale, flag0, master16, states16, LION_SCALAR);
+            lion_block(job, fresh, begin, cut, unscale, flag0, master16, states16, LION_VECTOR, outplace);
+            lion_block(job, fresh + (cut - begin), cut, end, unscale, flag0, master16, states16, LION_SCALAR,
+                       outplace);
         }
-        const float *weights = master16 ? fresh : (const float *)job->param + begin;
+        const float *weights = master16 ? fresh : (const float *)(outplace ? job->param_out : job->param) + begin;
         cast_block(job->lp, job->lp_kind, weights, begin, end - begin);
     }
 }
 
-/* One loop per rule, storage and loop-invariant choice: the key of a job is (rule, dtypes, unscale, flag0, flag1)
- * with flag0 = decoupled (Adam) or decays (Adagrad, Lion) and flag1 = lerp_small (Adam; 0 for the others). */
-#define KEY(RULE, DTYPES, UNSCALE, F0, F1) (((RULE) * 3 + (DTYPES)) << 3 | (UNSCALE) << 2 | (F0) << 1 | (F1))
+/* One loop per rule, storage and loop-invariant choice: the key of a job is (rule, dtypes, unscale, flag0, flag1,
+ * outplace) with flag0 = decoupled (Adam) or decays (Adagrad, Lion), flag1 = lerp_small (Adam; 0 for the others)
+ * and outplace = the job writes into the `_out` arrays. */
+#define KEY(RULE, DTYPES, UNSCALE, F0, F1, OUTPLACE)                                                       \
+    ((((RULE) * 3 + (DTYPES)) << 3 | (UNSCALE) << 2 | (F0) << 1 | (F1)) << 1 | (OUTPLACE))
 #define VARIANT(RULE, DTYPES, UNSCALE, F0, F1)                                                             \
-    case KEY(RULE, DTYPES, UNSCALE, F0, F1):                                                               \
-        run_blocks(job, RULE, UNSCALE, F0, F1, (DTYPES) != DTYPES_FP32, (DTYPES) == DTYPES_BF16);          \
+    case KEY(RULE, DTYPES, UNSCALE, F0, F1, 0):                                                            \
+        run_blocks(job, RULE, UNSCALE, F0, F1, (DTYPES) != DTYPES_FP32, (DTYPES) == DTYPES_BF16, 0);       \
+        break;                                                                                             \
+    case KEY(RULE, DTYPES, UNSCALE, F0, F1, 1):                                                            \
+        run_blocks(job, RULE, UNSCALE, F0, F1, (DTYPES) != DTYPES_FP32, (DTYPES) == DTYPES_BF16, 1);       \
         break;
 #define ADAM_VARIANTS(D)                                                                                   \
     VARIANT(RULE_ADAM, D, 0, 0, 0) VARIANT(RULE_ADAM, D, 0, 0, 1) VARIANT(RULE_ADAM, D, 0, 1, 0)          \
@@ -418,7 +445,7 @@ static inline __attribute__((always_inline)) void run_blocks(const Job *job, con
 
 static void run_job(const Job *job) {
     int flag1 = job->rule == RULE_ADAM && job->s.lerp_small != 0;
-    switch (KEY(job->rule, job->dtypes, job->unscale != 0, job->s.decoupled != 0, flag1)) {
+    switch (KEY(job->rule, job->dtypes, job->unscale != 0, job->s.decoupled != 0, flag1, job->param_out != NULL)) {
         RULE_VARIANTS(DTYPES_FP32) RULE_VARIANTS(DTYPES_BF16_MASTER) RULE_VARIANTS(DTYPES_BF16)
     }
 #if defined(STREAMING_STORES)
@@ -440,11 +467,14 @@ static void *run_job_thread(void *arg) {
 
 /* One step of `rule` (RULE_*) over elements [0, numel) with `threads` threads (the caller is one of them):
  * param, grad and the states stored as `dtypes` (DTYPES_*) says, state1 used by Adam only, the new weights also
- * cast into lp (LP_*; NULL for LP_NONE). Returns 0; -1 when a thread could not be started (the caller has then
+ * cast into lp (LP_*; NULL for LP_NONE). param_out, state0_out and state1_out NULL: param and the states are
+ * updated in place; otherwise (all three given, state1_out NULL for the rules without a second state) the new
+ * master weights and states are written there and param and the states are only read. Returns 0; -1 when a thread could not be started (the caller has then
  * run that share itself: the result is complete); -2 when rule, dtypes or lp_kind is none of those (nothing is
  * touched). */
-int dos_host_update(int rule, int dtypes, void *param, const void *grad, void *state0, void *state1, void *lp,
-                    int lp_kind, int64_t numel, float inv_scale, const Step *step, int threads) {
+int dos_host_update(int rule, int dtypes, void *param, const void *grad, void *state0, void *state1,
+                    void *param_out, void *state0_out, void *state1_out, void *lp, int lp_kind, int64_t numel,
+                    float inv_scale, const Step *step, int threads) {
     if (rule < RULE_ADAM || rule > RULE_LION || dtypes < DTYPES_FP32 || dtypes > DTYPES_BF16 || lp_kind < LP_NONE ||
         lp_kind > LP_FP32)
         return -2;
@@ -454,7 +484,7 @@ int dos_host_update(int rule, int dtypes, void *param, const void *grad, void *s
     int64_t share = (numel + threads - 1) / threads;
     share = (share + SHARE_ALIGN - 1) / SHARE_ALIGN * SHARE_ALIGN;
     for (int t = 0; t < threads; t++) {
-        Job job = {param, grad, state0, state1, lp, lp_kind, rule, dtypes,
+        Job job = {param, grad, state0, state1, param_out, state0_out, state1_out, lp, lp_kind, rule, dtypes,
                    t * share < numel ? t * share : numel, (t + 1) * share < numel ? (t + 1) * share : numel,
                    inv_scale, inv_scale != 1.0f, *step, lion_vector_end(dtypes, numel)};
         jobs[t] = job;

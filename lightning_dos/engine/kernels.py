@@ -149,9 +149,9 @@ def _native_fits(
     return native.supports(rule.name, param.dtype, state_dtype)
 
 
-def _native(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, step_number=None) -> None:  # noqa: ANN001
+def _native(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, step_number=None, out=None) -> None:  # noqa: ANN001
     number = float(step.item()) if step_number is None else float(step_number)
-    native.host_update(rule.name, param, grad, states, number, hyper, inv_grad_scale, lp_out)
+    native.host_update(rule.name, param, grad, states, number, hyper, inv_grad_scale, lp_out, out=out)
 
 
 def host_update(
@@ -165,6 +165,7 @@ def host_update(
     lp_out: torch.Tensor | None = None,
     tile: int = HOST_TILE_ELEMENTS,
     step_number: float | None = None,
+    out: tuple[torch.Tensor, Sequence[torch.Tensor]] | None = None,
 ) -> None:
     """Unscale, the update and the copy into the model's partition in one pass over host memory.
 
@@ -187,6 +188,10 @@ def host_update(
             as many elements as ``param``; None to skip the copy.
         tile: elements per tile of torch's path (positive); the default was measured on this project's CPU.
         step_number: ``step``'s value as a host number (see :func:`apply_update`); None reads ``step``.
+        out: ``(master weights, states)`` of the same dtypes and sizes to write the result into, leaving ``param``
+            and ``states`` as they were (a speculative update); None updates in place. The compiled kernel reads
+            the old and writes the new in its one pass (no more bytes than in place); torch's path copies the
+            state into ``out`` first and updates it there.
     """
     if tile < 1:
         raise ValueError(f"tile must be a positive number of elements, got {tile}")
@@ -194,9 +199,26 @@ def host_update(
     if lp_out is not None and lp_out.numel() != numel:
         raise ValueError(f"lp_out has {lp_out.numel()} elements where param has {numel}")
     if _native_fits(rule, param, grad, states, lp_out):
-        _native(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, step_number)
+        _native(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, step_number, out)
         return
+    if out is not None:
+        param, states = _copied_into(out, param, states)
     tiled_update(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, tile, step_number)
+
+
+def _copied_into(
+    out: tuple[torch.Tensor, Sequence[torch.Tensor]], param: torch.Tensor, states: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, Sequence[torch.Tensor]]:
+    """``out`` holding a copy of ``param`` and ``states`` (torch's path updates out of place as copy and update)."""
+    out_param, out_states = out
+    if len(out_states) != len(states):
+        raise ValueError(f"out holds {len(out_states)} state tensor(s) where the rule has {len(states)}")
+    for target, source in zip((out_param, *out_states), (param, *states), strict=True):
+        if target.shape != source.shape or target.dtype != source.dtype:
+            raise ValueError(f"out's {tuple(target.shape)} {target.dtype} does not match {tuple(source.shape)} "
+                             f"{source.dtype}")  # fmt: skip
+        target.copy_(source)
+    return out_param, out_states
 
 
 def tiled_update(

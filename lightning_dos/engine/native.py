@@ -180,7 +180,8 @@ def step_scalars(rule: str, step: float, hyper: Hyper) -> Step:
 
 
 def _check(rule: str, param: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tensor],
-           lp_out: torch.Tensor | None) -> None:  # fmt: skip
+           lp_out: torch.Tensor | None,
+           out: tuple[torch.Tensor, Sequence[torch.Tensor]] | None = None) -> None:  # fmt: skip
     """Raise ValueError naming what is wrong with the arguments of :func:`host_update`."""
     if rule not in _RULE_IDS:
         raise ValueError(f"unknown update rule {rule!r}; the compiled kernel runs {', '.join(_RULE_IDS)}")
@@ -208,6 +209,14 @@ def _check(rule: str, param: torch.Tensor, grad: torch.Tensor, states: Sequence[
         or lp_out.numel() != numel
     ):
         raise ValueError("lp_out must be a contiguous bf16, fp16 or fp32 CPU tensor with as many elements as param")
+    if out is None:
+        return
+    out_param, out_states = out
+    if len(out_states) != len(states):
+        raise ValueError(f"host_update({rule}): out holds {len(out_states)} state tensor(s), the rule {len(states)}")
+    for name, t, like in (("out param", out_param, param), *zip(expected, out_states, states)):
+        if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != numel or t.dtype != like.dtype:
+            raise ValueError(f"host_update({rule}): out's {name} must be a contiguous CPU {like.dtype} of {numel}")
 
 
 class HostUpdateKernel:
@@ -221,7 +230,7 @@ class HostUpdateKernel:
         self._fn = library.dos_host_update
         self._fn.restype = ctypes.c_int
         i, p = ctypes.c_int, ctypes.c_void_p
-        self._fn.argtypes = [i, i, p, p, p, p, p, i, ctypes.c_int64, ctypes.c_float, ctypes.POINTER(Step), i]
+        self._fn.argtypes = [i, i, p, p, p, p, p, p, p, p, i, ctypes.c_int64, ctypes.c_float, ctypes.POINTER(Step), i]
         self._lion_width, self._lion_fused = library.dos_lion_vector_width, library.dos_lion_fused
         self._lion_width.argtypes, self._lion_width.restype, self._lion_fused.restype = [i], i, i
 
@@ -243,17 +252,21 @@ class HostUpdateKernel:
         inv_grad_scale: float = 1.0,
         lp_out: torch.Tensor | None = None,
         threads: int | None = None,
+        out: tuple[torch.Tensor, Sequence[torch.Tensor]] | None = None,
     ) -> None:
         """:func:`host_update` on this build."""
-        _check(rule, param, grad, states, lp_out)
+        _check(rule, param, grad, states, lp_out, out)
         scalars = step_scalars(rule, step, hyper)
         numel = param.numel()
         threads = threads or torch.get_num_threads()
         threads = max(1, min(threads, math.ceil(numel / MIN_ELEMENTS_PER_THREAD)))
         second = states[1].data_ptr() if len(states) > 1 else None
+        targets = [None, None, None]
+        if out is not None:
+            targets = [out[0].data_ptr(), out[1][0].data_ptr(), out[1][1].data_ptr() if len(states) > 1 else None]
         status = self._fn(
             _RULE_IDS[rule], _DTYPES[param.dtype, states[0].dtype], param.data_ptr(), grad.data_ptr(),
-            states[0].data_ptr(), second, None if lp_out is None else lp_out.data_ptr(),
+            states[0].data_ptr(), second, *targets, None if lp_out is None else lp_out.data_ptr(),
             _LP_KINDS[None if lp_out is None else lp_out.dtype], numel, inv_grad_scale, ctypes.byref(scalars), threads,
         )  # fmt: skip
         if status == -2:  # the checks above make this unreachable; a library out of step with this file is not
@@ -347,6 +360,7 @@ def host_update(
     inv_grad_scale: float = 1.0,
     lp_out: torch.Tensor | None = None,
     threads: int | None = None,
+    out: tuple[torch.Tensor, Sequence[torch.Tensor]] | None = None,
 ) -> None:
     """One step of ``rule`` over contiguous CPU tensors, with the unscale and the cast in the same pass.
 
@@ -370,6 +384,8 @@ def host_update(
         lp_out: contiguous bf16, fp16 or fp32 CPU tensor of as many elements, or None for no copy.
         threads: threads to split the elements over (default: torch's intra-op count; fewer for small
             tensors, :data:`MIN_ELEMENTS_PER_THREAD` each at least).
+        out: ``(master weights, states)`` to write the step's result into instead of ``param`` and ``states``,
+            which are then only read (the same dtypes and sizes); None updates in place.
 
     Raises:
         RuntimeError: the compiled kernel is unavailable (see :func:`unavailable_reason`).
@@ -378,11 +394,12 @@ def host_update(
     """
     if _load() is None:
         raise RuntimeError(f"the compiled host update kernel is unavailable: {_failure}")
-    _check(rule, param, grad, states, lp_out)
+    _check(rule, param, grad, states, lp_out, out)
     h = hyper
+    out_param, out_states = (None, []) if out is None else (out[0], list(out[1]))
     torch.ops.lightning_dos.host_update(
         rule, param, grad, list(states), float(step), h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled,
-        h.lr_decay, inv_grad_scale, lp_out, threads or 0,
+        h.lr_decay, inv_grad_scale, lp_out, threads or 0, out_param, out_states,
     )  # fmt: skip
 
 
@@ -402,17 +419,22 @@ def _host_update_op(
     inv_grad_scale: float,
     lp_out: torch.Tensor | None,
     threads: int,
+    out_param: torch.Tensor | None,
+    out_states: list[torch.Tensor],
 ) -> None:
     hyper = Hyper(lr, beta1, beta2, eps, weight_decay, decoupled, lr_decay)
-    _load().update(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, threads or None)
+    out = None if out_param is None else (out_param, out_states)
+    _load().update(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, threads or None, out)
 
 
 #: The op's schema, in the order of :func:`host_update`'s arguments (the hyperparameters spelled out): (a!) marks
-#: what the kernel writes (every state tensor of the list); the gradient is read only.
+#: what the kernel writes (every state tensor of the list); the gradient is read only. An out-of-place call
+#: (``out_param`` given) writes the out tensors and only reads ``param`` and ``states``, which a schema cannot say
+#: per call: they stay marked written, so a race checker sees more writes than happen, never fewer.
 UPDATE_OP_SCHEMA = (
     "host_update(str rule, Tensor(a!) param, Tensor grad, Tensor(b!)[] states, float step, float lr, float beta1, "
     "float beta2, float eps, float weight_decay, bool decoupled, float lr_decay, float inv_grad_scale, "
-    "Tensor(c!)? lp_out, int threads) -> ()"
+    "Tensor(c!)? lp_out, int threads, Tensor(d!)? out_param, Tensor(e!)[] out_states) -> ()"
 )
 _ops = torch.library.Library("lightning_dos", "FRAGMENT")  # kept: the registration lasts as long as this object
 _ops.define(UPDATE_OP_SCHEMA)
