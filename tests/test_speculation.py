@@ -1,5 +1,5 @@
 """``overlap="auto"`` with gradient clipping: host sub-groups are updated during backward as if the step were not
-clipped (speculatively, their untouched state kept in spare slots), then committed or redone once the norm is known.
+clipped (speculatively, out of place into spare slots), then committed or redone once the norm is known.
 
 Real Lightning Trainer, real DeepSpeed ZeRO-3 with CPU optimizer offload, on CPU. The clipping threshold is chosen
 from a plain run's gradient norms so that some steps clip and some do not, and each test asserts both happened.
@@ -14,10 +14,12 @@ import statistics
 import time
 from pathlib import Path
 
+import deepspeed
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.errors import DOSConfigError
@@ -51,6 +53,8 @@ class Outcomes(L.Callback):
         self.norms: dict[int, float] = {}
         self.speculated: dict[int, int] = {}
         self.committed: dict[int, bool | None] = {}
+        self.held_at_batch_end: list[int] = []
+        self.accessor_reads: list[torch.Tensor] = []
 
     def _read_report(self, trainer: L.Trainer) -> None:
         report = trainer.strategy.dos_engine.last_report  # the previous update is over here (backward settled it)
@@ -61,10 +65,15 @@ class Outcomes(L.Callback):
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._read_report(trainer)
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
         norm = trainer.strategy.deepspeed_engine.optimizer._global_grad_norm
         if norm is not None:
             self.norms[trainer.global_step] = float(norm)
+        # DeepSpeed's accessor reads the slabs: committed state held in spare slots must come home first.
+        self.held_at_batch_end.append(len(trainer.strategy.dos_engine.spare.held))
+        if trainer.global_step > 0:  # the optimizer has state once a step was taken (accumulation delays it)
+            weight = next(p for p in pl_module.parameters() if p.requires_grad)
+            self.accessor_reads.append(deepspeed.utils.safe_get_full_optimizer_state(weight, "exp_avg").clone())
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         engine = trainer.strategy.dos_engine
@@ -72,7 +81,7 @@ class Outcomes(L.Callback):
         self._read_report(trainer)
         engine.flush_resident()
         self.slabs = [t.clone() for t in (engine.pool.param, *engine.pool.states)]
-        assert engine.spare.held == {}, "no speculative state may outlive its step"
+        assert engine.spare.pending == {} and engine.spare.held == {}, "no speculative result outlives its step"
 
 
 def fit(
@@ -135,6 +144,9 @@ def test_speculative_updates_are_bit_identical_to_off_whether_committed_or_redon
     assert auto[0].trainer.strategy.dos_adapter.speculative
     _assert_both_outcomes(auto[1])
     assert_identical((auto[0], auto[1]), (off[0], off[1]))
+    # Between steps committed sub-groups' state lives in spare slots; DeepSpeed's accessor still reads each step's.
+    assert max(auto[1].held_at_batch_end) > 0 and len(auto[1].accessor_reads) == len(off[1].accessor_reads)
+    assert all(torch.equal(a, b) for a, b in zip(auto[1].accessor_reads, off[1].accessor_reads, strict=True))
 
 
 def test_the_committed_steps_are_those_under_the_threshold(threshold: float) -> None:
@@ -209,9 +221,9 @@ class _RaiseAfterSpeculation(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
         engine = ctx.module.trainer.strategy.dos_engine
         deadline = time.monotonic() + 60
-        while not engine.spare.held and time.monotonic() < deadline:
+        while not engine.spare.pending and time.monotonic() < deadline:
             time.sleep(0.01)
-        ctx.module.raised_after = dict(engine.spare.held)
+        ctx.module.raised_after = dict(engine.spare.pending)
         raise RuntimeError("failure injected during backward")
 
 
@@ -225,7 +237,7 @@ class StateAtException(L.Callback):
         def on_exception(exception: BaseException) -> None:
             handle(exception)
             engine = strategy.dos_engine
-            self.torn, self.held = engine.torn, dict(engine.spare.held)
+            self.torn, self.pending = engine.torn, dict(engine.spare.pending)
             engine.flush_resident()
             self.slabs = [t.clone() for t in (engine.pool.param, *engine.pool.states)]
 
@@ -244,51 +256,81 @@ def test_an_exception_during_backward_after_speculation_began_leaves_the_state_p
             zero={"reduce_bucket_size": 600},
         )
     assert made[0].raised_after, "the failure came after a sub-group was speculated"
-    assert state.torn is None and state.held == {}
+    assert state.torn is None and state.pending == {}
     _, before = fit("off", 1e9, steps=at)  # the state after the steps that completed
     for ours, theirs in zip(state.slabs, before.slabs, strict=True):
         assert torch.equal(ours, theirs)
 
 
 @pytest.fixture
-def restore_sigusr1():  # noqa: ANN201
-    saved = signal.getsignal(signal.SIGUSR1)
+def restore_signals():  # noqa: ANN201
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGUSR1, signal.SIGTERM)}
     yield
-    signal.signal(signal.SIGUSR1, saved)
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
 
 
-@pytest.mark.usefixtures("restore_sigusr1")
+class SignalWhileSpeculating(L.Callback):
+    """Sends ``signum`` to this process once, from the update as it speculates during step ``at``'s backward."""
+
+    def __init__(self, signum: int, at: int = 3) -> None:
+        self.signum, self.at = signum, at
+        self.sent: bool | None = None  # True: sent while backward was still running
+        self.trainer: L.Trainer | None = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.trainer = trainer
+        engine = trainer.strategy.dos_engine
+
+        def on_point(point: str, index: int) -> None:
+            if point == "speculated" and engine.steps_taken == self.at and self.sent is None:
+                self.sent = engine.arrivals is not None
+                os.kill(os.getpid(), self.signum)
+
+        engine.on_point = on_point
+
+
+def _checkpoint_every_step_of_off(tmp_path: Path, threshold: float) -> None:
+    every = ModelCheckpoint(dirpath=tmp_path / "off", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    fit("off", threshold, callbacks=[every], enable_checkpointing=True, default_root_dir=tmp_path)
+
+
+@pytest.mark.usefixtures("restore_signals")
 def test_a_signal_during_backward_after_speculation_began_saves_a_whole_step(tmp_path: Path, threshold: float) -> None:
     """SIGUSR1's handler saves a checkpoint (as Lightning's SLURM requeue handler does); sent from the update as it
     speculates, it is held and runs once the step is recorded: the checkpoint holds the whole step, and resumes."""
-    every = ModelCheckpoint(dirpath=tmp_path / "off", every_n_train_steps=1, save_top_k=-1, filename="{step}")
-    fit("off", threshold, callbacks=[every], enable_checkpointing=True, default_root_dir=tmp_path)
+    _checkpoint_every_step_of_off(tmp_path, threshold)
     saved: list[tuple[int, bool]] = []
-    run: dict[str, L.Trainer] = {}
+    probe = SignalWhileSpeculating(signal.SIGUSR1)
 
     def save_like_slurm_requeue(signum: int, frame: object) -> None:
-        t = run["trainer"]
+        t = probe.trainer
         saved.append((t.global_step, t.strategy.dos_engine.guard.in_update))
         t.save_checkpoint(tmp_path / "requeue")
 
-    class SignalWhileSpeculating(L.Callback):
-        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            run["trainer"] = trainer
-            engine = trainer.strategy.dos_engine
-
-            def on_point(point: str, index: int) -> None:
-                if point == "speculated" and not saved and engine.steps_taken == 3 and not hasattr(self, "sent"):
-                    self.sent = engine.arrivals is not None  # still in backward
-                    os.kill(os.getpid(), signal.SIGUSR1)
-
-            engine.on_point = on_point
-
     signal.signal(signal.SIGUSR1, save_like_slurm_requeue)
-    probe = SignalWhileSpeculating()
     fit("auto", threshold, callbacks=[probe])
     assert probe.sent, "sent during backward"
     assert len(saved) == 1 and saved[0] == (3, False), saved
     assert same(contents(tmp_path / "requeue"), contents(tmp_path / "off" / "step=3.ckpt"))
+
+
+@pytest.mark.usefixtures("restore_signals")
+def test_a_sigterm_during_backward_after_speculation_began_stops_after_a_whole_step(
+    tmp_path: Path, threshold: float
+) -> None:
+    """SIGTERM sent from the update as it speculates (a cluster's pre-emption): it is held until the step is
+    recorded, then Lightning's handler stops the run with SIGTERMException after that batch, and the checkpoint
+    OnExceptionCheckpoint saves holds the whole step (equal to ``off``'s of that step): nothing speculative saved."""
+    _checkpoint_every_step_of_off(tmp_path, threshold)
+    probe = SignalWhileSpeculating(signal.SIGTERM)
+    on_exception = OnExceptionCheckpoint(dirpath=tmp_path, filename="on-sigterm")
+    with pytest.raises(SIGTERMException):
+        fit("auto", threshold, callbacks=[probe, on_exception], enable_checkpointing=True, default_root_dir=tmp_path)
+    assert probe.sent, "sent during backward"
+    saved = contents(tmp_path / "on-sigterm.ckpt")
+    assert saved["global_step"] == 3
+    assert same(saved, contents(tmp_path / "off" / "step=3.ckpt"))
 
 
 def test_speculation_memory_zero_runs_as_forward_and_says_why(caplog: pytest.LogCaptureFixture) -> None:

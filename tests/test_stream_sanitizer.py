@@ -150,9 +150,9 @@ def run(
     checker.watch(engine, backward_sync=backward_sync, overlap=overlap, early=early, clipped=clipped)
     if clipped is not None:
         engine.reserve_speculation(len(engine.sub_groups))
-        engine.speculated = []  # every sub-group saved into a spare slot, for the test to see
-        save = engine.spare.save
-        engine.spare.save = lambda index, *args: engine.speculated.append(index) or save(index, *args)
+        engine.speculated = []  # every sub-group speculated, for the test to see
+        begin = engine.spare.begin
+        engine.spare.begin = lambda index, *args: engine.speculated.append(index) or begin(index, *args)
     real_inv_grad_scale = scenario.inv_grad_scale * (0.5 if clipped else 1.0)
     gen = torch.Generator().manual_seed(0)
     reference = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in NUMELS]
@@ -256,7 +256,8 @@ def test_speculative_updates_committed_or_redone_are_race_free_and_equal_plain_a
     if any(H in step.places for step in scenario.steps if isinstance(step, Plan)) and not scenario.fail_at:
         assert engine.speculated, "host sub-groups are speculated during the modelled backward"
         assert bool(engine.updated_early) != clipped, "committed sub-groups count as updated early; redone do not"
-    assert engine.spare.held == {}
+    assert engine.spare.pending == {}
+    engine.flush_resident()  # committed state held in spare slots comes home, as a checkpoint's reader has it
     for i, expected in enumerate(reference):
         torch.testing.assert_close(engine.param_view(i), expected, rtol=1e-5, atol=1e-7)
 
@@ -825,3 +826,65 @@ def test_releasing_the_waiters_when_the_step_returns_is_a_race_with_the_host_tak
         assert any(
             "16-bit partition" in race.memory and "finish_on_host" in race.previous.where for race in checker.races
         ), (at, checker.races[:3])
+
+
+def _fp16_steps(speculative: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], list[object], object]:
+    """fp16 loss scaling on the simulated accelerator: 16-bit parameters in fp16, gradients scaled by 1024, five
+    all-host steps: not clipped, an overflow (the last gradient of backward is infinite), the loss scale moved (the
+    real factor half the guess), then two more not clipped. ``speculative``: each step begins during the modelled
+    backward with the updates speculative (``auto``); otherwise it runs after backward with the real factor, the
+    overflow skipped whole (``off``). Returns the slabs, the fp16 parameters, the reports and the engine."""
+    checker = StreamSanitizer()
+    engine = loop_module.InterleavedUpdate(
+        NUMELS, GROUPS, SUB_GROUP, torch.device("cpu"), torch.float16, streams=checker.streams()
+    )
+    checker.watch(engine, backward_sync=True, overlap=speculative, early=speculative, clipped=False)
+    if speculative:
+        engine.reserve_speculation(len(engine.sub_groups))
+    gen = torch.Generator().manual_seed(3)
+    for i, n in enumerate(NUMELS):
+        engine.param_view(i).copy_(torch.randn(n, generator=gen))
+    grads = [torch.zeros(n) for n in NUMELS]
+    lp = [torch.zeros(n, dtype=torch.float16) for n in NUMELS]
+    scale, taken, reports = 1024.0, 0, []
+    plan = Plan(mixed(H))
+    for outcome in ("run", "overflow", "scale moved", "run", "run"):
+        for g in grads:
+            g.copy_(torch.randn(g.shape, generator=gen) * scale)
+        if outcome == "overflow":
+            grads[0][0] = float("inf")  # sub-group 0's gradient is the last backward makes final
+        real = (0.5 if outcome == "scale moved" else 1.0) / scale
+        number = taken + (outcome != "overflow")
+        inputs = StepInputs(grads, lp, HYPERS, [number] * len(NUMELS), inv_grad_scale=1.0 / scale)
+        if not speculative:
+            if outcome == "overflow":
+                reports.append(engine.skip(plan))
+                continue
+            inputs.inv_grad_scale = real
+            reports.append(engine.step(plan, inputs))
+        else:
+            inputs.speculative = True
+            arrivals = checker.modelled_backward(engine, inputs, True)
+            arrivals.real_inv_grad_scale = real
+            arrivals.outcome = arrivals.SKIP if outcome == "overflow" else arrivals.RUN
+            reports.append(engine.step(plan, inputs, arrivals))
+            assert engine.spare.pending == {}, "no speculative result outlives its step"
+        taken = number
+    checker.check()
+    engine.flush_resident()
+    return [t.clone() for t in (engine.pool.param, *engine.pool.states)], lp, reports, engine
+
+
+def test_fp16_loss_scaling_speculation_is_race_free_and_bit_identical_to_off() -> None:
+    """fp16 (which this CPU's DeepSpeed may refuse) on the simulated accelerator: speculated sub-groups are committed
+    when the step runs with the loss scale they began with, dropped on an overflow (the step skipped, nothing of it
+    kept) and redone when the factor moved; the slabs and fp16 parameters equal the run that updates after
+    backward, bit for bit, with no race."""
+    slabs, lp, reports, engine = _fp16_steps(speculative=True)
+    plain_slabs, plain_lp, plain_reports, _ = _fp16_steps(speculative=False)
+    assert [r.skipped for r in reports] == [r.skipped for r in plain_reports] == [False, True, False, False, False]
+    assert all(r.speculated > 0 for r in reports), "every step speculated sub-groups during backward"
+    assert [r.committed for r in reports] == [True, False, False, True, True]
+    assert all(torch.equal(a, b) for a, b in zip(slabs, plain_slabs, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(lp, plain_lp, strict=True))
+    assert all(t.dtype == torch.float16 for t in lp) and engine.spare.held == {}

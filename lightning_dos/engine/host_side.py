@@ -32,8 +32,9 @@ class HostSubGroups:
         """Update the plan's host sub-groups as backward reports their gradients final, until backward ends; return
         what was done (``skipped`` when the step is skipped or abandoned, which must find nothing changed).
 
-        With ``inputs.speculative`` each of them is updated on a copy-kept basis (:class:`SpareSlabs`), and backward's
-        end commits or undoes those updates (:meth:`_settle_speculation`); without it, they are final at once."""
+        With ``inputs.speculative`` each of them is updated out of place into a spare slot (:class:`SpareSlabs`), and
+        backward's end commits or drops those updates (:meth:`_settle_speculation`); without it, they are final at
+        once."""
         self.streams.start_timeline(self._step_timing)
         report = self._new_report(plan, inputs)
         self.updated_early = early = []
@@ -71,7 +72,7 @@ class HostSubGroups:
                 # Finishing the step (recovery) needs every gradient final: wait for the end of backward first.
                 taking, error = False, failure
             report.update_s += time.perf_counter() - began
-        if self.spare.held:
+        if self.spare.pending:
             began = time.perf_counter()
             self._settle_speculation(inputs, report, arrivals)
             report.update_s += time.perf_counter() - began
@@ -101,22 +102,34 @@ class HostSubGroups:
         return report
 
     def _speculate(self, index: int, inputs: StepInputs, step_tensors: dict[int, torch.Tensor]) -> bool:
-        """Update host sub-group ``index`` with the guessed factor, its untouched state kept in a spare slot and its
-        16-bit result held there (nothing the framework reads changes); False when no slot is free (the sub-group,
-        and any later one, waits for the step after backward)."""
+        """Update host sub-group ``index`` with the guessed factor, out of place: from its current state into the
+        other of its two places (a spare slot, or its home span when it is held in one), its 16-bit result kept in
+        the slot (nothing the framework reads changes); False when no slot is free (the sub-group, and any later
+        one, waits for the step after backward)."""
         sg = self.sub_groups[index]
         param, states, grad, _ = self._slices(sg, inputs)
-        lp = self.spare.save(index, param, states)
-        if lp is None:
+        target = self.spare.begin(index, *self._home(sg))
+        if target is None:
             return False
+        out_param, out_states, lp = target
+        ring = self.pool.lp_staging
+        if ring is not None and ring.free > 0:
+            # The 16-bit result goes where its upload will read it, held until the commit: no copy then. (Nothing
+            # else takes ring slots during backward; past the ring's size the result waits in the spare slot.) No
+            # host wait for the slot's last upload: that was an earlier step's, and every step ends waiting for its
+            # last upload on the lp_h2d stream (the mutation test finds no race without one).
+            slot, lp, _ = ring.acquire(sg.numel)
+            self.spare.staged[index] = slot, lp
         if sg.ds_group not in step_tensors:
             step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], torch.device("cpu"))
         hyper, step = inputs.hypers[sg.param_group], step_tensors[sg.ds_group]
         try:
             with self.streams.lane("host_speculate", index, self.footprint.master * sg.numel):
-                host_update(self.rule, param, grad, states, step, hyper, inputs.inv_grad_scale, lp)
+                host_update(
+                    self.rule, param, grad, states, step, hyper, inputs.inv_grad_scale, lp, out=(out_param, out_states)
+                )
         except BaseException:
-            self.spare.restore(index, param, states)  # whatever the kernel wrote is undone
+            self._discard_speculation(index)  # its current state was only read
             raise
         if self.on_point is not None:  # a test seam only: speculation records no progress (nothing is final yet)
             self.on_point("speculated", index)
@@ -124,51 +137,64 @@ class HostSubGroups:
 
     def _settle_speculation(self, inputs: StepInputs, report: StepReport, arrivals: GradientArrivals) -> None:
         """Backward is over: commit the speculated sub-groups when the step runs with the factor they were updated
-        with, else put their untouched state back (clipped, loss scale changed: they are updated again after
-        backward with the real factor; skipped or abandoned: nothing of the step remains)."""
+        with, else drop their speculative results, their current state untouched (clipped, loss scale changed:
+        they are updated again after backward with the real factor; skipped or abandoned: nothing of the step
+        remains)."""
         real = arrivals.inv_grad_scale
         commit = arrivals.proceed == GradientArrivals.RUN and (real is None or real == inputs.inv_grad_scale)
         report.committed = commit
         if not commit:
-            self._restore_speculated(inputs)
+            self._discard_speculated()
             if real is not None:
                 inputs.inv_grad_scale = real
             return
         try:
-            for index in list(self.spare.held):
+            for index in list(self.spare.pending):
                 landed = self._commit(index, inputs, report)
                 self._land(index, landed)
                 self.updated_early.append(index)
                 self._early_tail = landed if landed is not None else self._early_tail
         except BaseException:
-            # Those not committed yet go back to their untouched state: the recovery updates them like any other
+            # Those not committed yet keep their current state: the recovery updates them like any other
             # sub-group the interrupted step had not reached.
-            self._restore_speculated(inputs)
+            self._discard_speculated()
             raise
 
-    def _restore_speculated(self, inputs: StepInputs) -> None:
-        for index in list(self.spare.held):
-            param, states, _, _ = self._slices(self.sub_groups[index], inputs)
-            self.spare.restore(index, param, states)
+    def _discard_speculated(self) -> None:
+        for index in list(self.spare.pending):
+            self._discard_speculation(index)
+
+    def _discard_speculation(self, index: int) -> None:
+        staged = self.spare.staged.pop(index, None)
+        if staged is not None:  # its ring slot is free at once: its last upload landed in an earlier step
+            self.pool.lp_staging.release(staged[0], None)
+        self.spare.discard(index)
 
     def _commit(self, index: int, inputs: StepInputs, report: StepReport) -> object:
-        """Sub-group ``index``'s speculative update is the step's: its 16-bit result goes to the parameters as a host
-        update's would; return when it lands."""
+        """Sub-group ``index``'s speculative update is the step's: it becomes the current state (no copy) and its
+        16-bit result goes to the parameters as a host update's would; return when it lands."""
         sg = self.sub_groups[index]
         _, _, _, lp = self._slices(sg, inputs)
+        staged = self.spare.staged.pop(index, None)
+        if staged is not None:  # the result is in the ring slot its upload reads
+            self.spare.commit(index)
+            report.host_elements += sg.numel
+            self._reached_together(("unscaled", "updated"), index)
+            return self._upload_staged(index, lp, staged[1], staged[0], report)
         result = self.spare.speculative_lp(index, sg.numel)
-        report.host_elements += sg.numel
-        self._reached_together(("unscaled", "updated"), index)
         streams = self.streams
-        if self.pool.lp_staging is None:
-            lp.copy_(result)
-            self.spare.drop(index)
-            self._reached("done", index)
-            return None
-        slot, staging, last_read = self.pool.lp_staging.acquire(sg.numel)
-        streams.host_wait(last_read)  # the host is about to overwrite what the slot's previous upload reads
+        staging, slot = lp, 0
+        if self.pool.lp_staging is not None:
+            slot, staging, last_read = self.pool.lp_staging.acquire(sg.numel)
+            streams.host_wait(last_read)  # the host is about to overwrite what the slot's previous upload reads
+        # Read before the commit: a held sub-group's result is in the slot the commit frees.
         staging.copy_(result)
-        self.spare.drop(index)
+        self.spare.commit(index)
+        report.host_elements += sg.numel
+        if staging is lp:
+            self._reached_together(("unscaled", "updated", "done"), index)
+            return None
+        self._reached_together(("unscaled", "updated"), index)
         return self._upload_staged(index, lp, staging, slot, report)
 
     def _run_host_side(
@@ -204,12 +230,17 @@ class HostSubGroups:
             # The host is about to overwrite what the slot's previous upload reads.
             streams.host_wait(last_read)
         hyper, step = inputs.hypers[sg.param_group], step_tensors[sg.ds_group]
-        with streams.lane("host_adam", index, self.footprint.master * sg.numel):
-            host_update(self.rule, param, grad, states, step, hyper, inputs.inv_grad_scale, staging)
-        report.host_elements += sg.numel
-        # One pass unscaled, updated and (on a CPU device) cast it: every point is recorded before any
-        # hook runs, so an interruption at any of them finds the sub-group's true progress.
-        self._reached_together(("unscaled", "updated", "done") if staging is lp else ("unscaled", "updated"), index)
+        try:
+            with streams.lane("host_adam", index, self.footprint.master * sg.numel):
+                host_update(self.rule, param, grad, states, step, hyper, inputs.inv_grad_scale, staging)
+            report.host_elements += sg.numel
+            # One pass unscaled, updated and (on a CPU device) cast it: every point is recorded before any
+            # hook runs, so an interruption at any of them finds the sub-group's true progress.
+            self._reached_together(("unscaled", "updated", "done") if staging is lp else ("unscaled", "updated"), index)
+        except BaseException:
+            if staging is not lp:  # nothing will upload from the slot: free it (its last upload was waited for)
+                self.pool.lp_staging.release(slot, None)
+            raise
         if staging is lp:
             return None
         return self._upload_staged(index, lp, staging, slot, report)

@@ -268,8 +268,9 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         """Allocate ``slots`` spare slots (each the largest sub-group's state and 16-bit result) for updates begun
         during backward before the gradient norm is known; 0 frees them (speculation off). Return the host bytes
         held."""
-        if self.in_flight or self.spare.held:
+        if self.in_flight or self.spare.pending:
             raise RuntimeError("the spare slots cannot change while an update is in flight")
+        self._bring_home(list(self.spare.held))
         states = tuple(state.dtype for state in self.pool.states)
         self.spare = SpareSlabs(slots, max(self.sizes, default=0), self.pool.param.dtype, states, self.lp_dtype)
         return self.spare.nbytes
@@ -380,6 +381,8 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         progress.places = plan.places
         # State leaving the device (the plan moved it, or it no longer fits) comes home first.
         self._evict([i for i in self.resident if plan.places[i] != Place.RESIDENT])
+        # State held in spare slots (pageable memory) goes to the device from the pinned slabs.
+        self._bring_home([i for i in self.spare.held if plan.places[i] != Place.HOST])
         buffers = self._allocate(plan)
         if buffers is None:
             plan = plan.with_host(plan.streamed_indices)
@@ -424,6 +427,7 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         host slabs must not take a mix of two steps."""
         if self.torn is None:
             self._evict(list(self.resident))
+            self._bring_home(list(self.spare.held))
         else:
             self.drop_resident()
         self.pool.release_staging()
@@ -482,12 +486,13 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
     def _slices(
         self, sg: SubGroup, inputs: StepInputs
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
-        """A sub-group's host master weights, host states, gradient and 16-bit target."""
-        span = slice(sg.slab_offset, sg.slab_offset + sg.numel)
+        """A sub-group's current host master weights and states (a spare slot's when it is held there), gradient
+        and 16-bit target."""
         local = slice(sg.ds_offset, sg.ds_offset + sg.numel)
-        return (
-            self.pool.param[span],
-            tuple(state[span] for state in self.pool.states),
-            inputs.grads[sg.ds_group][local],
-            inputs.lp_targets[sg.ds_group][local],
-        )
+        param, states = self.spare.current(sg.index, *self._home(sg))
+        return param, states, inputs.grads[sg.ds_group][local], inputs.lp_targets[sg.ds_group][local]
+
+    def _home(self, sg: SubGroup) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """A sub-group's span of the slabs (master weights, states): what DeepSpeed's views see."""
+        span = slice(sg.slab_offset, sg.slab_offset + sg.numel)
+        return self.pool.param[span], tuple(state[span] for state in self.pool.states)

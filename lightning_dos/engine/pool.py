@@ -79,21 +79,34 @@ class StagingRing:
         self.slot_numel = storage.numel() // slots
         self._busy: list[object] = [None] * slots  # the event of each slot's last upload
         self._next = 0
+        #: Slots acquired and not released yet: a speculative 16-bit result waits in one until its step commits.
+        self._taken: set[int] = set()
 
     def acquire(self, numel: int) -> tuple[int, torch.Tensor, object]:
-        """The next slot as a tensor of ``numel`` elements, and the event of the upload that last read it
+        """The next slot not taken as a tensor of ``numel`` elements, and the event of the upload that last read it
         (None: none pending). The caller host-waits for that event before writing the slot; the wait is
         the engine's (issued through its streams), so the race checker sees it."""
         if numel > self.slot_numel:
             raise ValueError(f"a sub-group of {numel} elements does not fit a staging slot of {self.slot_numel}")
+        if len(self._taken) == self.slots:
+            raise RuntimeError("every slot of the 16-bit staging ring is taken")
         slot = self._next
+        while slot in self._taken:
+            slot = (slot + 1) % self.slots
         self._next = (slot + 1) % self.slots
+        self._taken.add(slot)
         last_read, self._busy[slot] = self._busy[slot], None
         start = slot * self.slot_numel
         return slot, self.storage[start : start + numel], last_read
 
+    @property
+    def free(self) -> int:
+        """Slots not taken."""
+        return self.slots - len(self._taken)
+
     def release(self, slot: int, upload_done: object) -> None:
         """Record the event after which ``slot`` may be overwritten (None: at once)."""
+        self._taken.discard(slot)
         self._busy[slot] = upload_done
 
 

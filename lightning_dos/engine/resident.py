@@ -112,16 +112,34 @@ class ResidentSubGroups:
             self.kept.forget(index)
             self.pool.release_resident(self.resident.pop(index))
 
+    @property
+    def state_off_slabs(self) -> bool:
+        """Whether some sub-group's current state is not in the slabs (resident on the device, or held in a spare
+        slot): a reader of the slabs must :meth:`flush_resident` first."""
+        return bool(self.resident or self.spare.held)
+
     def flush_resident(self, indices: Sequence[int] | None = None) -> None:
-        """Make the host slabs current (a checkpoint or an accessor is about to read them); the state stays
-        resident. ``indices`` limits it to those sub-groups (None: all)."""
+        """Make the host slabs current (a checkpoint or an accessor is about to read them): resident state is
+        copied down and stays resident; state held in spare slots comes home. ``indices`` limits it to those
+        sub-groups (None: all)."""
         chosen = list(self.resident) if indices is None else [i for i in indices if i in self.resident]
         self._download_resident(chosen)
+        self._bring_home(list(self.spare.held) if indices is None else [i for i in indices if i in self.spare.held])
+
+    def _bring_home(self, indices: Sequence[int]) -> None:
+        """Copy the state of these sub-groups held in spare slots (committed speculative updates) back to the slabs
+        (no update may be in flight: the copy is the host's, after every step's end)."""
+        for index in indices:
+            if index in self.spare.held:
+                self.spare.bring_home(index, *self._home(self.sub_groups[index]))
 
     def drop_resident(self, indices: Sequence[int] | None = None) -> None:
-        """Forget resident device state because the host slabs were just overwritten (a checkpoint load, an
-        accessor's write); the next step uploads the new values. ``indices`` limits it (None: all)."""
+        """Forget resident device state and state held in spare slots because the host slabs were just overwritten
+        (a checkpoint load, an accessor's write); the next step uses the new values. ``indices`` limits it (None:
+        all)."""
         chosen = list(self.resident) if indices is None else [i for i in indices if i in self.resident]
         for index in chosen:
             self.kept.forget(index)
             self.pool.release_resident(self.resident.pop(index))
+        for index in list(self.spare.held) if indices is None else [i for i in indices if i in self.spare.held]:
+            self.spare.forget(index)

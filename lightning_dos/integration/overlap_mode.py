@@ -10,6 +10,7 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_dos.engine import native
 from lightning_dos.host.hostmem import host_memory
 from lightning_dos.integration.zero3 import ZeRO3Adapter, backward_overlap_blocker, needs_global_norm
 from lightning_dos.model.iteration import speculation_of
@@ -96,7 +97,8 @@ def plan_for_speculation(scheduler: PlacementScheduler, adapter: ZeRO3Adapter) -
     rate observed so far (:attr:`~lightning_dos.planning.speculation.CommitPolicy.expected_rate`)."""
     if adapter.speculative:
         policy, footprint = adapter.commit_policy, adapter.engine.footprint
-        scheduler.speculation = lambda: speculation_of(policy.expected_rate, footprint)
+        out_of_place = native.available()  # else torch's kernels copy the state before a speculative update
+        scheduler.speculation = lambda: speculation_of(policy.expected_rate, footprint, out_of_place)
 
 
 def _say_forward(why: str) -> None:

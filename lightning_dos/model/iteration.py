@@ -87,20 +87,23 @@ class Speculation:
         commit_rate: the share of steps that are not clipped, whose speculative updates are committed; the others
             restore each speculated sub-group and update it again after backward. At 0 the engine stops
             speculating (its commit policy), so ``auto`` runs as ``forward``.
-        copy_share: a sub-group's copy into its spare slot (or back from it), in units of its update's CPU time:
-            the state read and written once, against the update's bytes (:func:`speculation_of`).
+        copy_share: what a speculative update costs beyond an update in place, in units of its CPU time: 0 where
+            the compiled kernel writes it out of place in its one pass; torch's kernels copy the state into the
+            spare slot first, the state read and written once against the update's bytes (:func:`speculation_of`).
     """
 
     commit_rate: float
     copy_share: float
 
 
-def speculation_of(commit_rate: float, footprint: Footprint = ADAM_FP32) -> Speculation:
-    """:class:`Speculation` at ``commit_rate`` for ``footprint``'s rule and dtypes (Adam in fp32: a copy is 24 of the
-    update's 28 bytes per element)."""
+def speculation_of(commit_rate: float, footprint: Footprint = ADAM_FP32, out_of_place: bool = True) -> Speculation:
+    """:class:`Speculation` at ``commit_rate`` for ``footprint``'s rule and dtypes; ``out_of_place`` False for
+    torch's kernels, whose speculative update copies the state first (Adam in fp32: 24 more bytes per element
+    over the update's 28)."""
     if not 0.0 <= commit_rate <= 1.0:
         raise ValueError(f"commit rate {commit_rate} is not in [0, 1]")
-    return Speculation(commit_rate, 2 * footprint.optimizer_state / update_bytes(footprint))
+    copy = 0.0 if out_of_place else 2 * footprint.optimizer_state / update_bytes(footprint)
+    return Speculation(commit_rate, copy)
 
 
 def iteration_s(
@@ -191,9 +194,9 @@ def _auto_update(
     committed: bool | None = None,
 ) -> tuple[list[float], float]:
     """Landing times and the end of the update under ``auto``, from the end of backward (negative: before it). With
-    ``speculation``, each update during backward first copies the sub-group's state into its spare slot; a
-    ``committed`` step uploads their results once backward ends, a clipped one copies them back and updates them
-    again after backward."""
+    ``speculation``, the updates during backward are speculative (each costing ``copy_share`` more); a
+    ``committed`` step uploads their results once backward ends, a clipped one updates them again after
+    backward."""
     host = [i for i, place in enumerate(plan.places) if place == Place.HOST]
     copy_share = speculation.copy_share if speculation is not None else 0.0
     cpu, ready = 0.0, {}
@@ -207,8 +210,7 @@ def _auto_update(
     cpu = max(0.0, cpu - backward_s)
     if speculation is not None and committed:  # committed at backward's end: nothing speculative lands before
         ready = {i: max(0.0, at) for i, at in ready.items()}
-    elif speculation is not None:  # clipped: each speculated sub-group's state is copied back, then redone below
-        cpu += sum(timeline.host_s[i] * copy_share for i in ready)
+    elif speculation is not None:  # clipped: the speculative results are dropped, the sub-groups redone below
         ready = {}
     for i in host:
         if i not in ready:
@@ -251,7 +253,7 @@ def iteration_plan(
         candidates.append([DEVICE if i in device else role for i, role in enumerate(roles)])
     if mode == "auto":
         per_element = rates_for(rates, footprint).host_s_per_element
-        if speculation is not None:  # each update during backward copies the sub-group's state aside first
+        if speculation is not None:  # a speculative update may cost more than one in place (torch's kernels)
             per_element *= 1 + speculation.copy_share
         candidates += _spread_candidates(sizes, roles, free, backward_s, per_element)
     best = min(((predicted(c), c) for c in candidates), key=lambda pair: pair[0])

@@ -214,6 +214,8 @@ class ModelledBackward(GradientArrivals):
         self.events = itertools.count(-1_000_000, -1)
         #: The gradient factor backward's end hands the step (None: the one it began with).
         self.real_inv_grad_scale: float | None = None
+        #: What backward's end says follows: the step runs, or it is skipped (fp16 overflow, a non-finite norm).
+        self.outcome: str = GradientArrivals.RUN
 
     def next(self) -> tuple[int, object] | None:
         checker = self.checker
@@ -221,7 +223,7 @@ class ModelledBackward(GradientArrivals):
             if self.backward_sync:
                 checker.stream_synchronize(DS_REDUCE)
             checker.end_of_backward(self.engine)
-            self.end(GradientArrivals.RUN, self.real_inv_grad_scale)
+            self.end(self.outcome, self.real_inv_grad_scale)
             return None
         sg = self.order.pop(0)
         grad = self.inputs.grads[sg.ds_group][sg.ds_offset : sg.ds_offset + sg.numel]

@@ -84,7 +84,7 @@ class StateAccess:
             def read(param: torch.Tensor, *args: object, **kwargs: object) -> object:
                 # Whole, like a checkpoint: after an update in flight on another thread, never a torn state.
                 with self.reading_state("reading a parameter's fp32 or optimizer state"):
-                    if engine.resident and param.requires_grad:
+                    if engine.state_off_slabs and param.requires_grad:
                         engine.flush_resident(sub_groups(param))
                     return method(param, *args, **kwargs)
 
@@ -94,7 +94,7 @@ class StateAccess:
             def write(value: torch.Tensor, param: torch.Tensor, *args: object, **kwargs: object) -> object:
                 self._wait_if_main()
                 with engine.guard.reading("writing a parameter's fp32 or optimizer state"):
-                    touched = sub_groups(param) if engine.resident and param.requires_grad else []
+                    touched = sub_groups(param) if engine.state_off_slabs and param.requires_grad else []
                     # The rest of each touched sub-group must be current on the host before its copy is dropped.
                     engine.flush_resident(touched)
                     result = method(value, param, *args, **kwargs)
