@@ -67,13 +67,9 @@ typedef struct {
     const void *grad;
     void *state0;       /* Adam: exp_avg; Adagrad: sum; Lion: exp_avg */
     void *state1;       /* Adam: exp_avg_sq; unused by the others */
-    /* Where the new master weights and states go: NULL to overwrite param and the states (in place), else
-     * arrays of their dtypes and size that the update writes instead, leaving param and the states as they were
-     * (a speculative update: its result becomes current only once the step is known to run as guessed). */
-    void *param_out, *state0_out, *state1_out;
+    void *param_out, *state0_out, *state1_out; /* NULL: in place; else the new values go here (speculation) */
     void *lp;
-    int lp_kind;
-    int rule, dtypes;
+    int lp_kind, rule, dtypes;
     int64_t begin, end;
     float inv_scale;    /* multiplies the gradient: 1 / (loss scale x clip), as DeepSpeed unscales */
     int unscale;        /* 0: inv_scale is 1, skip the multiply */
@@ -221,50 +217,37 @@ static inline float from_bf16(uint16_t h) {
 /* Element i of an fp32 or bf16 array (`bf16` is a constant in every loop, so each loop has one kind of load),
  * and the store back, rounded to nearest even for bf16. Both views of the array are passed; the loop uses one. */
 #define LOAD(BF16, F32, H16, I) ((BF16) ? from_bf16((H16)[I]) : (F32)[I])
-#define STORE(BF16, F32, H16, I, X)                 \
-    do {                                            \
-        if (BF16) (H16)[I] = to_bf16(X);            \
-        else (F32)[I] = (X);                        \
-    } while (0)
+#define STORE(BF16, F32, H16, I, X) do { if (BF16) (H16)[I] = to_bf16(X); else (F32)[I] = (X); } while (0)
 
 /* The views every loop takes of a job's arrays: fp32 and bf16 pointers to the same memory (a loop uses one of
- * each pair, so `restrict` holds). */
+ * each pair, so `restrict` holds), and the same of the `_out` arrays (`_o`). */
+#define VIEW(JOB, NAME)                                                                         \
+    float *restrict NAME = (float *)(JOB)->NAME;                                                \
+    uint16_t *restrict NAME##_h = (uint16_t *)(JOB)->NAME;                                      \
+    float *restrict NAME##_o = (float *)(JOB)->NAME##_out;                                      \
+    uint16_t *restrict NAME##_h_o = (uint16_t *)(JOB)->NAME##_out;                              \
+    (void)NAME, (void)NAME##_h, (void)NAME##_o, (void)NAME##_h_o
 #define VIEWS(JOB)                                                                              \
-    float *restrict param = (JOB)->param;                                                       \
-    uint16_t *restrict param_h = (JOB)->param;                                                  \
+    VIEW(JOB, param);                                                                           \
+    VIEW(JOB, state0);                                                                          \
+    VIEW(JOB, state1);                                                                          \
     const float *restrict grad = (JOB)->grad;                                                   \
     const uint16_t *restrict grad_h = (JOB)->grad;                                              \
-    float *restrict state0 = (JOB)->state0;                                                     \
-    uint16_t *restrict state0_h = (JOB)->state0;                                                \
-    float *restrict state1 = (JOB)->state1;                                                     \
-    uint16_t *restrict state1_h = (JOB)->state1;                                                \
-    float *restrict param_o = (JOB)->param_out;                                                 \
-    uint16_t *restrict param_h_o = (JOB)->param_out;                                            \
-    float *restrict state0_o = (JOB)->state0_out;                                               \
-    uint16_t *restrict state0_h_o = (JOB)->state0_out;                                          \
-    float *restrict state1_o = (JOB)->state1_out;                                               \
-    uint16_t *restrict state1_h_o = (JOB)->state1_out;                                          \
     const float inv_scale = (JOB)->inv_scale;                                                   \
-    (void)param_h, (void)grad_h, (void)state0_h, (void)state1, (void)state1_h, (void)param_o, (void)param_h_o; \
-    (void)state0_o, (void)state0_h_o, (void)state1_o, (void)state1_h_o
+    (void)grad_h, (void)inv_scale
 
-/* The array a loop stores into: the input's own (in place) or its `_o` twin (out of place). `outplace` is a
- * constant in every loop, so each loop has one kind of store, and no two restrict pointers it uses alias (an
- * in-place loop never touches the `_o` pointers, which are NULL for it). */
+/* The array a loop stores into: the input's own (in place) or its `_o` twin (out of place): `outplace` is constant
+ * in each loop, so no two restrict pointers it uses alias (an in-place loop's `_o` pointers are NULL, untouched). */
 #define OUT(P) (outplace ? P##_o : P)
 
 /* The new weight p of element i: stored (rounded for bf16 master weights), and the stored value kept in fp32 in
  * `fresh` for the cast when the master weights are bf16 (the 16-bit copy is cast from the stored master weights, as
  * DeepSpeed copies its 16-bit partition from its master partition; with fp32 master weights the cast reads them). */
-#define STORE_WEIGHT(MASTER16, I, P)                    \
-    do {                                                \
-        if (MASTER16) {                                 \
-            const uint16_t stored = to_bf16(P);         \
-            OUT(param_h)[I] = stored;                   \
-            fresh[(I) - begin] = from_bf16(stored);     \
-        } else {                                        \
-            OUT(param)[I] = (P);                        \
-        }                                               \
+#define STORE_WEIGHT(MASTER16, I, P)                                                                      \
+    do {                                                                                                  \
+        const uint16_t stored = to_bf16(P); /* unused (and dropped) for fp32 master weights */            \
+        if (MASTER16) OUT(param_h)[I] = stored, fresh[(I) - begin] = from_bf16(stored);                   \
+        else OUT(param)[I] = (P);                                                                         \
     } while (0)
 
 /* Adam's block, the formula of the header: the same statements for every element. `unscale`, `decoupled`,
@@ -467,9 +450,8 @@ static void *run_job_thread(void *arg) {
 
 /* One step of `rule` (RULE_*) over elements [0, numel) with `threads` threads (the caller is one of them):
  * param, grad and the states stored as `dtypes` (DTYPES_*) says, state1 used by Adam only, the new weights also
- * cast into lp (LP_*; NULL for LP_NONE). param_out, state0_out and state1_out NULL: param and the states are
- * updated in place; otherwise (all three given, state1_out NULL for the rules without a second state) the new
- * master weights and states are written there and param and the states are only read. Returns 0; -1 when a thread could not be started (the caller has then
+ * cast into lp (LP_*; NULL for LP_NONE); in place, or (param_out non-NULL) into param_out, state0_out and
+ * state1_out (NULL without a second state), param and the states only read. Returns 0; -1 when a thread could not be started (the caller has then
  * run that share itself: the result is complete); -2 when rule, dtypes or lp_kind is none of those (nothing is
  * touched). */
 int dos_host_update(int rule, int dtypes, void *param, const void *grad, void *state0, void *state1,
