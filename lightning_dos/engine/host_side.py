@@ -179,7 +179,11 @@ class HostSubGroups:
         if staged is not None:  # the result is in the ring slot its upload reads
             self.spare.commit(index)
             report.host_elements += sg.numel
-            self._reached_together(("unscaled", "updated"), index)
+            try:
+                self._reached_together(("unscaled", "updated"), index)
+            except BaseException:
+                self.pool.lp_staging.release(staged[0], None)  # the recovery casts and uploads it anew
+                raise
             return self._upload_staged(index, lp, staged[1], staged[0], report)
         result = self.spare.speculative_lp(index, sg.numel)
         streams = self.streams
