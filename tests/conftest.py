@@ -103,3 +103,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="CUDA test: runs in the CUDA pass (pytest --accelerator cuda)"))
         elif not is_cuda and accelerator == "cuda":
             item.add_marker(pytest.mark.skip(reason="CPU-DeepSpeed test: runs in the CPU pass (plain pytest)"))
+
+
+@pytest.fixture
+def restore_signal_handlers():  # noqa: ANN201
+    """The handlers of the signals tests send themselves (SIGINT, SIGTERM, SIGUSR1, SIGUSR2), put back after."""
+    import signal
+
+    sent = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    saved = {signum: signal.getsignal(signum) for signum in sent}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)

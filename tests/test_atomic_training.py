@@ -165,14 +165,6 @@ def assert_resumes_exactly(tmp: Path, checkpoint: Path, final: dict[str, torch.T
         assert torch.equal(value, final[name]), name
 
 
-@pytest.fixture
-def restore_signal_handlers():  # noqa: ANN201
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGUSR1)}
-    yield
-    for s, handler in saved.items():
-        signal.signal(s, handler)
-
-
 # Between two host sub-groups; while a streamed sub-group's state downloads; during the flush of resident
 # state home at the start of the update; after the engine's step, between storing two flats' step counts;
 # and outside the update, during the flush of resident state that a checkpoint saved after the step does.

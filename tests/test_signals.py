@@ -16,15 +16,7 @@ import pytest
 from lightning_dos.host.signals import SignalHold
 
 
-@pytest.fixture
-def usr_handlers():  # noqa: ANN201
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)}
-    yield
-    for s, handler in saved.items():
-        signal.signal(s, handler)
-
-
-@pytest.mark.usefixtures("usr_handlers")
+@pytest.mark.usefixtures("restore_signal_handlers")
 def test_signals_wait_for_release_and_keep_their_order_and_handlers() -> None:
     ran: list[int] = []
     handler = lambda signum, frame: ran.append(signum)  # noqa: E731
@@ -52,7 +44,7 @@ def test_signals_wait_for_release_and_keep_their_order_and_handlers() -> None:
     assert hold.longest_s > 0 and not hold.holding
 
 
-@pytest.mark.usefixtures("usr_handlers")
+@pytest.mark.usefixtures("restore_signal_handlers")
 def test_ctrl_c_raises_on_release_after_every_handler_is_back() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     hold = SignalHold()
@@ -64,7 +56,7 @@ def test_ctrl_c_raises_on_release_after_every_handler_is_back() -> None:
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-@pytest.mark.usefixtures("usr_handlers")
+@pytest.mark.usefixtures("restore_signal_handlers")
 def test_hold_does_nothing_outside_the_main_thread_or_for_ignored_signals() -> None:
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     hold = SignalHold()
@@ -78,7 +70,7 @@ def test_hold_does_nothing_outside_the_main_thread_or_for_ignored_signals() -> N
     hold.release()  # releasing twice is harmless
 
 
-@pytest.mark.usefixtures("usr_handlers")
+@pytest.mark.usefixtures("restore_signal_handlers")
 def test_an_event_loops_wakeup_fd_is_given_back_and_sees_each_held_signal_once() -> None:
     """The hold borrows CPython's wakeup fd (asyncio's self-pipe, where a loop runs) and gives it back."""
     read, write = os.pipe()

@@ -262,14 +262,6 @@ def test_an_exception_during_backward_after_speculation_began_leaves_the_state_p
         assert torch.equal(ours, theirs)
 
 
-@pytest.fixture
-def restore_signals():  # noqa: ANN201
-    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGUSR1, signal.SIGTERM)}
-    yield
-    for signum, handler in saved.items():
-        signal.signal(signum, handler)
-
-
 class SignalWhileSpeculating(L.Callback):
     """Sends ``signum`` to this process once, from the update as it speculates during step ``at``'s backward."""
 
@@ -295,7 +287,7 @@ def _checkpoint_every_step_of_off(tmp_path: Path, threshold: float) -> None:
     fit("off", threshold, callbacks=[every], enable_checkpointing=True, default_root_dir=tmp_path)
 
 
-@pytest.mark.usefixtures("restore_signals")
+@pytest.mark.usefixtures("restore_signal_handlers")
 def test_a_signal_during_backward_after_speculation_began_saves_a_whole_step(tmp_path: Path, threshold: float) -> None:
     """SIGUSR1's handler saves a checkpoint (as Lightning's SLURM requeue handler does); sent from the update as it
     speculates, it is held and runs once the step is recorded: the checkpoint holds the whole step, and resumes."""
@@ -315,7 +307,7 @@ def test_a_signal_during_backward_after_speculation_began_saves_a_whole_step(tmp
     assert same(contents(tmp_path / "requeue"), contents(tmp_path / "off" / "step=3.ckpt"))
 
 
-@pytest.mark.usefixtures("restore_signals")
+@pytest.mark.usefixtures("restore_signal_handlers")
 def test_a_sigterm_during_backward_after_speculation_began_stops_after_a_whole_step(
     tmp_path: Path, threshold: float
 ) -> None:
