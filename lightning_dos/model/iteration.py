@@ -87,9 +87,10 @@ class Speculation:
         commit_rate: the share of steps that are not clipped, whose speculative updates are committed; the others
             restore each speculated sub-group and update it again after backward. At 0 the engine stops
             speculating (its commit policy), so ``auto`` runs as ``forward``.
-        copy_share: what a speculative update costs beyond an update in place, in units of its CPU time: 0 where
-            the compiled kernel writes it out of place in its one pass; torch's kernels copy the state into the
-            spare slot first, the state read and written once against the update's bytes (:func:`speculation_of`).
+        copy_share: what a speculative update costs beyond an update in place, in units of its CPU time
+            (:func:`speculation_of`): the compiled kernel writes it out of place in its one pass, but the lines it
+            writes are not the ones it read, so the CPU reads them first (write-allocate): the state once more;
+            torch's kernels copy the state into the spare slot first, the state read and written once.
     """
 
     commit_rate: float
@@ -97,13 +98,14 @@ class Speculation:
 
 
 def speculation_of(commit_rate: float, footprint: Footprint = ADAM_FP32, out_of_place: bool = True) -> Speculation:
-    """:class:`Speculation` at ``commit_rate`` for ``footprint``'s rule and dtypes; ``out_of_place`` False for
-    torch's kernels, whose speculative update copies the state first (Adam in fp32: 24 more bytes per element
-    over the update's 28)."""
+    """:class:`Speculation` at ``commit_rate`` for ``footprint``'s rule and dtypes: with the compiled kernel
+    (``out_of_place``) the state's bytes read once more, as the CPU reads each line it writes into the spare slot
+    first (Adam in fp32: 12 more bytes per element over the update's 28; measured 1.39x an update in place on an
+    AMD EPYC, AVX2, bench/RESULTS.md); with torch's kernels a copy first (24 more)."""
     if not 0.0 <= commit_rate <= 1.0:
         raise ValueError(f"commit rate {commit_rate} is not in [0, 1]")
-    copy = 0.0 if out_of_place else 2 * footprint.optimizer_state / update_bytes(footprint)
-    return Speculation(commit_rate, copy)
+    copies = 1 if out_of_place else 2
+    return Speculation(commit_rate, copies * footprint.optimizer_state / update_bytes(footprint))
 
 
 def iteration_s(

@@ -236,6 +236,9 @@ def _host_seconds(lane: str, elements: float, rates: HardwareRates, footprint: F
         return elements / rates_for(rates, footprint).host_adam_eps
     if lane == "host_cast":
         return elements / rates.host_cast_eps
+    if lane == "host_write_allocate":  # an update out of place reads the state's lines it writes before writing them
+        share = footprint.optimizer_state / update_bytes(footprint)
+        return elements * share / rates_for(rates, footprint).host_adam_eps
     # The gradient's unscale is part of the one-pass host update whose rate host_adam_eps is (calibrate
     # measures unscale + Adam together); allocations and scalars cost nothing here.
     return 0.0

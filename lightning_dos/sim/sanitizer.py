@@ -355,12 +355,12 @@ class StreamSanitizer(CachingAllocatorModel, DeepSpeedModel):
         reads: list[torch.Tensor] = []
         writes: list[torch.Tensor] = []
         blocking = True
-        lp_out = None
+        lp_out = out_param = None
         for argument, value in self._zip_arguments(schema, args, kwargs):
             if argument.name == "non_blocking":
                 blocking = not value
-            if argument.name == "lp_out":
-                lp_out = value
+            if argument.name in ("lp_out", "out_param"):
+                lp_out, out_param = (value, out_param) if argument.name == "lp_out" else (lp_out, value)
             alias = argument.alias_info
             if alias is not None and not alias.is_write:
                 continue  # a view: metadata only
@@ -391,6 +391,8 @@ class StreamSanitizer(CachingAllocatorModel, DeepSpeedModel):
         logged = [self._classify(op, stream, reads, writes + fresh)]
         if op in HOST_UPDATE_OPS and lp_out is not None:  # the compiled one-pass update also casts into lp_out
             logged.append(LoggedOp("op", stream, "host_cast", lp_out.numel(), lp_out.numel() * FP32_BYTES))
+        if op in HOST_UPDATE_OPS and out_param is not None:  # out of place: the lines it writes are read first
+            logged.append(LoggedOp("op", stream, "host_write_allocate", out_param.numel()))
         operation = self._sim.operation if self._sim is not None else None
         for one in logged:
             self._log(dataclasses.replace(one, sub_group=operation[1]) if operation else one)
