@@ -190,8 +190,8 @@ def host_update(
         step_number: ``step``'s value as a host number (see :func:`apply_update`); None reads ``step``.
         out: ``(master weights, states)`` of the same dtypes and sizes to write the result into, leaving ``param``
             and ``states`` as they were (a speculative update); None updates in place. The compiled kernel reads
-            the old and writes the new in its one pass (no more bytes than in place); torch's path copies the
-            state into ``out`` first and updates it there.
+            the old and writes the new in its one pass (1.39x an update in place on AVX2: the CPU reads each line
+            it writes first); torch's path copies the state into ``out`` first and updates it there.
     """
     if tile < 1:
         raise ValueError(f"tile must be a positive number of elements, got {tile}")

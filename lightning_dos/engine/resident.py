@@ -124,7 +124,7 @@ class ResidentSubGroups:
         sub-groups (None: all)."""
         chosen = list(self.resident) if indices is None else [i for i in indices if i in self.resident]
         self._download_resident(chosen)
-        self._bring_home(list(self.spare.held) if indices is None else [i for i in indices if i in self.spare.held])
+        self._bring_home(list(self.spare.held) if indices is None else indices)
 
     def _bring_home(self, indices: Sequence[int]) -> None:
         """Copy the state of these sub-groups held in spare slots (committed speculative updates) back to the slabs

@@ -7,10 +7,11 @@ the end of backward knows. DeepSpeed's clip coefficient is clamped at 1 (``stage
 so on every step whose norm is under the threshold the gradient is multiplied by exactly ``1 / loss_scale``, and
 an update computed with that factor before the norm was known is bit-identical to the one computed after. The
 engine therefore updates host sub-groups during backward with that guess (*speculates*), out of place: the
-update reads the sub-group's current master weights and state and writes the new ones elsewhere, in the same one
-pass (the same bytes as an update in place). A sub-group's state lives in one of two places, its span of the
-engine's slabs (*home*, where DeepSpeed's views see it) or a spare slot (*held*), and a speculative update always
-writes into the other one: a free slot for a sub-group at home, its home span for a held one. When backward ends:
+update reads the sub-group's current master weights and state and writes the new ones elsewhere, in one pass
+(dearer than in place all the same: the CPU reads each line it writes first). A sub-group's state lives in one
+of two places, its span of the engine's slabs (*home*, where DeepSpeed's views see it) or a spare slot (*held*),
+and a speculative update always writes into the other one: a free slot for a sub-group at home, its home span
+for a held one. When backward ends:
 
 - the real factor equals the guess: the speculative update *is* the step's update; it is committed by swapping
   which of the two places is current (no copy), and its 16-bit result, kept in the slot, is written to the
