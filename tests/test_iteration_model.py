@@ -83,6 +83,14 @@ def test_simulate_with_clipping_weighs_committed_and_clipped_steps(capsys: pytes
     for got in runs.values():
         assert got["iteration_s"]["auto"] == pytest.approx(got["iteration_predicted_s"]["auto"], rel=0.10)
         assert got["iteration_plans"]["auto"]["races"] == 0 and got["speculation_bytes"] > 0
+        assert got["iteration_floor_s"]["auto"] <= min(got["iteration_s"]["auto"], got["iteration_predicted_s"]["auto"])
+    # The floor charges the speculative update's write-allocate: committed, it sits above exact auto's (no clipping).
+    from lightning_dos.model.iteration import iteration_floor
+
+    sizes, rates = sub_group_sizes(int(20e9), 4, int(1e8)), load_profile("paper-h100x4")[0]
+    exact = iteration_floor(sizes, rates, 2, 0.5, 1.0)["auto"]
+    assert committed["iteration_floor_s"]["auto"] > exact
+    assert clipped["iteration_floor_s"]["auto"] == pytest.approx(clipped["iteration_floor_s"]["forward"])
     assert cli_main(["simulate", "--params", "20e9", "--commit-rate", "0.5"]) == 2  # needs --clip
     assert "--commit-rate needs --clip" in capsys.readouterr().err
 
@@ -270,10 +278,12 @@ def test_no_placement_predicts_an_iteration_below_the_floor() -> None:
         late = frozenset(i for i in range(n) if places[i] == H and rng.random() < 0.5)
         plan = Plan(places, rng.randint(1, 3), late)
         forward, backward = rng.uniform(0.01, 0.5), rng.uniform(0.01, 1.0)
-        got = iteration_s(sizes, plan, predicted_timeline(sizes, plan, rates, 2), forward, backward)
-        floor = iteration_floor(sizes, rates, 2, forward, backward)
+        # Clipping on in half the draws: speculation at a random commit rate and write-allocate cost.
+        clip = Speculation(rng.choice((0.0, rng.random(), 1.0)), rng.uniform(0.0, 1.0)) if rng.random() < 0.5 else None
+        got = iteration_s(sizes, plan, predicted_timeline(sizes, plan, rates, 2), forward, backward, clip)
+        floor = iteration_floor(sizes, rates, 2, forward, backward, speculation=clip)
         for mode in ("off", "forward", "auto"):
-            assert floor[mode] <= got[mode] * (1 + 1e-9), (mode, floor, got, sizes, plan, forward, backward)
+            assert floor[mode] <= got[mode] * (1 + 1e-9), (mode, floor, got, sizes, plan, forward, backward, clip)
     sizes = sub_group_sizes(int(20e9), 4, int(1e8))
     plan = iteration_plan(sizes, base, 2, 2, 0.5, 1.0, "auto")
     best = iteration_s(sizes, plan, predicted_timeline(sizes, plan, base, 2), 0.5, 1.0)["auto"]

@@ -265,7 +265,8 @@ def whole_iteration(
     ``stock`` is stock ZeRO-3 offload's update after forward and backward. With ``trace``, each mode's replay is
     written beside it as a Perfetto trace (``<trace stem>-iteration-<mode><suffix>``, its path in the mode's
     ``iteration_plans`` entry). ``iteration_floor_s`` is what no placement or schedule could beat
-    (:func:`~lightning_dos.model.iteration.iteration_floor`, resident state up to ``resident_room`` bytes). With
+    (:func:`~lightning_dos.model.iteration.iteration_floor`, resident state up to ``resident_room`` bytes, a
+    speculative update's write-allocate charged). With
     ``speculation`` (gradient clipping), ``auto`` is replayed committed and clipped and the two are weighed by its
     commit rate (at 0 the engine stops speculating: ``forward``'s replay); ``speculation_bytes`` is the host memory
     its spare slots take (one per host sub-group it may update during backward)."""
@@ -317,7 +318,14 @@ def whole_iteration(
         "iteration_s": {**replayed, "stock": stock},
         "iteration_predicted_s": {**predicted, "stock": stock},
         "iteration_floor_s": iteration_floor(
-            sizes, rates, lp_bytes, forward_s, backward_s, footprint=footprint, resident_room=resident_room
+            sizes,
+            rates,
+            lp_bytes,
+            forward_s,
+            backward_s,
+            footprint=footprint,
+            resident_room=resident_room,
+            speculation=speculation,
         ),
         "iteration_plans": plans,
     }

@@ -149,6 +149,7 @@ def iteration_floor(
     *,
     footprint: Footprint = ADAM_FP32,
     resident_room: int = 0,
+    speculation: Speculation | None = None,
 ) -> dict[str, float]:
     """Per mode in :data:`MODES`, an iteration no placement or schedule can beat under the engine's rules: the
     update's device work begins when backward ends (its staging buffers come from the memory backward frees), a
@@ -159,22 +160,33 @@ def iteration_floor(
     granularity), and the iteration at least forward + backward. Under ``auto`` the CPU may have updated, during
     backward, as many elements as it can from the first gradient's finality to backward's end; resident state
     (up to ``resident_room`` device bytes: a ``gpu_memory_budget``) is charged nothing at all. Each relaxation only
-    lowers the bound, so a schedule that the model or the replay times below it would be a fault of theirs."""
+    lowers the bound, so a schedule that the model or the replay times below it would be a fault of theirs.
+
+    With ``speculation`` (gradient clipping), an update during backward costs ``1 + copy_share`` of one in place
+    (its write-allocate), and only a committed step keeps it: ``auto``'s bound is the commit rate's mean of the
+    committed step's bound and ``forward``'s (a clipped step updates everything after backward), as the model's
+    and the replay's ``auto`` are the same mean of their committed and clipped steps."""
     total = sum(sizes)
     if total == 0:
         return {mode: forward_s + backward_s for mode in MODES}
     left = max(0, total - resident_room // footprint.device)
     per_element = rates_for(rates, footprint).host_s_per_element
     first_final = backward_s * sizes[-1] / total  # backward makes the last sub-group's gradient final first
+    if speculation is not None:
+        per_element *= 1 + speculation.copy_share
     during_backward = min(left, (backward_s - first_final) / per_element)
 
     def after_backward(elements: float) -> float:
         return max(forward_s, least_update_s(elements, rates, lp_bytes, footprint=footprint))
 
+    forward = backward_s + after_backward(left)
+    auto = backward_s + after_backward(left - during_backward)
+    if speculation is not None:
+        auto = speculation.commit_rate * auto + (1 - speculation.commit_rate) * forward
     return {
         "off": forward_s + backward_s + least_update_s(left, rates, lp_bytes, footprint=footprint),
-        "forward": backward_s + after_backward(left),
-        "auto": backward_s + after_backward(left - during_backward),
+        "forward": forward,
+        "auto": auto,
     }
 
 
