@@ -41,6 +41,32 @@ needs_compiler = pytest.mark.skipif(
 )
 
 
+#: Libraries built in this test session, by (compiler, flags): several tests load the same x86-64 levels, and each
+#: build of host_adam.c takes 10-20 s on two cores.
+_BUILT: dict[tuple[str, tuple[str, ...]], Path] = {}
+
+
+def _build_key(compiler: str, flags: list[str]) -> tuple[str, tuple[str, ...]]:
+    return os.path.realpath(shutil.which(compiler) or compiler), tuple(flags)
+
+
+def built_once(compiler: str, flags: list[str], directory: Path) -> Path:
+    """host_adam.c built by ``compiler`` with ``flags`` (added to ``native.FLAGS``, as ``native.compile_library``
+    adds them) into ``directory``, or the library an earlier test of this session built so."""
+    key = _build_key(compiler, flags)
+    if key not in _BUILT or not _BUILT[key].exists():
+        target = directory / f"host_adam-{len(_BUILT)}.so"
+        native.compile_library(compiler, flags, target)
+        _BUILT[key] = target
+    return _BUILT[key]
+
+
+def remember_build(compiler: str, flags: list[str], library: Path) -> None:
+    """Let :func:`built_once` reuse ``library``, built by ``compiler`` with ``flags`` and options that do not change
+    the code generated (GCC's ``-fopt-info`` remarks)."""
+    _BUILT.setdefault(_build_key(compiler, flags), library)
+
+
 def _state(numel: int, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     param, grad, exp_avg = (torch.randn(numel, generator=gen) for _ in range(3))
@@ -160,19 +186,18 @@ def test_the_result_does_not_depend_on_threads_or_where_a_sub_group_is_cut(lp_dt
 def test_every_instruction_set_and_build_gives_the_same_bits(tmp_path: Path) -> None:
     """The library for this CPU, for plain x86-64 (SSE2, fmaf by double arithmetic, most loops scalar), for
     x86-64-v3 (AVX2, FMA: the streaming casts), without OpenMP (its own threads), and with fmaf by double
-    arithmetic where the CPU has FMA all compute the same bits: the same as the cached build the engine runs.
-    (test_native_builds.py compares each x86-64 level and aarch64 with torch.)"""
+    arithmetic in an x86-64-v3 build (which has FMA) all compute the same bits: the same as the cached build the
+    engine runs. (test_native_builds.py compares each x86-64 level and aarch64 with torch; the builds both files
+    load are built once, :func:`built_once`.)"""
     compiler = native._compiler()
     builds = {"engine's": native._load()}
     for name, flags in {
         "x86-64": ["-march=x86-64"],
         "x86-64-v3": ["-march=x86-64-v3", "-fopenmp"],
         "no OpenMP": ["-march=native"],
-        "fmaf by double": ["-march=native", "-fopenmp", "-DDOS_FMA_BY_DOUBLE"],
+        "fmaf by double": ["-march=x86-64-v3", "-fopenmp", "-DDOS_FMA_BY_DOUBLE"],  # as test_native_builds builds it
     }.items():
-        target = tmp_path / f"{name.replace(' ', '_')}.so"
-        native.compile_library(compiler, flags, target)
-        builds[name] = native.HostUpdateKernel(target)
+        builds[name] = native.HostUpdateKernel(built_once(compiler, flags, tmp_path))
     numel = 2 * native.MIN_ELEMENTS_PER_THREAD + 1037
     for lp_dtype in LP_DTYPES:
         outputs = {}
