@@ -6,11 +6,14 @@ import dataclasses
 import math
 import os
 import random
+import shutil
+from pathlib import Path
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_dos.engine import native
 from lightning_dos.model.plan import Place, random_plan
 
 VOCAB = 61
@@ -239,3 +242,30 @@ def clean_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_ENV}
     env["DS_ACCELERATOR"] = "cpu"
     return env
+
+
+#: Libraries built in this test session, by (compiler, flags): several tests load the same x86-64 levels, and each
+#: build of host_adam.c takes 10-20 s on two cores. (Here, not in a test module: pytest imports a test module under
+#: its own name, and another module importing it as ``tests.<name>`` would get a second copy of this dict.)
+_BUILT: dict[tuple[str, tuple[str, ...]], Path] = {}
+
+
+def _build_key(compiler: str, flags: list[str]) -> tuple[str, tuple[str, ...]]:
+    return os.path.realpath(shutil.which(compiler) or compiler), tuple(flags)
+
+
+def built_once(compiler: str, flags: list[str], directory: Path) -> Path:
+    """host_adam.c built by ``compiler`` with ``flags`` (added to ``native.FLAGS``, as ``native.compile_library``
+    adds them) into ``directory``, or the library an earlier test of this session built so."""
+    key = _build_key(compiler, flags)
+    if key not in _BUILT or not _BUILT[key].exists():
+        target = directory / f"host_adam-{len(_BUILT)}.so"
+        native.compile_library(compiler, flags, target)
+        _BUILT[key] = target
+    return _BUILT[key]
+
+
+def remember_build(compiler: str, flags: list[str], library: Path) -> None:
+    """Let :func:`built_once` reuse ``library``, built by ``compiler`` with ``flags`` and options that do not change
+    the code generated (GCC's ``-fopt-info`` remarks)."""
+    _BUILT.setdefault(_build_key(compiler, flags), library)

@@ -25,15 +25,14 @@ from bench import kernels as bench_kernels
 from lightning_dos.engine import native
 from lightning_dos.model.update_rules import RULES
 from tests import test_native_rules as rules_test
+from tests.helpers import built_once, remember_build
 from tests.test_native_kernel import (
     HYPERS,
     LP_DTYPES,
     SCALES,
     assert_bit_identical_to_torch,
-    built_once,
     kernel_result,
     needs_torch_vector_path,
-    remember_build,
     torch_reference,
 )
 

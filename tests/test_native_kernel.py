@@ -17,6 +17,7 @@ import torch
 from lightning_dos.engine import native
 from lightning_dos.engine.kernels import Hyper, host_update, step_tensor, tiled_update
 from lightning_dos.model.update_rules import ADAM, RULES
+from tests.helpers import built_once
 
 ADAMW = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True)
 HYPERS = {
@@ -39,32 +40,6 @@ needs_compiler = pytest.mark.skipif(
     reason=f"the compiled kernel is unavailable here ({native.unavailable_reason()}); "
     "test_without_a_compiler_the_engine_warns_once_and_uses_torchs_kernels covers the fallback",
 )
-
-
-#: Libraries built in this test session, by (compiler, flags): several tests load the same x86-64 levels, and each
-#: build of host_adam.c takes 10-20 s on two cores.
-_BUILT: dict[tuple[str, tuple[str, ...]], Path] = {}
-
-
-def _build_key(compiler: str, flags: list[str]) -> tuple[str, tuple[str, ...]]:
-    return os.path.realpath(shutil.which(compiler) or compiler), tuple(flags)
-
-
-def built_once(compiler: str, flags: list[str], directory: Path) -> Path:
-    """host_adam.c built by ``compiler`` with ``flags`` (added to ``native.FLAGS``, as ``native.compile_library``
-    adds them) into ``directory``, or the library an earlier test of this session built so."""
-    key = _build_key(compiler, flags)
-    if key not in _BUILT or not _BUILT[key].exists():
-        target = directory / f"host_adam-{len(_BUILT)}.so"
-        native.compile_library(compiler, flags, target)
-        _BUILT[key] = target
-    return _BUILT[key]
-
-
-def remember_build(compiler: str, flags: list[str], library: Path) -> None:
-    """Let :func:`built_once` reuse ``library``, built by ``compiler`` with ``flags`` and options that do not change
-    the code generated (GCC's ``-fopt-info`` remarks)."""
-    _BUILT.setdefault(_build_key(compiler, flags), library)
 
 
 def _state(numel: int, seed: int) -> list[torch.Tensor]:
