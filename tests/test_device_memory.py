@@ -123,7 +123,9 @@ class HeldAtNextBatch(L.Callback):
     overlaps it is still running its host side (the device side is all issued by then: it is launched first).
 
     The update thread is held at its first host sub-group's update, after the device side, until the batch
-    start has read the account, so the reading does not depend on how the two threads are scheduled."""
+    start has read the account, so the reading does not depend on how the two threads are scheduled. The last
+    step's update is not held: no batch follows it, and the end of training waits for it (held, it stalled that
+    wait for the full 60 s timeout, one run in three)."""
 
     def __init__(self) -> None:
         self.held: list[int] = []
@@ -134,7 +136,8 @@ class HeldAtNextBatch(L.Callback):
         engine = trainer.strategy.dos_engine
 
         def on_point(point: str, index: int) -> None:
-            if point == "unscaled" and engine.in_flight and not self._host_side.is_set():
+            last = engine.reports_issued + 1 >= trainer.max_steps  # the update running reports next
+            if point == "unscaled" and engine.in_flight and not self._host_side.is_set() and not last:
                 self._host_side.set()
                 self._read.wait(timeout=60)
 
