@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from lightning_dos.model.iteration import write_allocate_share
 from lightning_dos.model.perfmodel import HardwareRates, rates_for, update_bytes
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 from lightning_dos.sim.findings import HOST, LoggedOp
@@ -237,8 +238,7 @@ def _host_seconds(lane: str, elements: float, rates: HardwareRates, footprint: F
     if lane == "host_cast":
         return elements / rates.host_cast_eps
     if lane == "host_write_allocate":  # an update out of place reads the state's lines it writes before writing them
-        share = footprint.optimizer_state / update_bytes(footprint)
-        return elements * share / rates_for(rates, footprint).host_adam_eps
+        return elements * write_allocate_share(footprint) / rates_for(rates, footprint).host_adam_eps
     # The gradient's unscale is part of the one-pass host update whose rate host_adam_eps is (calibrate
     # measures unscale + Adam together); allocations and scalars cost nothing here.
     return 0.0

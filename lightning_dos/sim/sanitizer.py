@@ -359,8 +359,10 @@ class StreamSanitizer(CachingAllocatorModel, DeepSpeedModel):
         for argument, value in self._zip_arguments(schema, args, kwargs):
             if argument.name == "non_blocking":
                 blocking = not value
-            if argument.name in ("lp_out", "out_param"):
-                lp_out, out_param = (value, out_param) if argument.name == "lp_out" else (lp_out, value)
+            if argument.name == "lp_out":
+                lp_out = value
+            elif argument.name == "out_param":
+                out_param = value
             alias = argument.alias_info
             if alias is not None and not alias.is_write:
                 continue  # a view: metadata only
