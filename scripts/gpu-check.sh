@@ -34,6 +34,9 @@ if [ -d .whl ] && ! $py -c "import deepspeed" 2>/dev/null; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# A step cut off by a lease's deadline keeps what it printed: output unbuffered, each test's outcome as it ends,
+# each failure's report at once (tests/conftest.py).
+export PYTHONUNBUFFERED=1 DOS_TEST_FAILURES_AT_ONCE=1
 if ! $py -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   echo "gpu-check: no CUDA GPU visible to $py (or no torch); nothing to check here. Run it on a GPU machine."
   exit 0
@@ -92,13 +95,13 @@ for step in "${steps[@]}"; do
   echo "== gpu-check: $step"
   case $step in
     cuda-tests)
-      run_logged "$out/cuda-tests.txt" $py -m pytest -q -rs -p no:cacheprovider --accelerator cuda tests/test_gpu.py
+      run_logged "$out/cuda-tests.txt" $py -m pytest -v --tb=short -rs -p no:cacheprovider --accelerator cuda tests/test_gpu.py
       tail -n 3 "$out/cuda-tests.txt" > "$out/cuda-tests-summary.txt"
       section "CUDA tests (tests/test_gpu.py)" "$out/cuda-tests-summary.txt" ;;
     cpu-tests-[123])
       part=${step#cpu-tests-}
       mapfile -t files < <(cpu_files "$part")
-      run_logged "$out/$step.txt" $py -m pytest -q -rs -p no:cacheprovider "${files[@]}"
+      run_logged "$out/$step.txt" $py -m pytest -v --tb=short -rs -p no:cacheprovider "${files[@]}"
       { grep -E '^SKIPPED' "$out/$step.txt" | cut -c1-200; tail -n 1 "$out/$step.txt"; } > "$out/$step-summary.txt"
       section "CPU tests, part $part of 3" "$out/$step-summary.txt" ;;
     calibrate)

@@ -123,6 +123,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="CPU-DeepSpeed test: runs in the CPU pass (plain pytest)"))
 
 
+#: Set (as scripts/gpu-check.sh does) to print each failure's report the moment it happens: a run cut off by a
+#: device lease's deadline then still says why the tests that failed before it failed.
+FAILURES_AT_ONCE = "DOS_TEST_FAILURES_AT_ONCE"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.failed and os.environ.get(FAILURES_AT_ONCE):
+        import sys
+
+        report_text = report.longreprtext[-6000:]
+        print(f"\n--- {report.nodeid} failed ({report.when}):\n{report_text}", file=sys.stderr, flush=True)
+
+
 @pytest.fixture
 def restore_signal_handlers():  # noqa: ANN201
     """The handlers of the signals tests send themselves (SIGINT, SIGTERM, SIGUSR1, SIGUSR2), put back after."""
