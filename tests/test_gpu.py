@@ -62,15 +62,23 @@ def test_cuda_placements_match_plain_adamw(fraction: float) -> None:
 
 def test_stress_many_small_sub_groups_random_plan_every_step() -> None:
     """200 steps, ~130 sub-groups of 64 elements, a new random plan each step: a copy racing a kernel
-    (stale upload, early download, reused buffer) would leave garbage far beyond float tolerance."""
+    (stale upload, early download, reused buffer) would leave garbage far beyond float tolerance.
+
+    The host's compiled kernel and CUDA's kernels round differently, and over 200 steps that compounds (2e-5
+    after 20 steps): the bound is what the two fixed placements, every sub-group on the host and every one on the
+    device, differ from the reference by over the same steps, not a fixed figure."""
     steps = 200
     reference = full_parameters(fit("auto", steps=steps))
+
+    def error(strategy: DeepOptimizerStatesStrategy, callbacks=()) -> float:  # noqa: ANN001
+        return max_relative_error(full_parameters(fit(strategy, steps=steps, callbacks=callbacks)), reference)
+
+    rounding = max(error(DeepOptimizerStatesStrategy(gpu_fraction=f, sub_group_size=64)) for f in (0.0, 1.0))
     placement = RandomPlacement(seed=3)
-    model = fit(DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=64), steps=steps, callbacks=[placement])
+    random_plans = error(DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=64), [placement])
     assert len(placement.plans) == steps
-    # Float-level differences between the CPU and CUDA fused kernels compound over 200 steps; races do not
-    # stay within 1e-4.
-    assert max_relative_error(full_parameters(model), reference) < 1e-4
+    # A mix of the two placements rounds like them; a stale tensor is off by about lr (1e-3) per step.
+    assert random_plans <= 2 * rounding + CUDA_RTOL, (random_plans, rounding)
 
 
 class UpdatePeak(L.Callback):
