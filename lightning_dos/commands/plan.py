@@ -4,6 +4,7 @@ lightning-dos calibrate --out my-node.yaml
 lightning-dos plan --params 20e9 --gpus-per-node 4 --profile paper-h100x4
 lightning-dos plan --recipe recipes/gpt-7b.yaml --profile my-node.yaml --forward-s 0.4 --backward-s 0.9 --json
 lightning-dos plan --params 20e9 --optimizer lion --master-dtype bf16 --state-dtype bf16
+lightning-dos plan --params 70e9 --nvme-read-gbs 25 --nvme-write-gbs 10 --host-budget 0,0.25,0.5
 """
 
 from __future__ import annotations
@@ -15,6 +16,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightning_dos.commands.nvme_rows import (
+    DEFAULT_HOST_BUDGETS,
+    add_nvme_options,
+    disk_of,
+    host_budgets,
+    nvme_rows,
+    print_nvme,
+)
 from lightning_dos.commands.options import (
     add_footprint_options,
     add_model_options,
@@ -165,7 +174,13 @@ def plan_rows(
         overlapped = _overlapped_iterations(
             sizes, rates, lp, budget, resident_ok, args.forward_s, args.backward_s, fp, speculation
         )
+    disk = disk_of(args, meta)
+    nvme = None
+    if disk is not None:
+        budgets = host_budgets(getattr(args, "host_budget", DEFAULT_HOST_BUDGETS))
+        nvme = nvme_rows(sizes, ours_plan, rates, disk, budgets, gpus, lp, fp)
     return {
+        "nvme": nvme,
         "overlapped": overlapped,
         "params": params,
         "gpus": gpus,
@@ -290,6 +305,8 @@ def _print_plan(result: dict) -> None:
             + ", ".join(f"{mode} {v['iteration_s']:.3f} s ({v['streamed']} streamed)" for mode, v in it.items()),
             markup=False,
         )
+    if result["nvme"] is not None:
+        print_nvme(result["nvme"], console)
     if result["device"].startswith("CPU"):
         console.print(
             "TwinFlow and the paper's strides need an accelerator; a CPU-only profile shows stock offload and ours.",
@@ -360,6 +377,7 @@ def _parser() -> argparse.ArgumentParser:
     add_footprint_options(cal)
     plan = sub.add_parser("plan", help="predict the update phase of each offload scheme")
     add_model_options(plan)
+    add_nvme_options(plan)
     return parser
 
 
@@ -386,6 +404,7 @@ def main(argv: list[str]) -> int:
         # Sized once, for the rank's partition, before any work (plan_rows takes the number as given).
         args.sub_group_size = sub_group_size_of(args.sub_group_size, params // gpus)
         speculation_option(args, footprint)  # a bad --commit-rate is refused before any work
+        disk_of(args, meta), host_budgets(args.host_budget)  # and bad NVMe figures
     except (FileNotFoundError, ValueError) as error:
         print(f"lightning-dos plan: error: {error}", file=sys.stderr)
         return 2

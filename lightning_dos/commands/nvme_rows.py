@@ -1,0 +1,145 @@
+"""The NVMe tier in ``lightning-dos plan``: ours against stock ZeRO-3 NVMe offload, per host-memory budget.
+
+lightning-dos plan --params 70e9 --nvme-read-gbs 25 --nvme-write-gbs 10 --host-budget 0,0.25,0.5
+
+Predicted by :mod:`lightning_dos.model.nvme` (the performance model), not replayed: the engine does not run
+the NVMe tier yet (offload_optimizer.device "nvme" is refused), so there is no schedule of it to replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_dos.model.nvme import STOCK_BUFFER_COUNT, DiskRates, stock_tiered_update_s, tiered_update
+from lightning_dos.model.perfmodel import HardwareRates
+from lightning_dos.model.plan import Plan
+from lightning_dos.model.update_rules import Footprint
+
+#: Host staging slabs ours cycles file-backed sub-groups through (as many as stock's buffers: the same memory).
+OUR_SLOTS = STOCK_BUFFER_COUNT
+#: ``--host-budget``'s default: no host memory for the state, a quarter of it, half.
+DEFAULT_HOST_BUDGETS = "0,0.25,0.5"
+
+
+def add_nvme_options(parser: argparse.ArgumentParser) -> None:
+    """``--nvme-read-gbs``, ``--nvme-write-gbs`` and ``--host-budget``."""
+    parser.add_argument(
+        "--nvme-read-gbs", type=float, help="the node's NVMe read bandwidth, GB/s (default: the profile's nvme entry)"
+    )
+    parser.add_argument("--nvme-write-gbs", type=float, help="the node's NVMe write bandwidth, GB/s (with the read's)")
+    parser.add_argument(
+        "--host-budget",
+        default=DEFAULT_HOST_BUDGETS,
+        help="with an NVMe drive: host memory for optimizer state, comma-separated; each a share of the state in "
+        "[0, 1] or bytes per node (default 0,0.25,0.5)",
+    )
+
+
+def disk_of(args: argparse.Namespace, meta: dict[str, Any]) -> DiskRates | None:
+    """The drive ``--nvme-read-gbs``/``--nvme-write-gbs`` describe, else the profile's ``nvme`` entry
+    (``read_bps``, ``write_bps``), else None (no NVMe tier to plan)."""
+    # Absent from a namespace built by hand (a caller of plan_rows): no drive named.
+    read, write = getattr(args, "nvme_read_gbs", None), getattr(args, "nvme_write_gbs", None)
+    if (read is None) != (write is None):
+        raise ValueError("give both --nvme-read-gbs and --nvme-write-gbs, or neither")
+    if read is not None:
+        return DiskRates(read * 1e9, write * 1e9)
+    entry = meta.get("nvme")
+    if entry is None:
+        return None
+    if not isinstance(entry, dict) or set(entry) != {"read_bps", "write_bps"}:
+        raise ValueError(f"the profile's nvme entry must hold read_bps and write_bps, got {entry!r}")
+    return DiskRates(float(entry["read_bps"]), float(entry["write_bps"]))
+
+
+def host_budgets(text: str) -> list[float]:
+    """``--host-budget``'s values: shares in [0, 1] or bytes (> 1)."""
+    try:
+        values = [float(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise ValueError(f"--host-budget {text!r}: give comma-separated shares in [0, 1] or bytes") from None
+    if not values or any(v < 0 for v in values):
+        raise ValueError(f"--host-budget {text!r}: give comma-separated shares in [0, 1] or bytes, none negative")
+    return values
+
+
+def nvme_rows(
+    sizes: Sequence[int],
+    plan: Plan,
+    rates: HardwareRates,
+    disk: DiskRates,
+    budgets: Sequence[float],
+    ranks: int,
+    lp_bytes: int,
+    footprint: Footprint,
+) -> dict[str, Any]:
+    """Per host budget: ours (``plan``'s placement, the file-backed sub-groups in the order the model finds
+    faster, alternating or forward) against stock's pipelined swapper, both on one rank's share of the drive."""
+    per_rank = disk.per_rank(ranks)
+    state = sum(sizes) * footprint.optimizer_state
+    stock = stock_tiered_update_s(sizes, rates, per_rank, lp_bytes=lp_bytes, footprint=footprint)
+    rows = []
+    for budget in budgets:
+        held = budget * state if budget <= 1 else budget / ranks
+        orders = {
+            alternate: tiered_update(
+                sizes, plan, rates, per_rank, held, alternate=alternate, lp_bytes=lp_bytes, slots=OUR_SLOTS,
+                footprint=footprint,
+            )
+            for alternate in (True, False)
+        }  # fmt: skip
+        alternate = orders[True].time_s <= orders[False].time_s
+        ours = orders[alternate]
+        rows.append(
+            {
+                "host_budget": budget,
+                "host_state_gb": min(held, state) / 1e9,
+                "file_share": ours.write_bytes / state if state else 0.0,
+                "order": "alternating" if alternate else "forward",
+                "ours_s": ours.time_s,
+                "ours_disk_floor_s": ours.disk_s,
+                "ours_read_gb": ours.read_bytes / 1e9,
+                "ours_write_gb": ours.write_bytes / 1e9,
+                "stock_s": stock.time_s,
+                "stock_disk_floor_s": stock.disk_s,
+                "ours_vs_stock": stock.time_s / ours.time_s,
+            }
+        )
+    return {
+        "read_gbs": disk.read_bps / 1e9,
+        "write_gbs": disk.write_bps / 1e9,
+        "ranks": ranks,
+        "slots": OUR_SLOTS,
+        "state_gb_per_rank": state / 1e9,
+        "rows": rows,
+    }
+
+
+def print_nvme(result: dict[str, Any], console: Any) -> None:  # noqa: ANN401 - a rich Console
+    """The NVMe rows as a table that fits 80 columns."""
+    from rich.table import Table
+
+    table = Table(
+        title=f"NVMe tier: a drive of {result['read_gbs']:.1f} GB/s read, {result['write_gbs']:.1f} GB/s write, "
+        f"shared by {result['ranks']} rank(s); {result['state_gb_per_rank']:.1f} GB of optimizer state per rank",
+        caption="predicted (performance model), not replayed. floor: the drive's time for the bytes read and "
+        f"written; {result['slots']} host staging slabs for each.",
+    )
+    table.add_column("host\nbudget", justify="right")
+    for column in ("in\nfiles", "order", "ours\ns", "x\nfloor", "stock\ns", "x\nfloor", "ours vs\nstock"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for row in result["rows"]:
+        budget = row["host_budget"]
+        table.add_row(
+            f"{budget:.0%}" if budget <= 1 else f"{budget / 1e9:.0f} GB",
+            f"{row['file_share']:.0%}",
+            row["order"],
+            f"{row['ours_s']:.2f}",
+            f"{row['ours_s'] / row['ours_disk_floor_s']:.2f}" if row["ours_disk_floor_s"] else "-",
+            f"{row['stock_s']:.2f}",
+            f"{row['stock_s'] / row['stock_disk_floor_s']:.2f}",
+            f"{row['ours_vs_stock']:.2f}x",
+        )
+    console.print(table)

@@ -1,0 +1,270 @@
+"""The NVMe tier of the performance model: an update whose optimizer state does not all fit in host memory.
+
+A sub-group whose master weights and states (``footprint.optimizer_state`` bytes per element) live in a file is
+read into one of a bounded number of host staging slabs before its update (on the CPU, or streamed through the
+device as :mod:`lightning_dos.model.perfmodel` models it), and written back after; the slab is free again once
+the write is done. The disk is one queue shared by reads and writes (an NVMe drive's bandwidth is shared by
+both directions), and by every rank of the node (:meth:`DiskRates.per_rank`). A write ready at the time the disk
+picks its next operation goes first: it frees a slab. The sub-groups kept in host slabs (the host budget) need
+no disk at all.
+
+The same account gives stock ZeRO-3 NVMe offload (DeepSpeed's pipelined optimizer swapper, ``pipeline_read`` and
+``pipeline_write`` on): every sub-group's state in a file, ``buffer_count`` staging slabs, each sub-group's CPU
+update followed by its cast and a blocking upload of the 16-bit result (:func:`stock_tiered_update_s`).
+
+Between iterations the order of the file-backed sub-groups can alternate (MLP-Offload's cache-friendly order):
+the last ones written are still in their slabs when the next update starts with them, so their reads are
+skipped (``cached``). Predictions, not measurements; knows nothing of Lightning, DeepSpeed or files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from lightning_dos.model.perfmodel import HardwareRates, link_seconds, rates_for
+from lightning_dos.model.plan import Place, Plan
+from lightning_dos.model.update_rules import ADAM_FP32, Footprint
+
+#: DeepSpeed's default ``offload_optimizer.buffer_count``: the staging slabs stock's swapper cycles through.
+STOCK_BUFFER_COUNT = 4
+
+
+@dataclass(frozen=True)
+class DiskRates:
+    """What the node's NVMe drive (or array) under ``nvme_path`` does, bytes/s, all ranks together.
+
+    Attributes:
+        read_bps: sequential O_DIRECT read bandwidth.
+        write_bps: sequential O_DIRECT write bandwidth.
+    """
+
+    read_bps: float
+    write_bps: float
+
+    def __post_init__(self) -> None:
+        for name in ("read_bps", "write_bps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"disk {name} must be positive, got {getattr(self, name)}")
+
+    def per_rank(self, ranks: int) -> DiskRates:
+        """The share of one of ``ranks`` ranks that read and write the drive at once."""
+        return DiskRates(self.read_bps / ranks, self.write_bps / ranks)
+
+    def floor_s(self, read_bytes: float, write_bytes: float) -> float:
+        """The least time the drive needs for these bytes: reads and writes share it."""
+        return read_bytes / self.read_bps + write_bytes / self.write_bps
+
+
+@dataclass(frozen=True)
+class TieredPrediction:
+    """The model's account of an update with a file-backed tier.
+
+    Attributes:
+        time_s: predicted update time, from the first read to the last write.
+        read_bytes: bytes read from the drive.
+        write_bytes: bytes written to it.
+        disk_s: time the drive is busy (the disk-bandwidth floor of this update).
+        host_s: time the CPU is busy.
+        slots: staging slabs used.
+    """
+
+    time_s: float
+    read_bytes: int
+    write_bytes: int
+    disk_s: float
+    host_s: float
+    slots: int
+
+
+def nvme_sub_groups(sizes: Sequence[int], plan: Plan, host_budget_bytes: float, footprint: Footprint) -> list[int]:
+    """The sub-groups whose state goes to files when the host slabs may hold ``host_budget_bytes`` of it:
+    resident ones never (their state lives on the device), the others in the plan's order, the last ones first
+    to the files, so the first sub-groups the update takes need no read and the drive's reads run beside them."""
+    held, kept = 0.0, set()
+    for i in [i for i in range(len(sizes)) if plan.places[i] is not Place.RESIDENT]:
+        need = sizes[i] * footprint.optimizer_state
+        if held + need <= host_budget_bytes:
+            held += need
+            kept.add(i)
+    return [i for i in range(len(sizes)) if plan.places[i] is not Place.RESIDENT and i not in kept]
+
+
+def predict_tiered(
+    sizes: Sequence[int],
+    plan: Plan,
+    rates: HardwareRates,
+    disk: DiskRates,
+    on_nvme: Collection[int],
+    *,
+    lp_bytes: int = 2,
+    slots: int = 4,
+    cached: Collection[int] = (),
+    footprint: Footprint = ADAM_FP32,
+    host_s_per_element: float | None = None,
+    serial_upload: bool = False,
+    host_order: Sequence[int] | None = None,
+) -> TieredPrediction:
+    """Predict the update of ``plan`` when the sub-groups ``on_nvme`` keep their state in files on ``disk``
+    (one rank's share), through ``slots`` host staging slabs.
+
+    The engine's order: device sub-groups first (the device pipeline of :func:`perfmodel.predict`, each streamed
+    one uploaded once its read has landed), then the host ones in the plan's order, each waiting for its read.
+    ``cached``: file-backed sub-groups already in a slab when the update starts (the cache-friendly order), read
+    from nowhere. ``host_s_per_element``: CPU seconds per element (default: the update and the cast at
+    ``rates``); ``serial_upload``: each host sub-group's 16-bit upload blocks the CPU (stock's swapper);
+    ``host_order``: the order the CPU takes its sub-groups in (default: the plan's).
+    """
+    if slots < 1:
+        raise ValueError(f"slots must be at least 1, got {slots}")
+    rates = rates_for(rates, footprint)
+    state = footprint.optimizer_state
+    on_nvme, cached = set(on_nvme), set(cached) & set(on_nvme)
+    per_element = rates.host_s_per_element if host_s_per_element is None else host_s_per_element
+    streaming = bool(plan.streamed_indices)
+    up = rates.duplex_h2d_bps if streaming else rates.h2d_bps
+    down = rates.duplex_d2h_bps if streaming else rates.d2h_bps
+
+    disk_free = 0.0
+    disk_busy = 0.0
+    slot_free = [0.0] * slots
+    writes: list[tuple[float, int, int]] = []  # (ready time, bytes, slot) not yet given to the drive
+    read_bytes = write_bytes = 0
+
+    def write(ready: float, nbytes: int, slot: int) -> None:
+        nonlocal disk_free, disk_busy, write_bytes
+        start = max(disk_free, ready)
+        disk_free = start + nbytes / disk.write_bps
+        disk_busy += nbytes / disk.write_bps
+        slot_free[slot] = disk_free
+        write_bytes += nbytes
+
+    def read(i: int) -> tuple[float, int]:
+        """Bring sub-group i into a slab: when it is there, and the slab."""
+        nonlocal disk_free, disk_busy, read_bytes
+        while True:  # a write ready by the time this read could start goes first: it frees a slab
+            slot = min(range(slots), key=slot_free.__getitem__)
+            writes.sort()
+            if not writes or writes[0][0] > max(disk_free, slot_free[slot]):
+                break
+            write(*writes.pop(0))
+        if slot_free[slot] == float("inf"):
+            raise ValueError(f"{slots} staging slabs are all held: too few for the sub-groups already in them")
+        if i in cached:
+            slot_free[slot] = float("inf")
+            return 0.0, slot
+        start = max(disk_free, slot_free[slot])
+        nbytes = sizes[i] * state
+        disk_free = start + nbytes / disk.read_bps
+        disk_busy += nbytes / disk.read_bps
+        read_bytes += nbytes
+        slot_free[slot] = float("inf")  # held until its write is done
+        return disk_free, slot
+
+    h2d_free = compute_free = d2h_free = 0.0
+    h2d_bytes = sum(footprint.resident_up * sizes[i] for i in plan.resident_indices)
+    h2d_bytes += sum(footprint.streamed_up * sizes[i] for i in plan.streamed_indices)
+    d2h_bytes = sum(footprint.streamed_down * sizes[i] for i in plan.streamed_indices)
+    if not rates.shared_cpu:
+        h2d_bytes += sum(lp_bytes * sizes[i] for i in plan.host_indices)
+    for i in plan.resident_indices:
+        h2d_free += footprint.resident_up * sizes[i] / up
+        compute_free = max(compute_free, h2d_free) + sizes[i] / rates.device_adam_eps
+    device_slots = [0.0] * max(1, plan.device_buffers)
+    for j, i in enumerate(plan.streamed_indices):
+        landed, slot = read(i) if i in on_nvme else (0.0, -1)
+        k = j % len(device_slots)
+        h2d_free = max(h2d_free, device_slots[k], landed) + footprint.streamed_up * sizes[i] / up
+        compute_free = max(compute_free, h2d_free) + sizes[i] / rates.device_adam_eps
+        d2h_free = device_slots[k] = max(d2h_free, compute_free) + footprint.streamed_down * sizes[i] / down
+        if slot >= 0:
+            writes.append((d2h_free, sizes[i] * state, slot))
+    cpu_free = host_s = link_free = 0.0
+    host_indices = plan.host_indices if host_order is None else list(host_order)
+    if sorted(host_indices) != plan.host_indices:
+        raise ValueError("host_order must list the plan's host sub-groups, each once")
+    for i in host_indices:
+        landed, slot = read(i) if i in on_nvme else (0.0, -1)
+        work = sizes[i] * per_element
+        cpu_free = max(cpu_free, landed) + work
+        host_s += work
+        upload = lp_bytes * sizes[i] / up
+        if serial_upload:
+            cpu_free += upload
+        elif not rates.shared_cpu:
+            link_free = max(link_free, cpu_free) + upload
+        if slot >= 0:
+            writes.append((cpu_free, sizes[i] * state, slot))
+    for pending in sorted(writes):
+        write(*pending)
+    # Host uploads and device uploads share the link: it needs at least all the bytes' worth of time (as in
+    # perfmodel.predict, which this is with no file-backed sub-group).
+    link = 0.0 if rates.shared_cpu else link_seconds(h2d_bytes, d2h_bytes, rates)
+    if rates.shared_cpu:  # the "device" is the CPU: its work and the host's add up
+        cpu_free += max(h2d_free, compute_free, d2h_free)
+    end = max(disk_free, cpu_free, link_free, link, h2d_free, compute_free, d2h_free)
+    return TieredPrediction(end, read_bytes, write_bytes, disk_busy, host_s, slots)
+
+
+def stock_tiered_update_s(
+    sizes: Sequence[int],
+    rates: HardwareRates,
+    disk: DiskRates,
+    *,
+    lp_bytes: int = 2,
+    buffer_count: int = STOCK_BUFFER_COUNT,
+    footprint: Footprint = ADAM_FP32,
+) -> TieredPrediction:
+    """Stock ZeRO-3 NVMe offload with DeepSpeed's pipelined swapper: every sub-group's state in a file, read
+    ahead into ``buffer_count`` slabs and written back behind the CPU; each sub-group's CPU update followed by
+    its cast and a blocking 16-bit upload, no device update (a host budget changes nothing: stock keeps no
+    optimizer state in host memory beyond its buffers)."""
+    plan = Plan(tuple(Place.HOST for _ in sizes))
+    return predict_tiered(
+        sizes,
+        plan,
+        rates,
+        disk,
+        range(len(sizes)),
+        lp_bytes=lp_bytes,
+        slots=buffer_count,
+        footprint=footprint,
+        serial_upload=True,
+    )
+
+
+def tiered_update(
+    sizes: Sequence[int],
+    plan: Plan,
+    rates: HardwareRates,
+    disk: DiskRates,
+    host_budget_bytes: float,
+    *,
+    alternate: bool = True,
+    lp_bytes: int = 2,
+    slots: int = 4,
+    footprint: Footprint = ADAM_FP32,
+) -> TieredPrediction:
+    """A steady-state update of ``plan`` with ``host_budget_bytes`` of optimizer state in host slabs and the rest in
+    files (:func:`nvme_sub_groups`). ``alternate``: the host sub-groups are taken in reverse order every other
+    iteration, so the update starts with the ``slots`` file-backed sub-groups the previous one wrote last, still in
+    their slabs (MLP-Offload's cache-friendly order); otherwise every file-backed sub-group is read."""
+    on_nvme = nvme_sub_groups(sizes, plan, host_budget_bytes, footprint)
+    order = list(reversed(plan.host_indices)) if alternate else plan.host_indices
+    files = set(on_nvme)
+    streamed = any(i in files for i in plan.streamed_indices)
+    # The previous iteration took the host sub-groups in the opposite order and wrote these last: their slabs
+    # still hold them (one slab is left for the streamed sub-groups' reads, which come first).
+    cached = [i for i in order if i in files][: slots - 1 if streamed else slots] if alternate else []
+    return predict_tiered(
+        sizes,
+        plan,
+        rates,
+        disk,
+        on_nvme,
+        lp_bytes=lp_bytes,
+        slots=slots,
+        cached=cached,
+        footprint=footprint,
+        host_order=order,
+    )

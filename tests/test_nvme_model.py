@@ -1,0 +1,143 @@
+"""The NVMe tier of the performance model (lightning_dos/model/nvme.py): pure arithmetic, no files."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from lightning_dos.commands.main import main
+from lightning_dos.model.nvme import (
+    DiskRates,
+    nvme_sub_groups,
+    predict_tiered,
+    stock_tiered_update_s,
+    tiered_update,
+)
+from lightning_dos.model.perfmodel import predict
+from lightning_dos.model.plan import Place, Plan
+from lightning_dos.model.update_rules import ADAM_FP32
+from lightning_dos.planning.profiles import load_profile, save_profile
+
+RATES, META = load_profile("paper-h100x4")
+RANKS = 4
+#: 70B over four ranks in DeepSpeed's default sub-groups of 1e9 elements; a drive of 25 GB/s reads and 10 writes.
+ELEMENTS = int(70e9) // RANKS
+SIZES = [int(1e9)] * (ELEMENTS // int(1e9)) + [ELEMENTS % int(1e9)]
+DISK = DiskRates(25e9, 10e9).per_rank(RANKS)
+STATE = ELEMENTS * ADAM_FP32.optimizer_state
+
+
+def random_plan(rng: random.Random) -> tuple[list[int], Plan]:
+    sizes = [rng.randint(1, 10**6) for _ in range(rng.randint(1, 20))]
+    return sizes, Plan(tuple(rng.choice(list(Place)) for _ in sizes), device_buffers=rng.randint(1, 3))
+
+
+def test_with_nothing_in_files_it_is_the_two_tier_model() -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes, plan = random_plan(rng)
+        expected = predict(sizes, plan, RATES, 2).time_s
+        assert predict_tiered(sizes, plan, RATES, DISK, []).time_s == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_drive_moves_each_file_backed_sub_group_once_each_way_and_bounds_the_time() -> None:
+    rng = random.Random(1)
+    for _ in range(200):
+        sizes, plan = random_plan(rng)
+        candidates = [i for i in range(len(sizes)) if plan.places[i] is not Place.RESIDENT]
+        on_nvme = rng.sample(candidates, rng.randint(0, len(candidates)))
+        slots = rng.randint(1, 4)
+        disk = DiskRates(rng.uniform(1e8, 1e10), rng.uniform(1e8, 1e10))
+        got = predict_tiered(sizes, plan, RATES, disk, on_nvme, slots=slots)
+        moved = sum(sizes[i] for i in on_nvme) * ADAM_FP32.optimizer_state
+        assert got.read_bytes == got.write_bytes == moved
+        assert got.disk_s == pytest.approx(disk.floor_s(moved, moved))
+        # Never faster than the drive, nor than the same plan with everything in host memory.
+        assert got.time_s >= got.disk_s * (1 - 1e-12)
+        assert got.time_s >= predict(sizes, plan, RATES, 2).time_s * (1 - 1e-12)
+
+
+def test_a_host_budget_keeps_the_first_sub_groups_and_never_a_resident_one_in_files() -> None:
+    sizes = [10, 10, 10, 10]
+    plan = Plan((Place.RESIDENT, Place.HOST, Place.DEVICE, Place.HOST))
+    state = ADAM_FP32.optimizer_state
+    assert nvme_sub_groups(sizes, plan, 0, ADAM_FP32) == [1, 2, 3]
+    assert nvme_sub_groups(sizes, plan, 2 * 10 * state, ADAM_FP32) == [3]
+    assert nvme_sub_groups(sizes, plan, 3 * 10 * state, ADAM_FP32) == []
+
+
+def test_ours_against_stocks_pipelined_swapper_at_70b_on_the_papers_node() -> None:
+    """Stock reads and writes every sub-group whatever the host memory; ours keeps the budget's share in host
+    slabs. Both run at the drive's pace (within 1.25x of the disk-bandwidth floor)."""
+    stock = stock_tiered_update_s(SIZES, RATES, DISK)
+    assert stock.read_bytes == stock.write_bytes == STATE
+    assert stock.time_s <= 1.25 * stock.disk_s
+    plan = Plan(tuple(Place.DEVICE if i % 2 == 0 else Place.HOST for i in range(len(SIZES))))
+    ratios = {}
+    for share in (0.0, 0.25, 0.5):
+        ours = tiered_update(SIZES, plan, RATES, DISK, share * STATE)
+        assert ours.time_s <= 1.25 * ours.disk_s
+        ratios[share] = stock.time_s / ours.time_s
+    assert ratios[0.0] >= 1.0 and ratios[0.5] >= 1.6 and ratios[0.0] < ratios[0.25] < ratios[0.5]
+
+
+def test_the_alternating_order_skips_the_reads_of_what_the_slabs_still_hold() -> None:
+    plan = Plan(tuple(Place.HOST for _ in SIZES))
+    forward = tiered_update(SIZES, plan, RATES, DISK, 0, alternate=False)
+    alternating = tiered_update(SIZES, plan, RATES, DISK, 0, alternate=True, slots=4)
+    # The reversed order starts with the last four sub-groups: the previous update wrote them last.
+    assert forward.read_bytes - alternating.read_bytes == sum(SIZES[-4:]) * ADAM_FP32.optimizer_state
+    assert alternating.write_bytes == forward.write_bytes
+    assert alternating.time_s < forward.time_s
+
+
+def test_bad_figures_are_refused_with_the_setting_named() -> None:
+    with pytest.raises(ValueError, match="read_bps"):
+        DiskRates(0, 1e9)
+    with pytest.raises(ValueError, match="write_bps"):
+        DiskRates(1e9, -1)
+    plan = Plan((Place.HOST, Place.HOST))
+    with pytest.raises(ValueError, match="slots"):
+        predict_tiered([1, 1], plan, RATES, DISK, [0], slots=0)
+    with pytest.raises(ValueError, match="host_order"):
+        predict_tiered([1, 1], plan, RATES, DISK, [0], host_order=[0])
+
+
+def _plan(capsys, *args: str) -> dict:  # noqa: ANN001
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_shows_ours_against_stock_nvme_offload_per_host_budget(capsys, tmp_path) -> None:  # noqa: ANN001
+    """`plan --nvme-read-gbs 25 --nvme-write-gbs 10` on the paper's node at 70B: ours as fast as stock with no host
+    memory for the state, faster with more, each at its drive's pace; the profile's nvme entry does the same."""
+    nvme = _plan(capsys, "--params", "70e9", "--nvme-read-gbs", "25", "--nvme-write-gbs", "10")["nvme"]
+    rows = {row["host_budget"]: row for row in nvme["rows"]}
+    assert set(rows) == {0.0, 0.25, 0.5} and nvme["ranks"] == 4
+    assert rows[0.0]["file_share"] == 1.0 and rows[0.5]["file_share"] == pytest.approx(0.5, abs=0.02)
+    assert rows[0.0]["ours_vs_stock"] >= 1.0 and rows[0.5]["ours_vs_stock"] >= 1.6
+    for row in rows.values():
+        assert row["ours_s"] <= 1.25 * row["ours_disk_floor_s"] and row["stock_s"] <= 1.25 * row["stock_disk_floor_s"]
+    profile = tmp_path / "node.yaml"
+    rates, meta = load_profile("paper-h100x4")
+    save_profile(profile, rates, **meta, nvme={"read_bps": 25e9, "write_bps": 10e9})
+    assert _plan(capsys, "--params", "70e9", "--profile", str(profile))["nvme"] == nvme
+    assert _plan(capsys, "--params", "70e9")["nvme"] is None  # no drive named: no NVMe rows
+    assert main(["plan", "--params", "70e9", "--nvme-read-gbs", "25", "--nvme-write-gbs", "10"]) == 0
+    assert "ours vs" in capsys.readouterr().out  # the table form
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--nvme-read-gbs", "25"], "--nvme-write-gbs"),
+        (["--nvme-read-gbs", "0", "--nvme-write-gbs", "10"], "read_bps"),
+        (["--nvme-read-gbs", "25", "--nvme-write-gbs", "10", "--host-budget", "half"], "--host-budget"),
+        (["--nvme-read-gbs", "25", "--nvme-write-gbs", "10", "--host-budget", "-1"], "--host-budget"),
+    ],
+)
+def test_plan_refuses_bad_nvme_figures_naming_them(capsys, args: list[str], named: str) -> None:  # noqa: ANN001
+    assert main(["plan", "--params", "70e9", *args]) == 2
+    assert named in capsys.readouterr().err
