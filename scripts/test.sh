@@ -10,6 +10,8 @@ bash scripts/setup.sh
 if [ "${LIGHTNING_DOS_CROSS_TOOLS:-}" = install ] || [ "${CI:-}" = true ]; then
   bash scripts/cross-tools.sh
 fi
+# libaio-dev for DeepSpeed's async I/O op (the NVMe tier), when root with apt-get; else one line says how.
+bash scripts/nvme-tools.sh
 py=.venv/bin/python
 $py -m ruff check .
 $py -m pytest "$@"

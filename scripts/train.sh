@@ -4,5 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/nvme-tools.sh  # libaio-dev for the NVMe tier, when root with apt-get; else one line says how
 export DS_ACCELERATOR=${DS_ACCELERATOR:-$(.venv/bin/python -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")}
 .venv/bin/lightning-dos fit --config recipes/gpt-tiny.yaml "$@"

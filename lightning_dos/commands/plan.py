@@ -1,6 +1,7 @@
 """``lightning-dos calibrate`` and ``lightning-dos plan``: measure a machine, and predict each offload scheme on it.
 
 lightning-dos calibrate --out my-node.yaml
+lightning-dos calibrate --out my-node.yaml --nvme-path /local_nvme   # the drive too, for plan's NVMe rows
 lightning-dos plan --params 20e9 --gpus-per-node 4 --profile paper-h100x4
 lightning-dos plan --recipe recipes/gpt-7b.yaml --profile my-node.yaml --forward-s 0.4 --backward-s 0.9 --json
 lightning-dos plan --params 20e9 --optimizer lion --master-dtype bf16 --state-dtype bf16
@@ -359,10 +360,30 @@ def _calibrate(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"lightning-dos calibrate: error: {error}", file=sys.stderr)
         return 2
+    extra = {}
+    if args.nvme_path is not None:
+        from lightning_dos.errors import DOSConfigError
+        from lightning_dos.host.disk import check_nvme_path, load_aio, measure_disk
+
+        try:  # before the minutes of the other measurements: a bad directory or no libaio is said at once
+            check_nvme_path(args.nvme_path, args.nvme_bytes, setting="--nvme-path")
+            load_aio()
+        except DOSConfigError as error:
+            print(f"lightning-dos calibrate: error: {error}", file=sys.stderr)
+            return 2
     rates = calibrate(device, footprint=footprint)
-    path = save_profile(args.out, rates, device=str(device), gpus_per_node=max(1, torch.cuda.device_count()))
+    if args.nvme_path is not None:
+        drive = measure_disk(args.nvme_path, args.nvme_bytes)
+        extra["nvme"] = {"read_bps": drive.read_bps, "write_bps": drive.write_bps}
+    meta = {"device": str(device), "gpus_per_node": max(1, torch.cuda.device_count()), **extra}
+    path = save_profile(args.out, rates, **meta)
     print(f"wrote {path}")
     print("\n".join(describe_rates(rates)))
+    if "nvme" in extra:
+        print(
+            f"NVMe drive         {extra['nvme']['read_bps'] / 1e9:8.3f} GB/s read, "
+            f"{extra['nvme']['write_bps'] / 1e9:.3f} GB/s write ({args.nvme_path})"
+        )
     return 0
 
 
@@ -375,6 +396,17 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when there is one)")
     cal.add_argument("--out", type=Path, default=Path("profile.yaml"), help="profile file (.yaml or .json)")
     add_footprint_options(cal)
+    cal.add_argument(
+        "--nvme-path",
+        help="also measure the NVMe drive under this directory, through DeepSpeed's async I/O op (needs libaio-dev; "
+        "built on first use, a few minutes)",
+    )
+    cal.add_argument(
+        "--nvme-bytes",
+        type=int,
+        default=1 << 30,
+        help="bytes written and read back to measure the drive (default 1 GiB; above the drive's own cache is best)",
+    )
     plan = sub.add_parser("plan", help="predict the update phase of each offload scheme")
     add_model_options(plan)
     add_nvme_options(plan)

@@ -111,6 +111,24 @@ class _LineFilter:
         self.pending = ""
 
 
+#: DeepSpeed's advice on SSD wear, logged once per process at its async I/O op's first write.
+SSD_WEAR_NOTICE = ("DeepSpeed", "Offloading to NVMe can generate heavy write traffic")
+
+
+@contextlib.contextmanager
+def log_line_dropped(logger: str, prefix: str) -> Iterator[None]:
+    """Run a block with ``logger``'s records that start with ``prefix`` dropped (a one-off measurement's writes
+    are not what a notice about sustained writes is for). A notice logged once per process is then gone for the
+    whole process: use it only where that process does nothing else the notice is for."""
+    drop = _DropKnownLines((prefix,))
+    log = logging.getLogger(logger)
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
+
+
 @contextlib.contextmanager
 def known_prints_dropped() -> Iterator[None]:
     """Run a block with the known DeepSpeed prints removed from ``sys.stdout`` (everything else passes)."""
@@ -129,4 +147,5 @@ __all__ = [
     "install",
     "is_known_print",
     "known_prints_dropped",
+    "log_line_dropped",
 ]

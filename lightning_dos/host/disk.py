@@ -1,0 +1,168 @@
+"""The NVMe drive under ``nvme_path``: checked before any work, and its bandwidth measured.
+
+Checks, each a :class:`~lightning_dos.errors.DOSConfigError` naming the setting and what would do:
+
+- the directory exists, is a directory, and a file can be created in it;
+- it has room for the state that would live there (how much is needed, how much is free);
+- its filesystem accepts ``O_DIRECT`` (DeepSpeed's async I/O op opens every swap file with it; tmpfs on older
+  kernels, some network and FUSE filesystems refuse it);
+- DeepSpeed's async I/O op (``AsyncIOBuilder``, libaio) can be built here: without ``libaio-dev`` it cannot, and
+  the message names the package and the command.
+
+:func:`measure_disk` times sequential reads and writes through that op, as the swapper would issue them (O_DIRECT,
+blocks of ``block_size`` bytes, ``queue_depth`` in flight, from page-locked buffers), into a
+:class:`~lightning_dos.model.nvme.DiskRates` for the performance model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from lightning_dos.errors import DOSConfigError
+from lightning_dos.host.quiet import SSD_WEAR_NOTICE, log_line_dropped
+from lightning_dos.model.nvme import DiskRates
+
+#: O_DIRECT needs buffers, offsets and sizes aligned to the device's logical block; a page covers every drive.
+ALIGNMENT = 4096
+LIBAIO_HINT = (
+    "DeepSpeed's async I/O op needs libaio's headers and library, which this machine lacks: install them with "
+    "`apt-get install libaio-dev` (Debian, Ubuntu; `dnf install libaio-devel` on Fedora or RHEL), or run "
+    "`bash scripts/nvme-tools.sh` as root, which does; then run again"
+)
+
+
+def check_nvme_path(path: str | os.PathLike, needed_bytes: int = 0, *, setting: str = "nvme_path") -> Path:
+    """``path`` resolved, once it is a writable directory with ``needed_bytes`` free on a filesystem that accepts
+    O_DIRECT; otherwise a :class:`DOSConfigError` naming ``setting`` and what is wrong."""
+    where = Path(path).expanduser()
+    if not where.exists():
+        raise DOSConfigError(
+            f"{setting}={str(path)!r} does not exist: create it, or name a directory on the NVMe drive"
+        )
+    if not where.is_dir():
+        raise DOSConfigError(f"{setting}={str(path)!r} is not a directory: name a directory on the NVMe drive")
+    probe = where / f".lightning-dos-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except OSError as error:
+        raise DOSConfigError(
+            f"{setting}={str(path)!r}: cannot create a file there ({error.strerror}): name a directory this process "
+            "may write"
+        ) from None
+    os.close(fd)
+    try:
+        _check_o_direct(probe, path, setting)
+    finally:
+        probe.unlink(missing_ok=True)
+    free = shutil.disk_usage(where).free
+    if needed_bytes > free:
+        raise DOSConfigError(
+            f"{setting}={str(path)!r} has {free / 1e9:.2f} GB free; the optimizer state that would live there needs "
+            f"{needed_bytes / 1e9:.2f} GB: free {(needed_bytes - free) / 1e9:.2f} GB more, name another directory, or "
+            "keep more of the state in host memory"
+        )
+    return where.resolve()
+
+
+def _check_o_direct(probe: Path, path: str | os.PathLike, setting: str) -> None:
+    """Write and read one aligned block of ``probe`` with O_DIRECT, as the swapper will."""
+    block = mmap.mmap(-1, ALIGNMENT)  # page-aligned, as O_DIRECT needs
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_DIRECT)
+        try:
+            os.write(fd, block)
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.readv(fd, [block])
+        finally:
+            os.close(fd)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            raise
+        raise DOSConfigError(
+            f"{setting}={str(path)!r}: its filesystem refuses O_DIRECT ({error.strerror}), which DeepSpeed's async "
+            "I/O opens every swap file with: name a directory on a local filesystem of the NVMe drive (ext4, xfs)"
+        ) from None
+    finally:
+        block.close()
+
+
+def aio_unavailable() -> str | None:
+    """Why DeepSpeed's async I/O op cannot be built here (:data:`LIBAIO_HINT`), or None when it can."""
+    from lightning_dos.host import quiet
+
+    quiet.install()  # DeepSpeed's "Setting accelerator to CPU" as its op builders load, among others
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    # DeepSpeed's check compiles and links a program calling io_submit, with the stderr file descriptor sent to a
+    # file meanwhile: a sys.stderr without one (a captured stream) would make it answer False whatever is installed.
+    with quiet.known_prints_dropped(), contextlib.redirect_stderr(sys.__stderr__):
+        compatible = AsyncIOBuilder().is_compatible(verbose=False)
+    return None if compatible else LIBAIO_HINT
+
+
+def load_aio():  # noqa: ANN201 - DeepSpeed's extension module
+    """DeepSpeed's async I/O op, built on first use (a few minutes) and cached in torch's extensions directory."""
+    reason = aio_unavailable()
+    if reason is not None:
+        raise DOSConfigError(f"offload_optimizer.device='nvme': {reason}")
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    from lightning_dos.host.quiet import known_prints_dropped
+
+    with known_prints_dropped():  # "DeepSpeed async_io built successfully"
+        return AsyncIOBuilder().load(verbose=False)
+
+
+def measure_disk(
+    path: str | os.PathLike,
+    nbytes: int = 256 << 20,
+    *,
+    block_size: int = 1 << 20,
+    queue_depth: int = 32,
+    threads: int = 2,
+    repeats: int = 2,
+) -> DiskRates:
+    """Sequential read and write bandwidth of the drive under ``path`` through DeepSpeed's async I/O op: a file of
+    ``nbytes`` written and read back from page-locked memory, ``repeats`` times, best of each (the file is removed
+    after). Reads right after writes may come from the drive's own cache; use ``nbytes`` well above it (several
+    GB) for figures that hold over a whole update."""
+    import torch
+
+    if nbytes <= 0 or nbytes % ALIGNMENT:
+        raise ValueError(f"nbytes must be a positive multiple of {ALIGNMENT}, got {nbytes}")
+    where = check_nvme_path(path, nbytes)
+    aio = load_aio()
+    handle = aio.aio_handle(block_size, queue_depth, False, True, threads)
+    buffer = handle.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
+    target = where / f".lightning-dos-measure-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        buffer.random_(0, 256)
+        with log_line_dropped(*SSD_WEAR_NOTICE):  # a few hundred MB written once, not a sustained load
+            write_s, read_s = _best_write_and_read(handle, buffer, target, repeats)
+    finally:
+        target.unlink(missing_ok=True)
+        handle.free_cpu_locked_tensor(buffer)
+    return DiskRates(read_bps=nbytes / read_s, write_bps=nbytes / write_s)
+
+
+def _best_write_and_read(handle, buffer, target: Path, repeats: int) -> tuple[float, float]:  # noqa: ANN001
+    """Seconds of the fastest of ``repeats`` writes of ``buffer`` into ``target``, and of the reads back."""
+    best_write = best_read = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        handle.async_pwrite(buffer, str(target), 0)
+        handle.wait()
+        best_write = min(best_write, time.perf_counter() - start)
+        start = time.perf_counter()
+        handle.async_pread(buffer, str(target), 0)
+        handle.wait()
+        best_read = min(best_read, time.perf_counter() - start)
+    return best_write, best_read
