@@ -367,7 +367,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
         try:  # before the minutes of the other measurements: a bad directory or no libaio is said at once
             check_nvme_path(args.nvme_path, args.nvme_bytes, setting="--nvme-path")
-            load_aio()
+            load_aio(setting="--nvme-path")
         except DOSConfigError as error:
             print(f"lightning-dos calibrate: error: {error}", file=sys.stderr)
             return 2

@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 
 from lightning_dos.errors import DOSConfigError
-from lightning_dos.host.quiet import SSD_WEAR_NOTICE, log_line_dropped
+from lightning_dos.host import quiet
 from lightning_dos.model.nvme import DiskRates
 
 #: O_DIRECT needs buffers, offsets and sizes aligned to the device's logical block; a page covers every drive.
@@ -96,28 +96,25 @@ def _check_o_direct(probe: Path, path: str | os.PathLike, setting: str) -> None:
 
 def aio_unavailable() -> str | None:
     """Why DeepSpeed's async I/O op cannot be built here (:data:`LIBAIO_HINT`), or None when it can."""
-    from lightning_dos.host import quiet
-
     quiet.install()  # DeepSpeed's "Setting accelerator to CPU" as its op builders load, among others
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     # DeepSpeed's check compiles and links a program calling io_submit, with the stderr file descriptor sent to a
     # file meanwhile: a sys.stderr without one (a captured stream) would make it answer False whatever is installed.
-    with quiet.known_prints_dropped(), contextlib.redirect_stderr(sys.__stderr__):
+    with quiet.known_prints_dropped(), contextlib.redirect_stderr(sys.__stderr__ or sys.stderr):
         compatible = AsyncIOBuilder().is_compatible(verbose=False)
     return None if compatible else LIBAIO_HINT
 
 
-def load_aio():  # noqa: ANN201 - DeepSpeed's extension module
-    """DeepSpeed's async I/O op, built on first use (a few minutes) and cached in torch's extensions directory."""
+def load_aio(setting: str = "offload_optimizer.device='nvme'"):  # noqa: ANN201 - DeepSpeed's extension module
+    """DeepSpeed's async I/O op, built on first use (a few minutes) and cached in torch's extensions directory; a
+    :class:`DOSConfigError` naming ``setting`` (what asked for it) where it cannot be built."""
     reason = aio_unavailable()
     if reason is not None:
-        raise DOSConfigError(f"offload_optimizer.device='nvme': {reason}")
+        raise DOSConfigError(f"{setting}: {reason}")
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    from lightning_dos.host.quiet import known_prints_dropped
-
-    with known_prints_dropped():  # "DeepSpeed async_io built successfully"
+    with quiet.known_prints_dropped():  # "DeepSpeed async_io built successfully"
         return AsyncIOBuilder().load(verbose=False)
 
 
@@ -145,7 +142,7 @@ def measure_disk(
     target = where / f".lightning-dos-measure-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         buffer.random_(0, 256)
-        with log_line_dropped(*SSD_WEAR_NOTICE):  # a few hundred MB written once, not a sustained load
+        with quiet.log_line_dropped(*quiet.SSD_WEAR_NOTICE):  # a few hundred MB written once, not a sustained load
             write_s, read_s = _best_write_and_read(handle, buffer, target, repeats)
     finally:
         target.unlink(missing_ok=True)
