@@ -1,0 +1,171 @@
+"""One rank's swap file: the optimizer state of the sub-groups kept on NVMe, moved through a few page-locked slabs.
+
+The file holds one *record* per file-backed sub-group, back to back: its master weights, then each state tensor
+of the update rule, each part padded to :data:`ALIGNMENT` bytes (O_DIRECT moves whole aligned blocks). A slab is
+laid out like the largest record, so a record moves between file and slab in one request at the record's offset.
+Requests go through DeepSpeed's async I/O op, one ``aio_handle`` per slab: its ``wait`` then completes exactly
+that slab's request, so a slab can be read into while another is written back.
+
+The file is named by the rank (``lightning-dos-rank{R}.swap``), locked (``flock``) while open, so a second process
+on the same directory is refused by name, and sized once to its records (``ftruncate``): it never grows, and a
+file a killed run left behind is cut to the same size by the next. :meth:`SwapFile.close` removes it.
+
+This module does the I/O and keeps the layout; when a slab may be reused, and by whom, is its caller's to order
+(the engine's streams). Not yet used by the update loop (docs/nvme-tier.md).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_dos.errors import DOSConfigError
+
+#: O_DIRECT moves whole blocks at aligned offsets; a page is a multiple of every drive's logical block.
+ALIGNMENT = 4096
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+class SwapFile:
+    """The file-backed sub-groups of one rank, and ``slots`` slabs to move them through.
+
+    Args:
+        directory: ``nvme_path`` (checked beforehand: ``lightning_dos.host.disk.check_nvme_path``).
+        rank: the process's global rank; it names the file.
+        records: elements of each file-backed sub-group, in record order.
+        master_dtype: dtype of the master weights.
+        state_dtype: dtype of the state tensors.
+        states: how many state tensors the update rule keeps (Adam 2, Lion and Adagrad 1).
+        slots: page-locked slabs, each the size of the largest record.
+        aio: DeepSpeed's async I/O op (``lightning_dos.host.disk.load_aio()``).
+        block_size: bytes per I/O request the op submits.
+        queue_depth: requests in flight per handle.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        rank: int,
+        records: Sequence[int],
+        master_dtype: torch.dtype,
+        state_dtype: torch.dtype,
+        states: int,
+        slots: int,
+        aio: Any,  # noqa: ANN401 - DeepSpeed's extension module
+        *,
+        block_size: int = 1 << 20,
+        queue_depth: int = 8,
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, got {slots}")
+        self.master_dtype, self.state_dtype, self.states = master_dtype, state_dtype, states
+        self.numels = list(records)
+        self.offsets: list[int] = []
+        offset = 0
+        for numel in self.numels:
+            self.offsets.append(offset)
+            offset += self.record_bytes(numel)
+        self.nbytes = offset
+        self.path = Path(directory) / f"lightning-dos-rank{rank}.swap"
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise DOSConfigError(
+                f"nvme_path={str(directory)!r}: {self.path.name} is in use by another process; give each run its own "
+                "nvme_path"
+            ) from None
+        os.ftruncate(self._fd, self.nbytes)  # exactly the records: a file left behind is cut to size, never grown
+        slab_bytes = max((self.record_bytes(n) for n in self.numels), default=ALIGNMENT)
+        self._handles = [aio.aio_handle(block_size, queue_depth, False, True, 1) for _ in range(slots)]
+        self.slabs = [
+            handle.new_cpu_locked_tensor(slab_bytes, torch.empty(0, dtype=torch.uint8)) for handle in self._handles
+        ]
+        self._pending = [0] * slots  # requests issued on each slab's handle and not waited for
+        self.closed = False
+
+    def record_bytes(self, numel: int) -> int:
+        """Bytes of a record of ``numel`` elements, padding included."""
+        master = _padded(numel * self.master_dtype.itemsize)
+        return master + self.states * _padded(numel * self.state_dtype.itemsize)
+
+    def views(self, slot: int, record: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The master weights and state tensors of ``record`` as they lie in slab ``slot``."""
+        numel, slab = self.numels[record], self.slabs[slot]
+        master_end = _padded(numel * self.master_dtype.itemsize)
+        master = slab[: numel * self.master_dtype.itemsize].view(self.master_dtype)
+        step = _padded(numel * self.state_dtype.itemsize)
+        states = tuple(
+            slab[master_end + k * step : master_end + k * step + numel * self.state_dtype.itemsize].view(
+                self.state_dtype
+            )
+            for k in range(self.states)
+        )
+        return master, states
+
+    def _request(self, slot: int, record: int) -> tuple[torch.Tensor, str, int]:
+        if self.closed:
+            raise RuntimeError(f"{self.path} is closed")
+        if self._pending[slot]:
+            raise RuntimeError(f"slab {slot} has a request in flight: wait for it before the next")
+        return self.slabs[slot][: self.record_bytes(self.numels[record])], str(self.path), self.offsets[record]
+
+    def read(self, slot: int, record: int) -> None:
+        """Start reading ``record`` into slab ``slot``; :meth:`wait` before using the slab."""
+        buffer, path, offset = self._request(slot, record)
+        if self._handles[slot].async_pread(buffer, path, offset) != 0:
+            raise OSError(f"could not start reading record {record} of {path}")
+        self._pending[slot] = 1
+
+    def write(self, slot: int, record: int) -> None:
+        """Start writing slab ``slot`` back as ``record``; :meth:`wait` before the slab is written again."""
+        buffer, path, offset = self._request(slot, record)
+        if self._handles[slot].async_pwrite(buffer, path, offset) != 0:
+            raise OSError(f"could not start writing record {record} of {path}")
+        self._pending[slot] = 1
+
+    def wait(self, slot: int) -> None:
+        """Block until slab ``slot``'s request is done (at once when none is in flight)."""
+        if self._pending[slot]:
+            self._pending[slot] = 0
+            self._handles[slot].wait()
+
+    def store(self, record: int, master: torch.Tensor, states: Sequence[torch.Tensor], slot: int = 0) -> None:
+        """Write ``record`` from these tensors now, through slab ``slot`` (start-up and checkpoint loads)."""
+        self.wait(slot)
+        into_master, into_states = self.views(slot, record)
+        into_master.copy_(master)
+        for into, state in zip(into_states, states, strict=True):
+            into.copy_(state)
+        self.write(slot, record)
+        self.wait(slot)
+
+    def load(self, record: int, slot: int = 0) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """``record`` read now, as copies (checkpoints), through slab ``slot``."""
+        self.wait(slot)
+        self.read(slot, record)
+        self.wait(slot)
+        master, states = self.views(slot, record)
+        return master.clone(), tuple(state.clone() for state in states)
+
+    def close(self) -> None:
+        """Wait for every request, free the slabs, unlock and remove the file (teardown; again: nothing)."""
+        if self.closed:
+            return
+        for slot in range(len(self.slabs)):
+            self.wait(slot)
+        for handle, slab in zip(self._handles, self.slabs, strict=True):
+            handle.free_cpu_locked_tensor(slab)
+        self.slabs, self._handles, self.closed = [], [], True
+        self.path.unlink(missing_ok=True)
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)

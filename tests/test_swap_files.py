@@ -1,0 +1,91 @@
+"""One rank's swap file (lightning_dos/engine/swap_files.py) on a real directory, through DeepSpeed's async I/O op."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_dos.engine.swap_files import SwapFile
+from lightning_dos.errors import DOSConfigError
+from lightning_dos.host import disk
+
+AIO_MISSING = disk.aio_unavailable()
+pytestmark = pytest.mark.skipif(
+    AIO_MISSING is not None,
+    reason="libaio-dev is not installed (scripts/nvme-tools.sh installs it as root); tests/test_disk.py checks that",
+)
+#: Uneven sizes: one element, a part that ends mid-block, one of exactly a block, a larger one.
+RECORDS = [1, 1000, 1024, 70_001]
+
+
+@pytest.fixture(scope="module")
+def aio():  # noqa: ANN201
+    return disk.load_aio()
+
+
+@pytest.mark.parametrize(
+    ("master", "state", "states"),
+    [(torch.float32, torch.float32, 2), (torch.bfloat16, torch.bfloat16, 2), (torch.bfloat16, torch.float32, 1)],
+    ids=["adam-fp32", "adam-bf16", "lion-bf16-master"],
+)
+def test_records_come_back_bit_for_bit_through_any_slab_in_any_order(
+    tmp_path: Path, aio, master, state, states
+) -> None:  # noqa: ANN001
+    gen = torch.Generator().manual_seed(0)
+    written = [
+        (
+            torch.randn(n, generator=gen).to(master),
+            tuple(torch.randn(n, generator=gen).to(state) for _ in range(states)),
+        )
+        for n in RECORDS
+    ]
+    swap = SwapFile(tmp_path, 0, RECORDS, master, state, states, slots=2, aio=aio)
+    try:
+        for record, (m, s) in enumerate(written):
+            swap.store(record, m, s, slot=record % 2)
+        # Read back in reverse, alternating slabs, one slab read while the other's record is written back again.
+        for record in reversed(range(len(RECORDS))):
+            slot = record % 2
+            swap.slabs[slot].fill_(255)  # what the slab held before is not what the file holds
+            swap.read(slot, record)
+            if record + 1 < len(RECORDS):  # the other slab holds record + 1, read the iteration before
+                swap.write(1 - slot, record + 1)
+            swap.wait(slot)
+            got_master, got_states = swap.views(slot, record)
+            assert torch.equal(got_master, written[record][0])
+            assert all(torch.equal(a, b) for a, b in zip(got_states, written[record][1], strict=True))
+            swap.wait(1 - slot)
+        for record, (m, s) in enumerate(written):  # records written back from slabs are unchanged
+            got_master, got_states = swap.load(record, slot=1)
+            assert torch.equal(got_master, m) and all(torch.equal(a, b) for a, b in zip(got_states, s, strict=True))
+    finally:
+        swap.close()
+
+
+def test_each_rank_has_one_file_of_exactly_its_records_removed_at_close(tmp_path: Path, aio) -> None:  # noqa: ANN001
+    ranks = [SwapFile(tmp_path, rank, RECORDS[: rank + 2], torch.float32, torch.float32, 2, 1, aio) for rank in (0, 1)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lightning-dos-rank0.swap", "lightning-dos-rank1.swap"]
+    for swap in ranks:
+        assert swap.path.stat().st_size == swap.nbytes == sum(swap.record_bytes(n) for n in swap.numels)
+        assert swap.nbytes % 4096 == 0
+        swap.close()
+        swap.close()  # again: nothing
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_second_user_is_refused_and_a_file_left_behind_never_grows(tmp_path: Path, aio) -> None:  # noqa: ANN001
+    left = tmp_path / "lightning-dos-rank0.swap"
+    left.write_bytes(b"\0" * (8 << 20))  # a killed run's file, larger than this run needs
+    swap = SwapFile(tmp_path, 0, RECORDS, torch.float32, torch.float32, 2, 1, aio)
+    assert left.stat().st_size == swap.nbytes < 8 << 20
+    with pytest.raises(DOSConfigError, match="lightning-dos-rank0.swap is in use by another process"):
+        SwapFile(tmp_path, 0, RECORDS, torch.float32, torch.float32, 2, 1, aio)
+    swap.read(0, 0)
+    with pytest.raises(RuntimeError, match="in flight"):
+        swap.read(0, 1)
+    swap.close()
+    again = SwapFile(tmp_path, 0, RECORDS, torch.float32, torch.float32, 2, 1, aio)  # free once closed
+    again.close()
+    assert list(tmp_path.iterdir()) == []
