@@ -11,6 +11,7 @@ from the calibrated rates. Writes the same as JSON.
     python bench/run.py --n-layer 24 --n-embd 2048 --n-head 16 --seq 2048 --precision bf16-mixed
     python bench/run.py --preset medium --precision bf16-mixed --clip 0.05 --systems stock,auto
     python bench/run.py --preset medium --systems auto@off,auto@forward,auto   # overlap "off", "forward", "auto"
+    python bench/run.py --preset medium --systems stock,stock-nvme:/local_nvme  # stock NVMe offload (ZeRO-Infinity)
 """
 
 from __future__ import annotations
@@ -97,14 +98,20 @@ class StockGPT(GPT):
         return cpu_adam
 
 
-def stock_config(sub_group_size: int, ratio: float = 1.0) -> dict[str, Any]:
-    offload = {"device": "cpu", "pin_memory": True}
+def stock_config(sub_group_size: int, ratio: float = 1.0, nvme_path: str | None = None) -> dict[str, Any]:
+    offload: dict[str, Any] = {"device": "cpu", "pin_memory": True}
     if ratio != 1.0:
         offload["ratio"] = ratio  # TwinFlow: the first (1 - ratio) share of sub-groups stays on the GPU
-    return {
+    config: dict[str, Any] = {
         "zero_optimization": {"stage": 3, "offload_optimizer": offload, "sub_group_size": sub_group_size},
         "zero_allow_untested_optimizer": True,
     }
+    if nvme_path is not None:
+        # ZeRO-Infinity: every sub-group's optimizer state in files, DeepSpeed's pipelined swapper reading the next
+        # sub-groups ahead and writing the last ones back behind the CPU's update (its best settings).
+        offload.update(device="nvme", nvme_path=nvme_path, pipeline_read=True, pipeline_write=True, buffer_count=4)
+        config["aio"] = {"block_size": 1 << 20, "queue_depth": 32, "intra_op_parallelism": 2, "overlap_events": True}
+    return config
 
 
 def make_strategy(system: str, sub_group_size: int) -> tuple[L.pytorch.strategies.Strategy, bool]:
@@ -113,6 +120,8 @@ def make_strategy(system: str, sub_group_size: int) -> tuple[L.pytorch.strategie
     system, _, overlap = system.partition("@")
     if system == "stock":
         return DeepSpeedCPUStrategy(config=stock_config(sub_group_size)), False
+    if system.startswith("stock-nvme:"):  # stock-nvme:DIR, DeepSpeed's NVMe offload with its files under DIR
+        return DeepSpeedCPUStrategy(config=stock_config(sub_group_size, nvme_path=system.split(":", 1)[1])), False
     if system.startswith("twinflow:"):
         gpu_share = float(system.split(":")[1])
         return DeepSpeedCPUStrategy(config=stock_config(sub_group_size, ratio=1.0 - gpu_share)), False
@@ -168,6 +177,28 @@ def run_system(system: str, args: argparse.Namespace) -> Result:
         peak_accelerator_gb=torch.cuda.max_memory_allocated() / GB if torch.cuda.is_available() else None,
         predicted_update_s=_median(rows, "dos/update_predicted_s"),
     )
+    if system.startswith("stock-nvme:"):
+        # The drive's floor for this update: every sub-group's master weights and Adam moments (12 bytes per element)
+        # read and written once per step, at the bandwidth measured on the same directory.
+        from lightning_dos.host.disk import measure_disk
+        from lightning_dos.model.nvme import stock_tiered_update_s
+        from lightning_dos.model.plan import split_into_sub_groups
+        from lightning_dos.planning.calibrate import calibrate
+
+        state = 12 * params
+        # As many bytes as a step moves each way (at least 64 MiB, at most 1 GiB), aligned for O_DIRECT.
+        drive = measure_disk(system.split(":", 1)[1], min(1 << 30, max(64 << 20, -(-state // 4096) * 4096)))
+        # The performance model's account of it (model/nvme.py), from this machine's calibrated host rates.
+        sizes = [sg.numel for sg in split_into_sub_groups([params], [0], args.sub_group_size)]
+        lp_bytes = 2 if "16" in args.precision else 4
+        predicted = stock_tiered_update_s(sizes, calibrate(torch.device("cpu")), drive, lp_bytes=lp_bytes)
+        result.predicted_update_s = predicted.time_s
+        result.extra.update(
+            disk_floor_s=state / drive.read_bps + state / drive.write_bps,
+            read_gbs=drive.read_bps / GB,
+            write_gbs=drive.write_bps / GB,
+            state_gb=state / GB,
+        )
     norm = strategy.deepspeed_engine.get_global_grad_norm() if args.clip else None
     if norm is not None:
         # The last step's global gradient norm: clipping is active (the unscale factor is not 1) above the clip value.
@@ -210,6 +241,8 @@ def table(results: list[Result]) -> str:
         vs_tf = best_tf.update_s / r.update_s if best_tf else None
         engine_s = r.extra.get("engine_update_s")
         over_floor = engine_s / floor_s if floor_s and engine_s else None
+        if "disk_floor_s" in r.extra:  # NVMe offload: the drive's floor, not the PCIe/CPU one
+            over_floor = r.update_s / r.extra["disk_floor_s"]
         lines.append(
             f"| {r.system} | {_fmt(r.forward_s)} | {_fmt(r.backward_s)} | {_fmt(r.update_s)} | {_fmt(r.step_s)} "
             f"| {r.update_params_per_s / 1e6:.1f} | {_fmt(r.h2d_gbps, 2)} | {_fmt(r.d2h_gbps, 2)} "
@@ -218,6 +251,14 @@ def table(results: list[Result]) -> str:
         )
     if floor_s:
         lines.append(f"\nFloor T(r*) of the update phase from the calibrated rates: {floor_s:.4f} s.")
+    for r in results:
+        if "disk_floor_s" in r.extra:
+            e = r.extra
+            lines.append(
+                f"Drive floor of {r.system}: {e['disk_floor_s']:.3f} s ({e['state_gb']:.3f} GB of optimizer state read "
+                f"and written per step at {e['read_gbs']:.2f} / {e['write_gbs']:.2f} GB/s, measured there after the "
+                f"run); the performance model predicted {r.predicted_update_s:.3f} s for its update."
+            )
     if best_tf:
         lines.append(f"Best TwinFlow ratio here: {best_tf.system}.")
     norms = {r.system: r.extra["last_grad_norm"] for r in results if "last_grad_norm" in r.extra}
@@ -241,7 +282,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--systems",
         default=DEFAULT_SYSTEMS,
-        help="comma-separated: stock, twinflow:R, stride:K, a fraction, auto; ours take @off, @forward or @auto "
+        help="comma-separated: stock, stock-nvme:DIR, twinflow:R, stride:K, a fraction, auto; ours take @off, @forward "
+        "or @auto "
         "(overlap; default auto), e.g. auto@off",
     )
     parser.add_argument("--sub-group-size", type=int, help="elements per sub-group (default: ~1/16 of the model)")

@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench.run import DEFAULT_SYSTEMS, main, make_strategy
+from lightning_dos.host import disk
 
 #: One of each kind the harness runs: stock, TwinFlow, a stride, a fraction with an overlap mode, the planner.
 SYSTEMS = "stock,twinflow:0.3,stride:2,0.25@off,auto"
@@ -32,3 +35,17 @@ def test_bench_runs_each_kind_of_system_and_writes_a_table_and_json(tmp_path: Pa
 def test_every_default_system_names_a_strategy() -> None:
     kinds = [make_strategy(system, 1000)[1] for system in DEFAULT_SYSTEMS.split(",")]
     assert kinds.count(False) == 6 and kinds.count(True) == 4  # stock and five TwinFlow ratios; ours
+
+
+@pytest.mark.skipif(disk.aio_unavailable() is not None, reason="libaio-dev is not installed: no NVMe offload here")
+def test_stock_nvme_offload_runs_and_is_set_beside_its_drive_floor(tmp_path: Path, capfd) -> None:  # noqa: ANN001
+    """capfd, not capsys: DeepSpeed's own libaio check points the stderr file descriptor elsewhere meanwhile, and
+    answers "incompatible" under a sys.stderr that has none."""
+    drive, out = tmp_path / "drive", tmp_path / "bench.json"
+    drive.mkdir()
+    system = f"stock-nvme:{drive}"
+    argv = ["--preset", "tiny", "--steps", "2", "--warmup", "1", "--max-bytes", "100000", "--out", str(out)]
+    assert main([*argv, "--systems", system]) == 0
+    assert f"Drive floor of {system}:" in capfd.readouterr().out
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["update_s"] > 0 and result["extra"]["disk_floor_s"] > 0 and result["predicted_update_s"] > 0
