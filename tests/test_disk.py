@@ -103,3 +103,5 @@ def test_calibrate_refuses_a_bad_nvme_path_before_measuring_anything(tmp_path: P
     out = tmp_path / "me.yaml"
     assert main(["calibrate", "--device", "cpu", "--out", str(out), "--nvme-path", str(tmp_path / "nope")]) == 2
     assert "--nvme-path=" in capsys.readouterr().err and not out.exists()
+    assert main(["calibrate", "--out", str(out), "--nvme-path", str(tmp_path), "--nvme-bytes", "1000"]) == 2
+    assert "--nvme-bytes 1000: give a positive multiple of 4096" in capsys.readouterr().err and not out.exists()

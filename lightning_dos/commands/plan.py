@@ -363,9 +363,11 @@ def _calibrate(args: argparse.Namespace) -> int:
     extra = {}
     if args.nvme_path is not None:
         from lightning_dos.errors import DOSConfigError
-        from lightning_dos.host.disk import check_nvme_path, load_aio, measure_disk
+        from lightning_dos.host.disk import ALIGNMENT, check_nvme_path, load_aio, measure_disk
 
         try:  # before the minutes of the other measurements: a bad directory or no libaio is said at once
+            if args.nvme_bytes <= 0 or args.nvme_bytes % ALIGNMENT:
+                raise DOSConfigError(f"--nvme-bytes {args.nvme_bytes}: give a positive multiple of {ALIGNMENT}")
             check_nvme_path(args.nvme_path, args.nvme_bytes, setting="--nvme-path")
             load_aio(setting="--nvme-path")
         except DOSConfigError as error:
@@ -436,7 +438,8 @@ def main(argv: list[str]) -> int:
         # Sized once, for the rank's partition, before any work (plan_rows takes the number as given).
         args.sub_group_size = sub_group_size_of(args.sub_group_size, params // gpus)
         speculation_option(args, footprint)  # a bad --commit-rate is refused before any work
-        disk_of(args, meta), host_budgets(args.host_budget)  # and bad NVMe figures
+        disk_of(args, meta)  # and bad NVMe figures
+        host_budgets(args.host_budget)
     except (FileNotFoundError, ValueError) as error:
         print(f"lightning-dos plan: error: {error}", file=sys.stderr)
         return 2
