@@ -109,7 +109,7 @@ def stock_config(sub_group_size: int, ratio: float = 1.0, nvme_path: str | None 
     if nvme_path is not None:
         # ZeRO-Infinity: every sub-group's optimizer state in files, DeepSpeed's pipelined swapper reading the next
         # sub-groups ahead and writing the last ones back behind the CPU's update (its best settings).
-        offload.update(device="nvme", nvme_path=nvme_path, pipeline_read=True, pipeline_write=True, buffer_count=4)
+        offload.update(device="nvme", nvme_path=nvme_path, pipeline_read=True, pipeline_write=True, buffer_count=16)
         config["aio"] = {"block_size": 1 << 20, "queue_depth": 32, "intra_op_parallelism": 2, "overlap_events": True}
     return config
 
@@ -179,13 +179,15 @@ def run_system(system: str, args: argparse.Namespace) -> Result:
     )
     if system.startswith("stock-nvme:"):
         # The drive's floor for this update: every sub-group's master weights and Adam moments (12 bytes per element)
-        # read and written once per step, at the bandwidth measured on the same directory.
+        # read and written once per step, and its gradient read back (DeepSpeed swaps it out during backward), at the
+        # bandwidth measured on the same directory.
         from lightning_dos.host.disk import measure_disk
         from lightning_dos.model.nvme import stock_tiered_update_s
         from lightning_dos.model.plan import split_into_sub_groups
         from lightning_dos.planning.calibrate import calibrate
 
-        state = 12 * params
+        state = 12 * params  # master weights and Adam's moments, fp32; DeepSpeed reads the fp32 gradient back too
+        grads = 4 * params
         # As many bytes as a step moves each way (at least 64 MiB, at most 1 GiB), aligned for O_DIRECT.
         drive = measure_disk(system.split(":", 1)[1], min(1 << 30, max(64 << 20, -(-state // 4096) * 4096)))
         # The performance model's account of it (model/nvme.py), from this machine's calibrated host rates.
@@ -194,7 +196,7 @@ def run_system(system: str, args: argparse.Namespace) -> Result:
         predicted = stock_tiered_update_s(sizes, calibrate(torch.device("cpu")), drive, lp_bytes=lp_bytes)
         result.predicted_update_s = predicted.time_s
         result.extra.update(
-            disk_floor_s=state / drive.read_bps + state / drive.write_bps,
+            disk_floor_s=(state + grads) / drive.read_bps + state / drive.write_bps,
             read_gbs=drive.read_bps / GB,
             write_gbs=drive.write_bps / GB,
             state_gb=state / GB,
@@ -256,7 +258,8 @@ def table(results: list[Result]) -> str:
             e = r.extra
             lines.append(
                 f"Drive floor of {r.system}: {e['disk_floor_s']:.3f} s ({e['state_gb']:.3f} GB of optimizer state read "
-                f"and written per step at {e['read_gbs']:.2f} / {e['write_gbs']:.2f} GB/s, measured there after the "
+                f"and written per step, the gradient read too, at {e['read_gbs']:.2f} / {e['write_gbs']:.2f} GB/s, "
+                "measured there after the "
                 f"run); the performance model predicted {r.predicted_update_s:.3f} s for its update."
             )
     if best_tf:

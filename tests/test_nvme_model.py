@@ -72,7 +72,8 @@ def test_ours_against_stocks_pipelined_swapper_at_70b_on_the_papers_node() -> No
     """Stock reads and writes every sub-group whatever the host memory; ours keeps the budget's share in host
     slabs. Both run at the drive's pace (within 1.25x of the disk-bandwidth floor)."""
     stock = stock_tiered_update_s(SIZES, RATES, DISK)
-    assert stock.read_bytes == stock.write_bytes == STATE
+    # Stock reads each sub-group's gradient back from its file too (DeepSpeed swaps it out during backward).
+    assert stock.write_bytes == STATE and stock.read_bytes == STATE + ELEMENTS * ADAM_FP32.master
     assert stock.time_s <= 1.25 * stock.disk_s
     plan = Plan(tuple(Place.DEVICE if i % 2 == 0 else Place.HOST for i in range(len(SIZES))))
     ratios = {}

@@ -9,8 +9,9 @@ picks its next operation goes first: it frees a slab. The sub-groups kept in hos
 no disk at all.
 
 The same account gives stock ZeRO-3 NVMe offload (DeepSpeed's pipelined optimizer swapper, ``pipeline_read`` and
-``pipeline_write`` on): every sub-group's state in a file, ``buffer_count`` staging slabs, each sub-group's CPU
-update followed by its cast and a blocking upload of the 16-bit result (:func:`stock_tiered_update_s`).
+``pipeline_write`` on): every sub-group's state in a file, its gradient too, ``buffer_count`` staging slabs, each
+sub-group's CPU update followed by its cast and a blocking upload of the 16-bit result
+(:func:`stock_tiered_update_s`).
 
 Between iterations the order of the file-backed sub-groups can alternate (MLP-Offload's cache-friendly order):
 the last ones written are still in their slabs when the next update starts with them, so their reads are
@@ -104,6 +105,7 @@ def predict_tiered(
     host_s_per_element: float | None = None,
     serial_upload: bool = False,
     host_order: Sequence[int] | None = None,
+    gradient_in_files: bool = False,
 ) -> TieredPrediction:
     """Predict the update of ``plan`` when the sub-groups ``on_nvme`` keep their state in files on ``disk``
     (one rank's share), through ``slots`` host staging slabs.
@@ -113,7 +115,9 @@ def predict_tiered(
     ``cached``: file-backed sub-groups already in a slab when the update starts (the cache-friendly order), read
     from nowhere. ``host_s_per_element``: CPU seconds per element (default: the update and the cast at
     ``rates``); ``serial_upload``: each host sub-group's 16-bit upload blocks the CPU (stock's swapper);
-    ``host_order``: the order the CPU takes its sub-groups in (default: the plan's).
+    ``host_order``: the order the CPU takes its sub-groups in (default: the plan's); ``gradient_in_files``: a
+    file-backed sub-group's gradient is read from its file too (``footprint.master`` bytes per element more; stock
+    writes it there during backward).
     """
     if slots < 1:
         raise ValueError(f"slots must be at least 1, got {slots}")
@@ -154,7 +158,7 @@ def predict_tiered(
             slot_free[slot] = float("inf")
             return 0.0, slot
         start = max(disk_free, slot_free[slot])
-        nbytes = sizes[i] * state
+        nbytes = sizes[i] * (state + (footprint.master if gradient_in_files else 0))
         disk_free = start + nbytes / disk.read_bps
         disk_busy += nbytes / disk.read_bps
         read_bytes += nbytes
@@ -218,7 +222,9 @@ def stock_tiered_update_s(
     """Stock ZeRO-3 NVMe offload with DeepSpeed's pipelined swapper: every sub-group's state in a file, read
     ahead into ``buffer_count`` slabs and written back behind the CPU; each sub-group's CPU update followed by
     its cast and a blocking 16-bit upload, no device update (a host budget changes nothing: stock keeps no
-    optimizer state in host memory beyond its buffers)."""
+    optimizer state in host memory beyond its buffers). DeepSpeed also swaps each sub-group's fp32 gradient out to
+    its file during backward and reads it back for the update (seen in its swap directory, bench/RESULTS.md): the
+    update reads ``footprint.master`` bytes per element more than it writes."""
     plan = Plan(tuple(Place.HOST for _ in sizes))
     return predict_tiered(
         sizes,
@@ -230,6 +236,7 @@ def stock_tiered_update_s(
         slots=buffer_count,
         footprint=footprint,
         serial_upload=True,
+        gradient_in_files=True,
     )
 
 
