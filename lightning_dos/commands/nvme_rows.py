@@ -12,13 +12,13 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_dos.model.nvme import STOCK_BUFFER_COUNT, DiskRates, stock_tiered_update_s, tiered_update
+from lightning_dos.model.nvme import STOCK_SLOTS, DiskRates, stock_tiered_update_s, tiered_update
 from lightning_dos.model.perfmodel import HardwareRates
 from lightning_dos.model.plan import Plan
 from lightning_dos.model.update_rules import Footprint
 
-#: Host staging slabs ours cycles file-backed sub-groups through (as many as stock's buffers: the same memory).
-OUR_SLOTS = STOCK_BUFFER_COUNT
+#: Host staging slabs ours cycles file-backed sub-groups through (as many sub-groups as stock's buffers hold).
+OUR_SLOTS = STOCK_SLOTS
 #: ``--host-budget``'s default: no host memory for the state, a quarter of it, half.
 DEFAULT_HOST_BUDGETS = "0,0.25,0.5"
 

@@ -9,7 +9,7 @@ picks its next operation goes first: it frees a slab. The sub-groups kept in hos
 no disk at all.
 
 The same account gives stock ZeRO-3 NVMe offload (DeepSpeed's pipelined optimizer swapper, ``pipeline_read`` and
-``pipeline_write`` on): every sub-group's state in a file, its gradient too, ``buffer_count`` staging slabs, each
+``pipeline_write`` on): every sub-group's state in a file, its gradient too, a few sub-groups in flight, each
 sub-group's CPU update followed by its cast and a blocking upload of the 16-bit result
 (:func:`stock_tiered_update_s`).
 
@@ -27,8 +27,10 @@ from lightning_dos.model.perfmodel import HardwareRates, link_seconds, rates_for
 from lightning_dos.model.plan import Place, Plan
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 
-#: DeepSpeed's default ``offload_optimizer.buffer_count``: the staging slabs stock's swapper cycles through.
-STOCK_BUFFER_COUNT = 4
+#: Sub-groups stock's pipelined swapper holds in flight: ``offload_optimizer.buffer_count`` counts one buffer per
+#: tensor (master weights, two moments, gradient), and it runs only from 16 (4 sub-groups) with pipelining on; its
+#: default, 4, runs out of buffers at the first step (bench/RESULTS.md, 2026-11-27).
+STOCK_SLOTS = 4
 
 
 @dataclass(frozen=True)
@@ -216,11 +218,11 @@ def stock_tiered_update_s(
     disk: DiskRates,
     *,
     lp_bytes: int = 2,
-    buffer_count: int = STOCK_BUFFER_COUNT,
+    slots: int = STOCK_SLOTS,
     footprint: Footprint = ADAM_FP32,
 ) -> TieredPrediction:
     """Stock ZeRO-3 NVMe offload with DeepSpeed's pipelined swapper: every sub-group's state in a file, read
-    ahead into ``buffer_count`` slabs and written back behind the CPU; each sub-group's CPU update followed by
+    ahead into ``slots`` sub-groups' buffers and written back behind the CPU; each sub-group's CPU update followed by
     its cast and a blocking 16-bit upload, no device update (a host budget changes nothing: stock keeps no
     optimizer state in host memory beyond its buffers). DeepSpeed also swaps each sub-group's fp32 gradient out to
     its file during backward and reads it back for the update (seen in its swap directory, bench/RESULTS.md): the
@@ -233,7 +235,7 @@ def stock_tiered_update_s(
         disk,
         range(len(sizes)),
         lp_bytes=lp_bytes,
-        slots=buffer_count,
+        slots=slots,
         footprint=footprint,
         serial_upload=True,
         gradient_in_files=True,
