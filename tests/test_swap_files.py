@@ -89,3 +89,12 @@ def test_a_second_user_is_refused_and_a_file_left_behind_never_grows(tmp_path: P
     again = SwapFile(tmp_path, 0, RECORDS, torch.float32, torch.float32, 2, 1, aio)  # free once closed
     again.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_swap_file_that_cannot_be_made_leaves_nothing_behind(tmp_path: Path, aio) -> None:  # noqa: ANN001
+    """A record past what a file offset can hold (2^62 elements of 12 bytes): sizing the file fails on any
+    filesystem, and the half-made swap file leaves no file and no lock behind."""
+    with pytest.raises(OverflowError):
+        SwapFile(tmp_path, 0, [1 << 62], torch.float32, torch.float32, 2, 1, aio)
+    assert list(tmp_path.iterdir()) == []
+    SwapFile(tmp_path, 0, RECORDS, torch.float32, torch.float32, 2, 1, aio).close()  # the lock was released

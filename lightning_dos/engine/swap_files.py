@@ -84,14 +84,21 @@ class SwapFile:
                 f"nvme_path={str(directory)!r}: {self.path.name} is in use by another process; give each run its own "
                 "nvme_path"
             ) from None
-        os.ftruncate(self._fd, self.nbytes)  # exactly the records: a file left behind is cut to size, never grown
-        slab_bytes = max((self.record_bytes(n) for n in self.numels), default=ALIGNMENT)
-        self._handles = [aio.aio_handle(block_size, queue_depth, False, True, 1) for _ in range(slots)]
-        self.slabs = [
-            handle.new_cpu_locked_tensor(slab_bytes, torch.empty(0, dtype=torch.uint8)) for handle in self._handles
-        ]
+        self._handles: list[Any] = []
+        self.slabs: list[torch.Tensor] = []
         self._pending = [0] * slots  # requests issued on each slab's handle and not waited for
         self.closed = False
+        try:
+            os.ftruncate(self._fd, self.nbytes)  # exactly the records: a file left behind is cut to size, never grown
+            slab_bytes = max((self.record_bytes(n) for n in self.numels), default=ALIGNMENT)
+            for _ in range(slots):
+                self._handles.append(aio.aio_handle(block_size, queue_depth, False, True, 1))
+                self.slabs.append(
+                    self._handles[-1].new_cpu_locked_tensor(slab_bytes, torch.empty(0, dtype=torch.uint8))
+                )
+        except BaseException:
+            self.close()  # no file, lock or page-locked memory left behind by a half-made swap file
+            raise
 
     def record_bytes(self, numel: int) -> int:
         """Bytes of a record of ``numel`` elements, padding included."""
