@@ -98,3 +98,32 @@ def test_a_swap_file_that_cannot_be_made_leaves_nothing_behind(tmp_path: Path, a
         SwapFile(tmp_path, 0, [1 << 62], torch.float32, torch.float32, 2, 1, aio)
     assert list(tmp_path.iterdir()) == []
     SwapFile(tmp_path, 0, RECORDS, torch.float32, torch.float32, 2, 1, aio).close()  # the lock was released
+
+
+def test_a_slab_that_cannot_be_allocated_leaves_nothing_behind(tmp_path: Path, aio) -> None:  # noqa: ANN001
+    """The second slab's page-locked allocation fails after its handle was made: the error raised is that one,
+    and the first slab, the file and the lock are all given back."""
+
+    class SecondSlabFails:
+        def __init__(self) -> None:
+            self.made = 0
+
+        def aio_handle(self, *args):  # noqa: ANN002, ANN202
+            handle = aio.aio_handle(*args)
+            self.made += 1
+            if self.made < 2:
+                return handle
+
+            class Refusing:
+                def new_cpu_locked_tensor(self, *_: object) -> None:
+                    raise MemoryError("no page-locked memory left")
+
+                def free_cpu_locked_tensor(self, *_: object) -> None:
+                    raise AssertionError("a slab never allocated was freed")
+
+            return Refusing()
+
+    with pytest.raises(MemoryError, match="no page-locked memory left"):
+        SwapFile(tmp_path, 0, RECORDS, torch.float32, torch.float32, 2, 2, SecondSlabFails())
+    assert list(tmp_path.iterdir()) == []
+    SwapFile(tmp_path, 0, RECORDS, torch.float32, torch.float32, 2, 1, aio).close()  # the lock was released

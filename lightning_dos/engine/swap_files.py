@@ -170,7 +170,8 @@ class SwapFile:
             return
         for slot in range(len(self.slabs)):
             self.wait(slot)
-        for handle, slab in zip(self._handles, self.slabs, strict=True):
+        # A handle whose slab could not be allocated (a half-made file) has nothing to free.
+        for handle, slab in zip(self._handles, self.slabs):
             handle.free_cpu_locked_tensor(slab)
         self.slabs, self._handles, self.closed = [], [], True
         self.path.unlink(missing_ok=True)
