@@ -12,6 +12,8 @@ from the calibrated rates. Writes the same as JSON.
     python bench/run.py --preset medium --precision bf16-mixed --clip 0.05 --systems stock,auto
     python bench/run.py --preset medium --systems auto@off,auto@forward,auto   # overlap "off", "forward", "auto"
     python bench/run.py --preset medium --systems stock,stock-nvme:/local_nvme  # stock NVMe offload (ZeRO-Infinity)
+    python bench/run.py --preset medium --systems stock-nvme:/local_nvme,nvme:0.5:/local_nvme,nvme:0:/local_nvme
+        # ours on NVMe, with half and none of the optimizer state in host memory
 """
 
 from __future__ import annotations
@@ -114,14 +116,22 @@ def stock_config(sub_group_size: int, ratio: float = 1.0, nvme_path: str | None 
     return config
 
 
-def make_strategy(system: str, sub_group_size: int) -> tuple[L.pytorch.strategies.Strategy, bool]:
+def make_strategy(system: str, sub_group_size: int, state_bytes: int = 0) -> tuple[L.pytorch.strategies.Strategy, bool]:
     """The strategy for a system name, and whether it is ours. Ours take an ``@overlap`` suffix (``auto@forward``;
-    none: the strategy's default, ``"auto"``)."""
+    none: the strategy's default, ``"auto"``); ``state_bytes``: the rank's optimizer state, which ``nvme:SHARE:DIR``
+    keeps that share of in host memory."""
     system, _, overlap = system.partition("@")
     if system == "stock":
         return DeepSpeedCPUStrategy(config=stock_config(sub_group_size)), False
     if system.startswith("stock-nvme:"):  # stock-nvme:DIR, DeepSpeed's NVMe offload with its files under DIR
         return DeepSpeedCPUStrategy(config=stock_config(sub_group_size, nvme_path=system.split(":", 1)[1])), False
+    if system.startswith("nvme:"):  # nvme:SHARE:DIR, ours with SHARE of the fp32 Adam state in host memory
+        _, share, directory = system.split(":", 2)
+        strategy = DeepOptimizerStatesStrategy(
+            sub_group_size=sub_group_size, overlap=overlap or "auto", offload_optimizer_device="nvme",
+            nvme_path=directory, host_memory_budget=int(float(share) * state_bytes),
+        )  # fmt: skip
+        return strategy, True
     if system.startswith("twinflow:"):
         gpu_share = float(system.split(":")[1])
         return DeepSpeedCPUStrategy(config=stock_config(sub_group_size, ratio=1.0 - gpu_share)), False
@@ -137,7 +147,8 @@ def _median(rows: list[dict[str, float]], key: str) -> float | None:
 
 def run_system(system: str, args: argparse.Namespace) -> Result:
     layers, width, heads, seq, batch = args.shape
-    strategy, ours = make_strategy(system, args.sub_group_size)
+    params = GPT.count_parameters(layers, width, args.vocab, seq)
+    strategy, ours = make_strategy(system, args.sub_group_size, 12 * params)
     L.seed_everything(0, verbose=False)
     model_cls = GPT if ours else StockGPT
     model = model_cls(n_layer=layers, n_embd=width, n_head=heads, block_size=seq, vocab_size=args.vocab)
@@ -161,7 +172,6 @@ def run_system(system: str, args: argparse.Namespace) -> Result:
         torch.cuda.reset_peak_memory_stats()
     trainer.fit(model, datamodule=data)
     rows = list(monitor.history)[args.warmup :]
-    params = GPT.count_parameters(layers, width, args.vocab, seq)
     update_s = _median(rows, "dos/update_s") or float("nan")
     result = Result(
         system=system,
@@ -177,6 +187,25 @@ def run_system(system: str, args: argparse.Namespace) -> Result:
         peak_accelerator_gb=torch.cuda.max_memory_allocated() / GB if torch.cuda.is_available() else None,
         predicted_update_s=_median(rows, "dos/update_predicted_s"),
     )
+    if system.startswith("nvme:"):
+        # Ours: the file-backed sub-groups' master weights and moments read and written once per step (gradients
+        # stay in host memory), at the bandwidth measured on the same directory.
+        from lightning_dos.host.disk import measure_disk
+
+        files = strategy.dos_engine.files
+        in_files = 12 * sum(files.sub_groups[i].numel for i in files.indices) if files is not None else 0
+        drive = measure_disk(system.split(":", 2)[2], min(1 << 30, max(64 << 20, -(-in_files // 4096) * 4096)))
+        result.extra.update(
+            disk_floor_s=in_files / drive.read_bps + in_files / drive.write_bps,
+            read_gbs=drive.read_bps / GB,
+            write_gbs=drive.write_bps / GB,
+            state_gb=in_files / GB,
+        )
+        if files is not None:
+            steps = max(1, strategy.dos_engine.steps_taken)
+            result.extra.update(
+                read_gb_per_step=files.read_bytes / steps / GB, written_gb_per_step=files.written_bytes / steps / GB
+            )
     if system.startswith("stock-nvme:"):
         # The drive's floor for this update: every sub-group's master weights and Adam moments (12 bytes per element)
         # read and written once per step, and its gradient read back (DeepSpeed swaps it out during backward), at the
@@ -253,8 +282,18 @@ def table(results: list[Result]) -> str:
         )
     if floor_s:
         lines.append(f"\nFloor T(r*) of the update phase from the calibrated rates: {floor_s:.4f} s.")
+    stock_nvme = next((r for r in results if r.system.startswith("stock-nvme:")), None)
     for r in results:
-        if "disk_floor_s" in r.extra:
+        if "disk_floor_s" in r.extra and r.system.startswith("nvme:"):
+            e = r.extra
+            versus = f", {stock_nvme.update_s / r.update_s:.2f}x stock NVMe's update" if stock_nvme else ""
+            lines.append(
+                f"Drive floor of {r.system}: {e['disk_floor_s']:.3f} s ({e['state_gb']:.3f} GB of file-backed "
+                f"optimizer state read and written per step at {e['read_gbs']:.2f} / {e['write_gbs']:.2f} GB/s, "
+                f"measured there after the run; the drive really moved {e.get('read_gb_per_step', 0):.3f} GB read and "
+                f"{e.get('written_gb_per_step', 0):.3f} GB written per step){versus}."
+            )
+        elif "disk_floor_s" in r.extra:
             e = r.extra
             lines.append(
                 f"Drive floor of {r.system}: {e['disk_floor_s']:.3f} s ({e['state_gb']:.3f} GB of optimizer state read "

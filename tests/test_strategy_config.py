@@ -53,13 +53,15 @@ BAD_SETTINGS = [
     ({"gpu_memory_budget": -1}, "gpu_memory_budget", "non-negative"),
     ({"stage": 2}, "stage", "use 3"),
     ({"offload_optimizer": False}, "offload_optimizer", "use True"),
-    ({"offload_optimizer_device": "nvme"}, "offload_optimizer_device", "'cpu'"),
+    ({"offload_optimizer_device": "disk"}, "offload_optimizer_device", "'cpu', or 'nvme'"),
+    ({"host_memory_budget": -1}, "host_memory_budget", "non-negative"),
+    ({"host_memory_budget": "half"}, "host_memory_budget", "'auto'"),
     ({"offload_parameters": True, "offload_params_device": "nvme"}, "offload_params_device", "'cpu'"),
     ({"config": {"zero_optimization": {"stage": 2}}}, "zero_optimization.stage", "use 3"),
     (
         {"config": {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}},
         "offload_optimizer.device",
-        "'cpu'",
+        "needs nvme_path",
     ),
     (
         {"config": {"zero_optimization": {"offload_optimizer": {"device": "none"}}}},

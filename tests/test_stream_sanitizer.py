@@ -11,9 +11,12 @@ from __future__ import annotations
 import ast
 import copy
 import inspect
+import shutil
 import sys
+import tempfile
 import types
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,12 +34,15 @@ from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.engine.atomic import UpdateInterrupted
 from lightning_dos.engine.kernels import Hyper
 from lightning_dos.engine.loop import StepInputs
+from lightning_dos.host import disk
 from lightning_dos.model.plan import Place, Plan
 from lightning_dos.model.update_rules import ADAGRAD, ADAM, LION, Footprint
 from lightning_dos.sim.sanitizer import SanitizerUnavailableError, StreamSanitizer
 from tests.helpers import RandomPlacement, TinyLM, full_parameters, loader, max_relative_error, trainer
 
 H, D, R = Place.HOST, Place.DEVICE, Place.RESIDENT
+#: The NVMe tier's scenarios need DeepSpeed's async I/O op (libaio-dev; scripts/nvme-tools.sh installs it, CI has it).
+AIO_MISSING = disk.aio_unavailable()
 NUMELS, GROUPS, SUB_GROUP = (48, 40, 64), (0, 1, 1), 16  # 10 sub-groups over 3 flats, 2 param groups
 N_SUB_GROUPS = 10
 HYPERS = (Hyper(1e-2, 0.9, 0.99, 1e-8, 0.1, True), Hyper(3e-3, 0.8, 0.95, 1e-6, 0.0, True))
@@ -64,6 +70,9 @@ class Scenario:
     #: Slots of the 16-bit staging ring (None: the engine's default, one per sub-group); a bounded ring
     #: reuses slots within a step, behind the host's wait for each slot's last upload.
     lp_staging_slots: int | None = None
+    #: The second half of the sub-groups keep their state in a swap file (the NVMe tier, through DeepSpeed's async
+    #: I/O op): loaded before their update, written back after it (a streamed one once its download landed).
+    files: bool = False
 
 
 SCENARIOS = (
@@ -95,6 +104,13 @@ SCENARIOS = (
     # Nothing streams behind the resident downloads: only their own tail event covers them.
     Scenario("parameter offload, all resident", (Plan(mixed(R)),) * 2, lp_on_host=True),
     Scenario("bounded 16-bit staging ring", (Plan(mixed(H, D, H), 2),) * 2, lp_staging_slots=2),
+) + (
+    (
+        Scenario("state in files", (Plan(mixed(H, D, R, D), 2),) * 3, inv_grad_scale=0.5, files=True),
+        Scenario("state in files, 1 buffer", (Plan(mixed(D), 1), Plan(mixed(D, H), 1)), files=True),
+    )
+    if AIO_MISSING is None
+    else ()
 )
 
 
@@ -158,6 +174,11 @@ def run(
     reference = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in NUMELS]
     for i, flat in enumerate(reference):
         engine.param_view(i).copy_(flat.detach())
+    if scenario.files:
+        directory = tempfile.mkdtemp(prefix="dos-sanitizer-")
+        tier = engine.keep_in_files(len(engine.sub_groups) // 2, directory, 0, disk.load_aio(), slots=2)
+        weakref.finalize(engine, shutil.rmtree, directory, True)
+        weakref.finalize(engine, tier.close)
     groups = [{"params": [p for p, g in zip(reference, GROUPS) if g == k]} for k in (0, 1)]
     for group, h in zip(groups, HYPERS):
         group.update(lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay)

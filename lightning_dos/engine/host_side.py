@@ -46,6 +46,8 @@ class HostSubGroups:
             index, landed = arrival
             if not taking or plan.places[index] != Place.HOST or index in plan.after_backward:
                 continue
+            if self._file_backed(index):
+                continue  # read from its file after backward, with the rest of the step (never speculated on)
             # DeepSpeed copied the gradient on its own stream: the host reads it once that copy has landed.
             self.streams.host_wait(landed)
             began = time.perf_counter()  # the step's update time counts this work, not the waits for backward
@@ -241,6 +243,7 @@ class HostSubGroups:
             # One pass unscaled, updated and (on a CPU device) cast it: every point is recorded before any
             # hook runs, so an interruption at any of them finds the sub-group's true progress.
             self._reached_together(("unscaled", "updated", "done") if staging is lp else ("unscaled", "updated"), index)
+            self._done_with(index)  # the upload reads the 16-bit staging, not the state: a file-backed one goes back
         except BaseException:
             if staging is not lp:  # nothing will upload from the slot: free it (its last upload was waited for)
                 self.pool.lp_staging.release(slot, None)

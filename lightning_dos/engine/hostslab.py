@@ -145,7 +145,7 @@ def live_bytes() -> int:
 def registered_bytes() -> int:
     """Bytes of all slabs in this process registered (pinned) now."""
     with _lock:
-        return sum(slab.nbytes for slab in _live if slab.registered)
+        return sum(slab.pinned_bytes for slab in _live if slab.registered)
 
 
 def page_rounded(nbytes: int) -> int:
@@ -165,6 +165,8 @@ class HostSlab:
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.nbytes = numel * itemsize
         self.registered = False
+        #: Bytes registered, from the slab's start (the whole slab, or the part no file-backed sub-group uses).
+        self.pinned_bytes = 0
         self.closed = False
         self._unregister: weakref.finalize | None = None  # set while registered
         self._mapping: mmap.mmap | None = None
@@ -193,13 +195,16 @@ class HostSlab:
     def address(self) -> int:
         return self.tensor.data_ptr()
 
-    def pin(self, registrar: Registrar) -> int:
-        """Register the slab with ``registrar``; return 0, or the registrar's error code (nothing pinned)."""
-        if self.registered or self.nbytes == 0:
+    def pin(self, registrar: Registrar, nbytes: int | None = None) -> int:
+        """Register the slab's first ``nbytes`` (None: all of it) with ``registrar``; return 0, or the registrar's
+        error code (nothing pinned)."""
+        nbytes = self.nbytes if nbytes is None else min(nbytes, self.nbytes)
+        if self.registered or nbytes == 0:
             return 0
-        code = registrar.register(self.address, self.nbytes)
+        code = registrar.register(self.address, nbytes)
         if code == 0:
             self.registered = True
+            self.pinned_bytes = nbytes
             # Unregistered by unpin() (teardown); the finalizer is also the safety net for a slab collected
             # without one (an engine used outside the strategy), so no registration outlives its slab.
             self._unregister = weakref.finalize(self, registrar.unregister, self.address)
@@ -209,7 +214,19 @@ class HostSlab:
         """Unregister the slab (its memory stays, pageable)."""
         if self._unregister is not None:
             self._unregister()  # a finalizer runs at most once
-        self.registered, self._unregister = False, None
+        self.registered, self._unregister, self.pinned_bytes = False, None, 0
+
+    def give_back(self, start: int, end: int) -> int:
+        """Give the kernel back the whole pages inside bytes ``[start, end)`` (``MADV_DONTNEED``: they read as
+        zeros until written again); return the bytes given back. The pages at either edge, shared with the
+        neighbouring bytes, are kept. Never a registered page: the device may still copy to or from it."""
+        first, last = page_rounded(start), end // PAGE * PAGE
+        if self._mapping is None or last <= first:
+            return 0
+        if self.registered and first < page_rounded(self.pinned_bytes):
+            raise RuntimeError(f"bytes {start}..{end} of a slab are registered (pinned): they cannot be given back")
+        self._mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
+        return last - first
 
     def close(self) -> bool:
         """Unpin now and drop the slab's own tensor; unmap when nothing else views the memory.

@@ -35,12 +35,14 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
 from lightning_dos.engine import native
 from lightning_dos.engine.arrivals import GradientArrivals
 from lightning_dos.engine.atomic import TornStateError, UpdateGuard, UpdateProgress
+from lightning_dos.engine.file_tier import FileTier
 from lightning_dos.engine.host_side import HostSubGroups
 from lightning_dos.engine.in_flight import InFlightHandoff
 from lightning_dos.engine.inputs import StepInputs
@@ -52,6 +54,7 @@ from lightning_dos.engine.resident import ResidentSubGroups
 from lightning_dos.engine.speculation import SpareSlabs
 from lightning_dos.engine.streamed import StreamedSubGroups
 from lightning_dos.engine.streams import Streams, make_streams
+from lightning_dos.engine.swap_files import SwapFile
 from lightning_dos.model.budget_fit import fit_to_budget, plan_device_bytes
 from lightning_dos.model.perfmodel import FREE_MEMORY_MARGIN
 from lightning_dos.model.plan import Place, Plan, SubGroup, split_into_sub_groups
@@ -197,6 +200,11 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         self._early_tail: object = None
         #: Spare slots for speculative updates during backward (none until :meth:`reserve_speculation`).
         self.spare = SpareSlabs(0, 0, master_dtype, (), lp_dtype)
+        #: The NVMe tier: the sub-groups whose state lives in a swap file between updates (None until
+        #: :meth:`keep_in_files`).
+        self.files: FileTier | None = None
+        #: Streamed file-backed sub-groups of the update in flight: written back once their download home landed.
+        self._stored_after_download: list[int] = []
 
     @property
     def last_report(self) -> StepReport | None:
@@ -280,6 +288,79 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         states = tuple(state.dtype for state in self.pool.states)
         return SpareSlabs.slot_bytes(max(self.sizes, default=0), self.pool.param.dtype, states, self.lp_dtype)
 
+    def keep_in_files(
+        self, first: int, directory: str, rank: int, aio: object, slots: int = 4, **io: int
+    ) -> FileTier | None:
+        """Keep sub-groups ``first`` onwards (the slabs' tail) in a swap file under ``directory`` between updates:
+        their spans' current contents are written to it and their pages given back (the NVMe tier, see
+        :mod:`lightning_dos.engine.file_tier`). Call before the slabs are registered (:meth:`BufferPool.register_host`):
+        those spans are never pinned. ``aio`` is DeepSpeed's async I/O op; ``slots`` staging slabs move the records;
+        ``io`` is passed to :class:`~lightning_dos.engine.swap_files.SwapFile` (``block_size``, ``queue_depth``).
+        Return the tier (None when ``first`` leaves nothing to keep in files)."""
+        if self.files is not None:
+            raise RuntimeError("the engine keeps sub-groups in files already")
+        if self.pool.pinned:
+            raise RuntimeError("keep_in_files must come before the host slabs are registered")
+        tail = self.sub_groups[first:]
+        if not tail:
+            return None
+        swap = SwapFile(
+            directory, rank, [sg.numel for sg in tail], self.pool.param.dtype, self.pool.state_dtype,
+            len(self.rule.states), slots, aio, **io,
+        )  # fmt: skip
+        self.pool.file_backed_from = tail[0].slab_offset
+        self.files = FileTier(swap, tail, self._span, self.pool.give_back)
+        self.files.store_all(dirty=True)
+        return self.files
+
+    def first_file_backed(self, host_budget: int) -> int:
+        """The first sub-group past what ``host_budget`` bytes of master weights and state hold (counted from the
+        first; every one when they all fit): where the NVMe tier begins."""
+        held = 0
+        for sg in self.sub_groups:
+            held += self.footprint.optimizer_state * sg.numel
+            if held > host_budget:
+                return sg.index
+        return len(self.sub_groups)
+
+    def close_files(self) -> None:
+        """Remove the swap file (teardown). Its sub-groups' state is gone with it: the slabs hold zeros there."""
+        if self.files is not None:
+            self.files.close()
+
+    def materialize_files(self, indices: Sequence[int] | None = None) -> None:
+        """Load these file-backed sub-groups (None: all) into their spans, for a reader of the slabs (a checkpoint,
+        an accessor); :meth:`release_file_copies` gives the pages back, a write marks them to be written back
+        (:meth:`drop_resident`)."""
+        if self.files is not None:
+            for index in self.files.indices if indices is None else indices:
+                self.files.load(index, dirty=False)
+
+    def release_file_copies(self) -> None:
+        """Give back the pages of file-backed sub-groups loaded only to be read (:meth:`materialize_files`)."""
+        if self.files is not None:
+            self.files.drop_clean()
+
+    def _file_backed(self, index: int) -> bool:
+        return self.files is not None and index in self.files
+
+    def _done_with(self, index: int) -> None:
+        """The update is done with sub-group ``index``'s span: a file-backed one is written back."""
+        if self.files is not None and index in self.files:
+            self.files.store(index)
+
+    def _settle_files(self) -> None:
+        """The update is over: the streamed file-backed sub-groups are written back, and every write has landed (the
+        file is the state of record between updates). Their downloads home have landed: the step waited for every
+        tail event before it got here, and an interrupted one synchronised the device (the race checker's mutation
+        test finds a wait here redundant)."""
+        if self.files is None:
+            return
+        streamed, self._stored_after_download = self._stored_after_download, []
+        for index in streamed:
+            self.files.store(index)
+        self.files.settle()
+
     def skip(self, plan: Plan) -> StepReport:
         """Record a skipped step (fp16 overflow): nothing is touched."""
         self.kept.forget()
@@ -327,6 +408,8 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
             except BaseException as error:  # noqa: BLE001 - every interruption is finished, then re-raised
                 return settle_interrupted_update(self, error, inputs, progress)
             finally:
+                if self.torn is None:
+                    self._settle_files()
                 self._progress = None
                 self.kept.forget()  # read by this step (or not at all): the next backward writes anew
                 self._backward_ends.clear()  # waited for by this step (or a step skipped during backward)
@@ -376,6 +459,10 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         wall_start = time.perf_counter()
 
         requested = plan
+        if self.files is not None:
+            # A resident sub-group's state lives on the device between updates; a file-backed one's in its file.
+            kept = [i for i in plan.resident_indices if i in self.files]
+            plan = replace(plan, places=tuple(Place.DEVICE if i in kept else p for i, p in enumerate(plan.places)))
         budget = self.device_budget()
         plan = self.fit_to_budget(plan, budget)
         progress.places = plan.places
@@ -389,6 +476,10 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
             buffers = []
         plan = self._make_resident(plan, streams)
         progress.places = plan.places
+        if self.files is not None:
+            # Read ahead in the order the update takes them: streamed ones are launched first.
+            done_early = set(self.updated_early) if early is not None else set()
+            self.files.begin(plan.streamed_indices + [i for i in plan.host_indices if i not in done_early])
         report = self._new_report(plan, inputs)
         if early is not None:  # what backward's phase did counts in this step's report
             report.host_elements, report.h2d_bytes = early.host_elements, early.h2d_bytes
@@ -415,6 +506,7 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         # 16-bit parameter in place for the next forward.
         for event in tails:
             streams.host_wait(event)
+        self._settle_files()
         report.update_s += time.perf_counter() - wall_start
         report.spans = streams.spans() if self._step_timing else []
         self.last_report = report
@@ -493,6 +585,12 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         return param, states, inputs.grads[sg.ds_group][local], inputs.lp_targets[sg.ds_group][local]
 
     def _home(self, sg: SubGroup) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """A sub-group's span of the slabs (master weights, states): what DeepSpeed's views see."""
+        """A sub-group's span of the slabs (master weights, states): what DeepSpeed's views see. A file-backed one
+        is loaded first (the update, or its recovery, is about to use it)."""
+        if self.files is not None:
+            self.files.load(sg.index)
+        return self._span(sg)
+
+    def _span(self, sg: SubGroup) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         span = slice(sg.slab_offset, sg.slab_offset + sg.numel)
         return self.pool.param[span], tuple(state[span] for state in self.pool.states)

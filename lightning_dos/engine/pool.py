@@ -164,6 +164,9 @@ class BufferPool:
             self.lp_staging = StagingRing(self._ring_slab.tensor, slots)
         #: Host bytes really pinned (registered), exactly; 0 when nothing is pinned.
         self.pinned_bytes = 0
+        #: First element of the file-backed sub-groups (the NVMe tier: their spans hold memory only while loaded, so
+        #: they are never registered); None without a file tier. Set before :meth:`register_host`.
+        self.file_backed_from: int | None = None
         self.pinned = False
         if pin:
             self.register_host(default_registrar())
@@ -215,9 +218,13 @@ class BufferPool:
         return self.pinned
 
     def _pin(self, registrar: Registrar) -> bool:
-        """Register every slab; on a refusal unregister those done and stay pageable, with one warning."""
+        """Register every slab (of the state slabs, the part before :attr:`file_backed_from`); on a refusal
+        unregister those done and stay pageable, with one warning."""
         for slab in self._slabs:
-            code = slab.pin(registrar)
+            limit = None
+            if slab is not self._ring_slab and self.file_backed_from is not None:
+                limit = self.file_backed_from * slab.tensor.element_size()
+            code = slab.pin(registrar, limit)
             if code != 0:
                 for done in self._slabs:
                     done.unpin()
@@ -231,8 +238,17 @@ class BufferPool:
                 )
                 self.pinned_bytes = 0
                 return False
-            self.pinned_bytes += slab.nbytes
+            self.pinned_bytes += slab.pinned_bytes
         return True
+
+    def give_back(self, start: int, numel: int) -> int:
+        """Give the kernel back the pages of elements ``[start, start + numel)`` of the master and state slabs (a
+        file-backed sub-group's span, its state now in the swap file); return the bytes given back."""
+        given = 0
+        for slab in self._slabs[: 1 + len(self.states)]:
+            size = slab.tensor.element_size()
+            given += slab.give_back(start * size, (start + numel) * size)
+        return given
 
     def release_host(self) -> None:
         """Unpin every host slab now and free the 16-bit staging ring (teardown; not left to the garbage collector).

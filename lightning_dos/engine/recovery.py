@@ -51,6 +51,8 @@ class InterruptedEngine(Protocol):
 
     def _evict(self, indices: list[int]) -> None: ...
 
+    def _done_with(self, index: int) -> None: ...
+
 
 def settle_interrupted_update(
     engine: InterruptedEngine, error: BaseException, inputs: StepInputs, progress: UpdateProgress
@@ -154,6 +156,7 @@ def finish_on_host(engine: InterruptedEngine, inputs: StepInputs, progress: Upda
                 progress.reached("updated", index)
             lp.copy_(param)
         progress.reached("done", index)
+        engine._done_with(index)  # a file-backed sub-group goes back to its file: one at a time in host memory
         finished.append(index)
     engine.streams.device_synchronize()
     return finished

@@ -114,9 +114,9 @@ class ResidentSubGroups:
 
     @property
     def state_off_slabs(self) -> bool:
-        """Whether some sub-group's current state is not in the slabs (resident on the device, or held in a spare
-        slot): a reader of the slabs must :meth:`flush_resident` first."""
-        return bool(self.resident or self.spare.held)
+        """Whether some sub-group's current state may not be in the slabs (resident on the device, held in a spare
+        slot, or in a swap file): a reader of the slabs must :meth:`flush_resident` first."""
+        return bool(self.resident or self.spare.held or self.files is not None)
 
     def flush_resident(self, indices: Sequence[int] | None = None) -> None:
         """Make the host slabs current (a checkpoint or an accessor is about to read them): resident state is
@@ -125,6 +125,7 @@ class ResidentSubGroups:
         chosen = list(self.resident) if indices is None else [i for i in indices if i in self.resident]
         self._download_resident(chosen)
         self._bring_home(list(self.spare.held) if indices is None else indices)
+        self.materialize_files(indices)  # file-backed state is read into its spans (release_file_copies: back)
 
     def _bring_home(self, indices: Sequence[int]) -> None:
         """Copy the state of these sub-groups held in spare slots (committed speculative updates) back to the slabs
@@ -143,3 +144,5 @@ class ResidentSubGroups:
             self.pool.release_resident(self.resident.pop(index))
         for index in list(self.spare.held) if indices is None else [i for i in indices if i in self.spare.held]:
             self.spare.forget(index)
+        if self.files is not None:  # loaded file-backed spans were written: they go back to the file
+            self.files.mark_written(indices)

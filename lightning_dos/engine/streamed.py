@@ -86,6 +86,8 @@ class StreamedSubGroups:
                     dst.copy_(src, non_blocking=True)
                 self._reached("done", index)
             slot_free[slot] = streams.record(streams.d2h)
+            if self._file_backed(index):  # written back to its file once its state is home (the step's end)
+                self._stored_after_download.append(index)
             # The next forward reads only the 16-bit result: cast on the device, it is there once the compute stream
             # has run the cast; the state's download home (which the next backward and checkpoints wait for, with
             # the whole update) need not hold the forward back. Cast into the buffer, it is there once downloaded.

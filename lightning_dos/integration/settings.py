@@ -71,8 +71,12 @@ def check_arguments(
         raise refuse("stage", stage, "the engine works on ZeRO stage 3 only: use 3")
     if not offload_optimizer:
         raise refuse("offload_optimizer", offload_optimizer, "the optimizer state is always offloaded: use True")
-    if offload_optimizer_device != "cpu":
-        raise refuse("offload_optimizer_device", offload_optimizer_device, "use 'cpu' (NVMe is not supported)")
+    if offload_optimizer_device not in ("cpu", "nvme"):
+        raise refuse(
+            "offload_optimizer_device",
+            offload_optimizer_device,
+            "use 'cpu', or 'nvme' (with nvme_path) to keep what does not fit host_memory_budget on NVMe",
+        )
     if offload_parameters and offload_params_device != "cpu":
         raise refuse("offload_params_device", offload_params_device, "use 'cpu' (NVMe is not supported)")
     for key in ("zero_optimization", "remote_device"):
@@ -109,7 +113,7 @@ def merge_required_config(config: dict[str, Any], sub_group_size: int) -> dict[s
         raise refuse(
             "zero_optimization.offload_optimizer.device",
             offload["device"],
-            "the optimizer state must be offloaded to 'cpu'",
+            "the optimizer state must be offloaded to 'cpu', or to 'nvme' with nvme_path",
         )
     ratio = offload.get("ratio", 1.0)
     if ratio != 1.0:

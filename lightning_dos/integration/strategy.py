@@ -29,11 +29,19 @@ from lightning_dos.engine.streams import Streams
 from lightning_dos.errors import DOSConfigError
 from lightning_dos.host import quiet
 from lightning_dos.host.cores import HostPlacement
+from lightning_dos.host.disk import check_nvme_path, load_aio
 from lightning_dos.host.host_threads import apply_host_threads
-from lightning_dos.host.hostmem import LIMIT_ENV, check_host_memory
+from lightning_dos.host.hostmem import LIMIT_ENV, check_host_memory, host_memory
 from lightning_dos.host.ranks import Calibration, calibrate_together, reduce_min_over_ranks
 from lightning_dos.integration.cpu_strategy import DeepSpeedCPUStrategy
 from lightning_dos.integration.held_signals import DeliverHeldSignals
+from lightning_dos.integration.nvme_tier import (
+    STAGING_SLOTS,
+    NvmeTier,
+    check_host_budget,
+    resolve_host_budget,
+    take_nvme_tier,
+)
 from lightning_dos.integration.optimizers import SUPPORTED, check_optimizer, rule_of
 from lightning_dos.integration.overlap_mode import (
     plan_for_speculation,
@@ -62,7 +70,7 @@ from lightning_dos.integration.zero3 import (
     load_zero3_weights_for_evaluation,
 )
 from lightning_dos.model.perfmodel import HardwareRates
-from lightning_dos.model.plan import FractionSpec, coarse_share_warning
+from lightning_dos.model.plan import ALIGN_ELEMENTS, FractionSpec, auto_sub_group_size, coarse_share_warning
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 from lightning_dos.planning.calibrate import HOST_BUFFER_BYTES, calibrate, calibration_numel
 from lightning_dos.planning.scheduler import PlacementScheduler
@@ -138,7 +146,15 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         accelerator: the accelerator, usually chosen by the Trainer.
         stage: ZeRO stage; only 3 is valid (kept so that configs written for DeepSpeedStrategy parse).
         offload_optimizer: must stay True: the optimizer state lives in host memory.
-        offload_optimizer_device: must be ``"cpu"``.
+        offload_optimizer_device: ``"cpu"``: the optimizer state lives in host memory; ``"nvme"``: the sub-groups
+            past ``host_memory_budget`` keep theirs in one swap file per rank under ``nvme_path`` (a keyword argument
+            of Lightning's ``DeepSpeedStrategy``, or the config's ``offload_optimizer.nvme_path``), read before
+            their update and written back after it through DeepSpeed's async I/O op (``libaio``: the config's
+            ``aio.block_size`` and ``aio.queue_depth`` apply). The result is the same bits as ``"cpu"``.
+        host_memory_budget: with ``offload_optimizer_device="nvme"``, bytes of master weights and optimizer state
+            each rank keeps in host memory (the first sub-groups; the rest on NVMe): ``"auto"`` (the default): 90%
+            of what the pre-flight finds spare once everything else is counted; 0: all of it on NVMe. Ignored
+            with ``"cpu"``.
         offload_parameters: also offload the 16-bit parameters to host memory (ZeRO-Infinity style).
         offload_params_device: ``"cpu"`` when ``offload_parameters`` is set (NVMe is not supported).
         config: a DeepSpeed config dict or JSON path; merged with what the engine requires (ZeRO-3, CPU
@@ -164,6 +180,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         host_threads: int | str = "auto",
         overlap: str = "auto",
         speculation_memory: int | str = "auto",
+        host_memory_budget: int | str = "auto",
         accelerator: Accelerator | None = None,
         stage: int = 3,
         offload_optimizer: bool = True,
@@ -222,7 +239,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             accelerator=accelerator,
             stage=3,
             offload_optimizer=True,
-            offload_optimizer_device="cpu",
+            offload_optimizer_device=offload_optimizer_device,
             offload_parameters=offload_parameters,
             offload_params_device=offload_params_device,
             pin_memory=True,
@@ -236,6 +253,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             timeout=timeout,
             **kwargs,
         )
+        check_host_budget(host_memory_budget)
+        #: The NVMe tier the config asks for (``offload_optimizer.device: nvme``), taken out of DeepSpeed's config.
+        self.dos_nvme: NvmeTier | None = take_nvme_tier(self.config, host_memory_budget)
         self.config = merge_required_config(self.config, deepspeed_size)
         self.dos_adapter: ZeRO3Adapter | None = None
         #: Chooses each step's plan (and predicts its update time) once fitting has started.
@@ -329,6 +349,8 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             self.config, self.overlap, self.speculation_memory, figure.total, local_ranks
         )
         counted = self._speculation_bytes if self.speculation_memory != "auto" else 0  # "auto" fits by construction
+        if self.dos_nvme is not None:
+            self._plan_nvme_tier(figure, per_rank, footprint, local_ranks, on_cuda)
         check_host_memory(
             local_ranks * (figure.total + counted),
             what=(
@@ -340,6 +362,29 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
                 "smaller model, or raise the memory limit of the job; "
                 f"{LIMIT_ENV} (bytes) sets a tighter cap when the scheduler enforces one the process cannot read."
             ),
+        )
+
+    def _plan_nvme_tier(
+        self, figure: HostFigure, per_rank: int, footprint: Footprint, local_ranks: int, on_cuda: bool
+    ) -> None:
+        """Resolve the host budget, check ``nvme_path`` (writable, O_DIRECT, room for every local rank's file) and
+        libaio, and count in ``figure`` the host part of the state and the staging slabs instead of all of it."""
+        tier = self.dos_nvme
+        state = footprint.optimizer_state * per_rank
+        size = self.engine_sub_group_size
+        largest = min(per_rank, auto_sub_group_size(per_rank) if size == "auto" else int(size)) + ALIGN_ELEMENTS
+        staging = STAGING_SLOTS * footprint.optimizer_state * largest
+        budget = resolve_host_budget(tier, state, figure.total - state + staging, host_memory(), local_ranks)
+        tier.host_budget = budget
+        # Records are padded to 4096 bytes per tensor: a page per tensor per sub-group at most, counted generously.
+        in_files = state - budget + 4096 * (1 + len(footprint.rule.states)) * max(1, -(-per_rank // largest) + 1)
+        check_nvme_path(tier.path, local_ranks * in_files if budget < state else 0)
+        load_aio("offload_optimizer.device='nvme'")  # libaio missing: named, with the command, before any work
+        figure.items = [(what, n - (state - budget) if what == "engine slabs" else n) for what, n in figure.items]
+        figure.items.append(("NVMe staging slabs", staging))
+        rank_zero_info(
+            f"lightning-dos: the NVMe tier keeps {_size(budget)} of each rank's {_size(state)} of optimizer state in "
+            f"host memory and the rest in {tier.path}"
         )
 
     def setup_distributed(self) -> None:
@@ -357,6 +402,8 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             streams_factory=self.streams_factory,
             optimizer=getattr(self, "_dos_user_optimizer", None),
             overlap=resolve_overlap(self.overlap, ds_optimizer, self._speculation_bytes, self.speculation_memory),
+            nvme=self.dos_nvme,
+            rank=self.global_rank,
         )
         spare = reserve_speculation(adapter, ds_optimizer, self._speculation_bytes)
         if spare and self.dos_host_figure is not None:  # counted with the rest of the rank's host memory
@@ -448,7 +495,10 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         if adapter is None:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         with adapter.reading_state("saving a checkpoint"):
-            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            try:
+                return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            finally:
+                adapter.engine.release_file_copies()  # file-backed state read for the checkpoint leaves host memory
 
     def on_exception(self, exception: BaseException) -> None:
         if self.dos_adapter is not None:
@@ -468,6 +518,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             # Resident optimizer state comes home (the host slabs are the state of record after fit) and any
             # device staging an interrupted update left is given back.
             adapter.engine.release_device_memory()
+            adapter.engine.close_files()  # the swap file goes: the state of record is the last checkpoint
             # Pinned memory is given back now, not when the garbage collector finds this strategy: sweeps and
             # notebooks fit again in the same process.
             adapter.engine.pool.release_host()
@@ -481,6 +532,10 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         # Replaces the builder the package registered before this module was loaded (see lightning_dos._register).
         strategy_registry.register("dos", cls, description=DESCRIPTION, override=True)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"
 
 
 @functools.lru_cache(maxsize=8)

@@ -16,8 +16,10 @@ from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, TornStateError, Upd
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
 from lightning_dos.engine.recovery import take_on_host
 from lightning_dos.engine.streams import Streams
+from lightning_dos.host.disk import load_aio
 from lightning_dos.host.hostmem import return_freed_memory
 from lightning_dos.host.signals import SignalHold
+from lightning_dos.integration.nvme_tier import STAGING_SLOTS, NvmeTier
 from lightning_dos.integration.optimizers import (
     hyper_of,
     rule_of,
@@ -76,6 +78,8 @@ class ZeRO3Adapter(ForwardGathers, BackwardHooks, StateAccess):
         streams_factory: Callable[[torch.device], Streams] | None = None,
         optimizer: object | None = None,
         overlap: Overlap = OFF,
+        nvme: NvmeTier | None = None,
+        rank: int = 0,
     ) -> None:
         check_zero3_optimizer(zero_optimizer)
         self.overlap = check_overlap(overlap)
@@ -119,6 +123,8 @@ class ZeRO3Adapter(ForwardGathers, BackwardHooks, StateAccess):
                 freed = 0
         # DeepSpeed's replaced partitions (and its start-up temporaries) leave the resident set now.
         return_freed_memory()
+        if nvme is not None:
+            self._keep_in_files(nvme, rank)
         # Registering faults in and pins every page of the slabs: done before, beside DeepSpeed's fp32 master
         # partitions, it made start-up 4 B/param above the pre-flight figure (issue 32, point 5).
         if pin:
@@ -163,6 +169,20 @@ class ZeRO3Adapter(ForwardGathers, BackwardHooks, StateAccess):
         if self.engine.footprint.grads_on_device:
             self._watch_gradients(z)
         self._mark_backward_ends(z)
+
+    def _keep_in_files(self, nvme: NvmeTier, rank: int) -> None:
+        """Move the sub-groups past the host budget to the rank's swap file (the NVMe tier), before the slabs are
+        registered: their state (the moments made views of the slabs first) goes to the file, their pages back."""
+        for i in range(len(self.flats)):
+            self._adopt_state(i)
+        # "auto" is resolved by the strategy's pre-flight; unresolved (an adapter built by hand), nothing goes to files.
+        budget = nvme.host_budget
+        first = self.engine.first_file_backed(budget) if isinstance(budget, int) else len(self.engine.sub_groups)
+        self.engine.keep_in_files(
+            first, nvme.path, rank, load_aio(), slots=STAGING_SLOTS, block_size=nvme.block_size,
+            queue_depth=nvme.queue_depth,
+        )  # fmt: skip
+        return_freed_memory()
 
     # -- overlapping the update with the next forward ---------------------------------------------
 

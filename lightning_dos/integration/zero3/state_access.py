@@ -35,13 +35,16 @@ class StateAccess:
 
         def state_dict() -> dict:
             with self.reading_state("the optimizer's state_dict"):
-                engine.flush_resident()  # the checkpoint reads the host slabs
+                engine.flush_resident()  # the checkpoint reads the host slabs (file-backed state read into them)
                 self._copy_group_settings(self.hyper_source, self.inner)  # the checkpoint holds the live settings
+                # The dict holds views of the slabs, file-backed spans included: their pages are given back after the
+                # checkpoint is written (the strategy's save_checkpoint), or by the next step.
                 return save()
 
         def load_state_dict(*args: object, **kwargs: object) -> None:
             self._wait_if_main()
             with engine.guard.reading("loading the optimizer's state"):
+                engine.materialize_files()  # whatever the load does not overwrite stays as it was
                 load(*args, **kwargs)
                 engine.drop_resident()  # the host slabs now hold the loaded state
                 engine.torn = None
@@ -50,6 +53,7 @@ class StateAccess:
         def refresh_fp32_params() -> None:
             self._wait_if_main()
             with engine.guard.reading("refreshing the fp32 parameters"):
+                engine.materialize_files()  # the master weights are rewritten, the moments stay
                 refresh()
                 engine.drop_resident()
 
@@ -86,7 +90,10 @@ class StateAccess:
                 with self.reading_state("reading a parameter's fp32 or optimizer state"):
                     if engine.state_off_slabs and param.requires_grad:
                         engine.flush_resident(sub_groups(param))
-                    return method(param, *args, **kwargs)
+                    try:
+                        return method(param, *args, **kwargs)
+                    finally:
+                        engine.release_file_copies()
 
             return read
 

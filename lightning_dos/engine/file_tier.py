@@ -1,0 +1,249 @@
+"""The NVMe tier: sub-groups whose optimizer state lives in a swap file between updates.
+
+The host slabs keep their layout (DeepSpeed's flat partitions and optimizer state stay views of them), but the spans
+of the *file-backed* sub-groups (the slabs' tail, past what the host budget keeps) hold no memory between updates:
+their pages are given back to the kernel (``MADV_DONTNEED``) and the state is in the rank's swap file
+(:mod:`lightning_dos.engine.swap_files`). A file-backed sub-group is *loaded* (its record read through a staging
+slab and copied into its span) when the update or a reader first needs it, and *stored* (copied into a staging slab,
+written back, its pages given back) as soon as the update is done with it. While loaded, the span is the state of
+record; otherwise the file is.
+
+Why spans and not the staging slabs themselves as the state's home: every other part of the engine (host update,
+streaming, recovery, checkpoints through DeepSpeed's views) then reads and writes the same places as for a host
+sub-group, and a path that forgets to store a sub-group only costs memory until the step's end (:meth:`settle`),
+never correctness. The price is a copy between slab and span each way, an order of magnitude faster than the drive.
+
+Reads run ahead in the order the update takes the sub-groups (:meth:`FileTier.begin`), into slabs no request is
+using; a slab keeps the record it last moved, so a sub-group loaded again before its slab is reused (the order that
+alternates between iterations, MLP-Offload's) is copied from it without touching the drive. Two writes of one
+record are never in flight at once, and a record is never read from the drive while its write-back runs. This
+module's I/O waits are the host's own (``aio_handle.wait``); the staging slabs are host memory no device stream
+touches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from lightning_dos.engine.swap_files import SwapFile
+from lightning_dos.model.plan import SubGroup
+
+
+class FileTier:
+    """The file-backed sub-groups of one engine and their moves between swap file and host slabs.
+
+    Args:
+        swap: the rank's swap file, one record per file-backed sub-group, in index order.
+        sub_groups: the file-backed sub-groups (a contiguous tail of the engine's), in index order.
+        spans: given a sub-group, its span of the slabs: master weights and state tensors.
+        give_back: gives the whole pages of slab elements ``[start, start + numel)`` back to the kernel
+            (``BufferPool.give_back``).
+    """
+
+    def __init__(
+        self,
+        swap: SwapFile,
+        sub_groups: Sequence[SubGroup],
+        spans,  # noqa: ANN001 - Callable[[SubGroup], tuple[Tensor, tuple[Tensor, ...]]]
+        give_back,  # noqa: ANN001 - Callable[[SubGroup], None]
+    ) -> None:
+        self.swap = swap
+        self.sub_groups = {sg.index: sg for sg in sub_groups}
+        self._record = {sg.index: k for k, sg in enumerate(sub_groups)}
+        self._spans, self._give_back = spans, give_back
+        #: Loaded sub-groups, and whether their span was (or may be) written since it was loaded (dirty: stored by
+        #: writing it back; clean: its pages are just given back).
+        self.loaded: dict[int, bool] = {}
+        slots = len(swap.slabs)
+        #: The record each slab holds a current copy of (None: nothing usable), and its request in flight.
+        self._holds: list[int | None] = [None] * slots
+        self._busy: list[str | None] = [None] * slots  # "read", "write" or None
+        self._last_used = [0] * slots
+        self._clock = 0
+        self._ahead: list[int] = []
+        #: Bytes moved by the drive and copies skipped because a slab still held the record (for reports and tests).
+        self.read_bytes = self.written_bytes = self.reads_skipped = 0
+
+    def _give_back_span(self, sg: SubGroup) -> None:
+        """Give back the pages of ``sg``'s span, and the pages it shares with a neighbour that is file-backed and not
+        loaded either (sub-groups are not page-sized: without this, the page between two of them stays resident)."""
+        start, end = sg.slab_offset, sg.slab_offset + sg.numel
+        before, after = self.sub_groups.get(sg.index - 1), self.sub_groups.get(sg.index + 1)
+        if before is not None and before.index not in self.loaded:
+            start = before.slab_offset
+        if after is not None and after.index not in self.loaded:
+            end = after.slab_offset + after.numel
+        self._give_back(start, end - start)
+
+    def __contains__(self, index: object) -> bool:
+        return index in self.sub_groups
+
+    @property
+    def indices(self) -> list[int]:
+        return list(self.sub_groups)
+
+    # -- slabs --------------------------------------------------------------------------------------
+
+    def _slab_of(self, index: int) -> int | None:
+        for slot, held in enumerate(self._holds):
+            if held == index:
+                return slot
+        return None
+
+    def _touch(self, slot: int) -> None:
+        self._clock += 1
+        self._last_used[slot] = self._clock
+
+    def _free_slab(self, wait: bool) -> int | None:
+        """A slab to move a record through: one holding nothing, else the least recently used one not being read
+        into (its write waited for, when ``wait``); None when ``wait`` is False and none is idle."""
+        idle = [s for s in range(len(self._holds)) if self._busy[s] is None]
+        empty = [s for s in idle if self._holds[s] is None]
+        if empty:
+            return empty[0]
+        if idle:
+            return min(idle, key=self._last_used.__getitem__)
+        if not wait:
+            return None
+        writing = [s for s in range(len(self._holds)) if self._busy[s] == "write"]
+        if not writing:  # every slab is being read into for what comes next: take the one needed last
+            writing = [max(range(len(self._holds)), key=lambda s: self._ahead_rank(self._holds[s]))]
+        slot = min(writing, key=self._last_used.__getitem__)
+        self._wait(slot)
+        return slot
+
+    def _ahead_rank(self, index: int | None) -> int:
+        return self._ahead.index(index) if index in self._ahead else len(self._ahead)
+
+    def _wait(self, slot: int) -> None:
+        if self._busy[slot] is not None:
+            self.swap.wait(slot)
+            self._busy[slot] = None
+
+    def _take(self, slot: int) -> None:
+        """Empty ``slot`` for a new record (its request, if any, finished)."""
+        self._wait(slot)
+        self._holds[slot] = None
+
+    # -- the update's order ---------------------------------------------------------------------------
+
+    def begin(self, order: Iterable[int]) -> None:
+        """The update will take these sub-groups in this order: start reading the first ones into idle slabs."""
+        self._ahead = [i for i in order if i in self.sub_groups and i not in self.loaded]
+        self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        for index in list(self._ahead):
+            if index in self.loaded or self._slab_of(index) is not None:
+                continue  # loaded already, or a slab holds it (read in flight, or a copy from the last write)
+            slot = self._free_slab(wait=False)
+            if slot is None or (self._holds[slot] is not None and self._holds[slot] in self._ahead):
+                return  # no idle slab, or only ones holding what is needed soon
+            self._take(slot)
+            self.swap.read(slot, self._record[index])
+            self.read_bytes += self.swap.record_bytes(self.sub_groups[index].numel)
+            self._holds[slot], self._busy[slot] = index, "read"
+            self._touch(slot)
+
+    # -- loading and storing ------------------------------------------------------------------------
+
+    def load(self, index: int, dirty: bool = True) -> None:
+        """Make sub-group ``index``'s span hold its state (at once if it does already); ``dirty``: the caller may
+        write it, so it is written back when stored."""
+        if index not in self.sub_groups:
+            return
+        if self.swap.closed:
+            raise RuntimeError(
+                f"lightning-dos: the optimizer state of sub-group {index} was kept on NVMe, and its swap file "
+                f"({self.swap.path}) was removed when training ended; save checkpoints while fitting (ModelCheckpoint, "
+                "or trainer.save_checkpoint from a callback), not after"
+            )
+        if index in self.loaded:
+            self.loaded[index] = self.loaded[index] or dirty
+            return
+        slot = self._slab_of(index)
+        if slot is None:
+            slot = self._free_slab(wait=True)
+            self._take(slot)
+            self.swap.read(slot, self._record[index])
+            self.read_bytes += self.swap.record_bytes(self.sub_groups[index].numel)
+            self._holds[slot], self._busy[slot] = index, "read"
+        elif self._busy[slot] == "read":
+            pass  # read ahead: waited for below
+        else:
+            self.reads_skipped += 1  # the slab holds the record's current copy (its write-back may still run)
+        if self._busy[slot] == "read":
+            self._wait(slot)
+        self._touch(slot)
+        master, states = self.swap.views(slot, self._record[index])
+        param, home_states = self._spans(self.sub_groups[index])
+        param.copy_(master)
+        for home, state in zip(home_states, states, strict=True):
+            home.copy_(state)
+        self.loaded[index] = dirty
+        if index in self._ahead:
+            self._ahead.remove(index)
+        self._read_ahead()
+
+    def store(self, index: int) -> None:
+        """Sub-group ``index`` is not needed in host memory until it is loaded again: write its span back when it
+        may have changed, and give its pages back."""
+        dirty = self.loaded.pop(index, None)
+        if dirty is None:
+            return
+        sg = self.sub_groups[index]
+        if dirty:
+            previous = self._slab_of(index)
+            if previous is not None:  # an older copy: its write must land before this one is issued, then it is stale
+                self._take(previous)
+            slot = self._free_slab(wait=True)
+            self._take(slot)
+            master, states = self.swap.views(slot, self._record[index])
+            param, home_states = self._spans(sg)
+            master.copy_(param)
+            for into, home in zip(states, home_states, strict=True):
+                into.copy_(home)
+            self.swap.write(slot, self._record[index])
+            self.written_bytes += self.swap.record_bytes(sg.numel)
+            self._holds[slot], self._busy[slot] = index, "write"
+            self._touch(slot)
+        self._give_back_span(sg)
+        self._read_ahead()
+
+    def mark_written(self, indices: Iterable[int] | None = None) -> None:
+        """These loaded sub-groups' spans were written by someone else (a checkpoint load, an accessor): store them
+        by writing back. None: every loaded one."""
+        for index in list(self.loaded) if indices is None else indices:
+            if index in self.loaded:
+                self.loaded[index] = True
+
+    def settle(self) -> None:
+        """Store every loaded sub-group and wait for every write: the file is then the state of record for all of
+        them (the end of each update, and before the file is closed)."""
+        self._ahead = []
+        for index in list(self.loaded):
+            self.store(index)
+        for slot in range(len(self._busy)):
+            self._wait(slot)  # a read ahead nobody took leaves a current copy behind, like a write
+
+    def drop_clean(self) -> None:
+        """Give back the pages of the loaded sub-groups nobody wrote (copies read for a checkpoint or an accessor)."""
+        for index, dirty in list(self.loaded.items()):
+            if not dirty:
+                self.store(index)
+
+    def store_all(self, dirty: bool) -> None:
+        """Write every file-backed sub-group's span to its record now (start-up, a loaded checkpoint) when
+        ``dirty``; otherwise just settle."""
+        if dirty:
+            self.mark_written(list(self.sub_groups))
+            for index in self.sub_groups:
+                self.loaded.setdefault(index, True)
+        self.settle()
+
+    def close(self) -> None:
+        """Wait for every request and remove the swap file (teardown): the state of the sub-groups not loaded is
+        gone with it."""
+        for slot in range(len(self._busy)):
+            self._wait(slot)
+        self.swap.close()

@@ -1,0 +1,88 @@
+"""The strategy's NVMe tier settings: ``offload_optimizer.device: nvme`` taken from the DeepSpeed config (DeepSpeed
+itself then offloads to ``cpu``: the engine moves the state between host and files), the host budget resolved, and
+every check made before any work (:mod:`lightning_dos.host.disk`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_dos.errors import DOSConfigError
+from lightning_dos.host.hostmem import HostMemory
+
+#: Staging slabs the engine moves file-backed records through (each the size of the largest sub-group's state):
+#: one being copied, the next read ahead, the last written back, one spare for the alternating order.
+STAGING_SLOTS = 4
+#: Share of the host memory found spare that ``host_memory_budget="auto"`` gives the optimizer state.
+AUTO_SHARE = 0.9
+
+
+@dataclass
+class NvmeTier:
+    """Where and how the file-backed optimizer state is kept.
+
+    Attributes:
+        path: ``nvme_path``: the directory of the swap files (one per rank).
+        host_budget: ``host_memory_budget``: bytes of master weights and optimizer state kept in host memory per
+            rank, or ``"auto"`` (resolved by the pre-flight, :func:`resolve_host_budget`).
+        block_size: bytes per I/O request (DeepSpeed's ``aio.block_size``).
+        queue_depth: requests in flight per staging slab (``aio.queue_depth``).
+    """
+
+    path: str
+    host_budget: int | str = "auto"
+    block_size: int = 1 << 20
+    queue_depth: int = 8
+
+
+def check_host_budget(value: Any) -> None:
+    """Refuse a ``host_memory_budget`` that is not ``"auto"`` or a non-negative number of bytes."""
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise DOSConfigError(
+            f"host_memory_budget={value!r} is not valid for DeepOptimizerStatesStrategy; use 'auto' or a non-negative "
+            "number of bytes of optimizer state kept in host memory per rank (0: all of it on NVMe)"
+        )
+
+
+def take_nvme_tier(config: dict[str, Any], host_budget: int | str) -> NvmeTier | None:
+    """The NVMe tier ``config`` asks for (``zero_optimization.offload_optimizer.device: nvme``), taken out of it:
+    the section then says ``cpu`` to DeepSpeed, whose own swapper must not run. None when it asks for none."""
+    zero = config.get("zero_optimization")
+    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+    if not isinstance(offload, dict) or str(offload.get("device", "cpu")).lower() != "nvme":
+        return None
+    path = offload.pop("nvme_path", None)
+    if not path:
+        raise DOSConfigError(
+            "zero_optimization.offload_optimizer.device='nvme' needs nvme_path: the directory on the NVMe drive where "
+            "each rank keeps its swap file"
+        )
+    offload["device"] = "cpu"
+    for key in ("buffer_count", "pipeline_read", "pipeline_write", "fast_init"):  # DeepSpeed's swapper's, not ours
+        offload.pop(key, None)
+    aio = config.get("aio") or {}
+    tier = NvmeTier(str(path), host_budget)
+    for key in ("block_size", "queue_depth"):
+        if key in aio:
+            value = aio[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise DOSConfigError(f"aio.{key}={value!r} is not valid; use a positive integer")
+            setattr(tier, key, value)
+    if tier.block_size % 4096:
+        raise DOSConfigError(f"aio.block_size={tier.block_size} is not valid; use a multiple of 4096 bytes")
+    return tier
+
+
+def resolve_host_budget(
+    tier: NvmeTier, state_bytes: int, other_bytes: int, memory: HostMemory | None, ranks: int
+) -> int:
+    """Bytes of this rank's ``state_bytes`` of master weights and optimizer state kept in host memory: the budget
+    asked for, or under ``"auto"`` a share (:data:`AUTO_SHARE`) of what the host limit leaves each of the node's
+    ``ranks`` once their ``other_bytes`` (gradient buffers, staging, the 16-bit ring) are counted; never more than
+    the state. No readable limit: all of it."""
+    if tier.host_budget != "auto":
+        return min(int(tier.host_budget), state_bytes)
+    if memory is None:
+        return state_bytes
+    spare = memory.headroom // max(1, ranks) - other_bytes
+    return max(0, min(state_bytes, int(spare * AUTO_SHARE)))
