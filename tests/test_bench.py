@@ -38,14 +38,20 @@ def test_every_default_system_names_a_strategy() -> None:
 
 
 @pytest.mark.skipif(disk.aio_unavailable() is not None, reason="libaio-dev is not installed: no NVMe offload here")
-def test_stock_nvme_offload_runs_and_is_set_beside_its_drive_floor(tmp_path: Path, capfd) -> None:  # noqa: ANN001
+def test_stock_and_our_nvme_offload_run_and_are_set_beside_their_drive_floors(tmp_path: Path, capfd) -> None:  # noqa: ANN001
     """capfd, not capsys: DeepSpeed's own libaio check points the stderr file descriptor elsewhere meanwhile, and
     answers "incompatible" under a sys.stderr that has none."""
-    drive, out = tmp_path / "drive", tmp_path / "bench.json"
+    drive, mine_drive, out = tmp_path / "drive", tmp_path / "ours", tmp_path / "bench.json"
     drive.mkdir()
-    system = f"stock-nvme:{drive}"
+    mine_drive.mkdir()
+    system, ours = f"stock-nvme:{drive}", f"nvme:0.5:{mine_drive}@off"
     argv = ["--preset", "tiny", "--steps", "2", "--warmup", "1", "--max-bytes", "100000", "--out", str(out)]
-    assert main([*argv, "--systems", system]) == 0
-    assert f"Drive floor of {system}:" in capfd.readouterr().out
-    (result,) = json.loads(out.read_text())["results"]
-    assert result["update_s"] > 0 and result["extra"]["disk_floor_s"] > 0 and result["predicted_update_s"] > 0
+    assert main([*argv, "--systems", f"{system},{ours}"]) == 0
+    printed = capfd.readouterr().out
+    assert f"Drive floor of {system}:" in printed and f"Drive floor of {ours}:" in printed
+    assert "x stock NVMe's update" in printed
+    stock, mine = json.loads(out.read_text())["results"]
+    assert stock["update_s"] > 0 and stock["extra"]["disk_floor_s"] > 0 and stock["predicted_update_s"] > 0
+    # Ours kept half of the state in host memory: the other half crossed the drive each step.
+    assert 0 < mine["extra"]["state_gb"] < stock["extra"]["state_gb"] and mine["extra"]["read_gb_per_step"] > 0
+    assert list(mine_drive.iterdir()) == []  # ours removed its swap file (DeepSpeed leaves its own behind)

@@ -89,6 +89,8 @@ def test_any_share_in_files_and_any_placement_gives_the_all_host_engines_bits(tm
         (tmp_path / str(first)).mkdir()
         engine, checker = _engine(first, tmp_path / str(first), aio, sim=sim, rule=rule)
         files, inputs = engine.files, Inputs()
+        in_files = sum(engine.sizes[first:]) * 4 * (1 + len(rule.states))  # master weights and states, fp32
+        assert engine.pool.host_bytes == reference.pool.host_bytes - in_files  # the spans in files are not held
         for plan in plans:
             engine.step(plan, inputs(engine.steps_taken + 1))
             if files is not None:
@@ -156,3 +158,16 @@ def test_an_interrupted_update_with_state_in_files_is_pre_or_post_step(tmp_path:
         assert torch.equal(got, want)
     for got, want in zip(states[-1], reference[-1], strict=True):
         assert torch.equal(got, want)
+
+
+def test_every_other_step_goes_backwards_so_the_slabs_still_hold_its_first_records(tmp_path: Path, aio) -> None:  # noqa: ANN001
+    """Six file-backed sub-groups, two staging slabs: a step ends with its last two records in the slabs, and the
+    next one (taken the other way) begins with them, reading two records fewer from the drive."""
+    engine, _ = _engine(3, tmp_path, aio, sim=False, slots=2)
+    inputs, skipped = Inputs(), []
+    for step in range(1, 4):
+        before = engine.files.reads_skipped
+        engine.step(Plan((H,) * 9), inputs(step))
+        skipped.append(engine.files.reads_skipped - before)
+    assert skipped == [0, 2, 2]
+    engine.close_files()

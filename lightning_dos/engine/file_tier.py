@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import torch
+
 from lightning_dos.engine.swap_files import SwapFile
 from lightning_dos.model.plan import SubGroup
 
@@ -54,15 +56,20 @@ class FileTier:
         #: Loaded sub-groups, and whether their span was (or may be) written since it was loaded (dirty: stored by
         #: writing it back; clean: its pages are just given back).
         self.loaded: dict[int, bool] = {}
+        #: Loaded sub-groups whose home is the staging slab they were read into (a host update runs there in place,
+        #: and is written back from there): no copy to the span and back, and no page of the span touched.
+        self._in_slab: dict[int, int] = {}
         slots = len(swap.slabs)
         #: The record each slab holds a current copy of (None: nothing usable), and its request in flight.
         self._holds: list[int | None] = [None] * slots
-        self._busy: list[str | None] = [None] * slots  # "read", "write" or None
+        self._busy: list[str | None] = [None] * slots  # "read", "write", "home" (a loaded one's) or None
         self._last_used = [0] * slots
         self._clock = 0
         self._ahead: list[int] = []
         #: Bytes moved by the drive and copies skipped because a slab still held the record (for reports and tests).
         self.read_bytes = self.written_bytes = self.reads_skipped = 0
+        #: Host bytes of the staging slabs (page-locked by DeepSpeed's op).
+        self.staging_bytes = sum(slab.numel() * slab.element_size() for slab in swap.slabs)
 
     def _give_back_span(self, sg: SubGroup) -> None:
         """Give back the pages of ``sg``'s span, and the pages it shares with a neighbour that is file-backed and not
@@ -94,29 +101,29 @@ class FileTier:
         self._clock += 1
         self._last_used[slot] = self._clock
 
-    def _free_slab(self, wait: bool) -> int | None:
-        """A slab to move a record through: one holding nothing, else the least recently used one not being read
-        into (its write waited for, when ``wait``); None when ``wait`` is False and none is idle."""
-        idle = [s for s in range(len(self._holds)) if self._busy[s] is None]
-        empty = [s for s in idle if self._holds[s] is None]
-        if empty:
-            return empty[0]
-        if idle:
-            return min(idle, key=self._last_used.__getitem__)
-        if not wait:
-            return None
-        writing = [s for s in range(len(self._holds)) if self._busy[s] == "write"]
-        if not writing:  # every slab is being read into for what comes next: take the one needed last
-            writing = [max(range(len(self._holds)), key=lambda s: self._ahead_rank(self._holds[s]))]
-        slot = min(writing, key=self._last_used.__getitem__)
-        self._wait(slot)
-        return slot
+    def _free_slab(self) -> int:
+        """A slab to move a record through now: of the slabs not being written from, the one whose record the update
+        needs last, if it needs it no more; else the oldest write in flight (waited for); else that slab anyway (a
+        copy, or a read ahead, of what is needed furthest ahead: Belady's choice)."""
+        slabs = [s for s in range(len(self._holds)) if self._busy[s] != "home"]
+        best = max((s for s in slabs if self._busy[s] != "write"), key=self._needed_after, default=None)
+        if best is not None and self._needed_after(best) > len(self._ahead):
+            return best
+        writing = [s for s in slabs if self._busy[s] == "write"]
+        if writing:
+            best = min(writing, key=self._last_used.__getitem__)
+        if best is None:
+            raise RuntimeError("every staging slab is some loaded sub-group's home")
+        self._wait(best)
+        return best
 
-    def _ahead_rank(self, index: int | None) -> int:
-        return self._ahead.index(index) if index in self._ahead else len(self._ahead)
+    def _needed_after(self, slot: int) -> int:
+        """How far ahead in the update's order the record ``slot`` holds is needed (past the end: never, or empty)."""
+        held = self._holds[slot]
+        return self._ahead.index(held) if held in self._ahead else len(self._ahead) + 1
 
     def _wait(self, slot: int) -> None:
-        if self._busy[slot] is not None:
+        if self._busy[slot] in ("read", "write"):
             self.swap.wait(slot)
             self._busy[slot] = None
 
@@ -133,12 +140,16 @@ class FileTier:
         self._read_ahead()
 
     def _read_ahead(self) -> None:
-        for index in list(self._ahead):
+        for rank, index in enumerate(list(self._ahead)):
             if index in self.loaded or self._slab_of(index) is not None:
                 continue  # loaded already, or a slab holds it (read in flight, or a copy from the last write)
-            slot = self._free_slab(wait=False)
-            if slot is None or (self._holds[slot] is not None and self._holds[slot] in self._ahead):
-                return  # no idle slab, or only ones holding what is needed soon
+            idle = [s for s in range(len(self._holds)) if self._busy[s] is None]
+            if not idle:
+                return
+            # The idle slab whose record is needed last (or never, or none): kept if it is needed before this one.
+            slot = max(idle, key=self._needed_after)
+            if self._needed_after(slot) <= rank:
+                return
             self._take(slot)
             self.swap.read(slot, self._record[index])
             self.read_bytes += self.swap.record_bytes(self.sub_groups[index].numel)
@@ -147,9 +158,11 @@ class FileTier:
 
     # -- loading and storing ------------------------------------------------------------------------
 
-    def load(self, index: int, dirty: bool = True) -> None:
-        """Make sub-group ``index``'s span hold its state (at once if it does already); ``dirty``: the caller may
-        write it, so it is written back when stored."""
+    def load(self, index: int, dirty: bool = True, in_slab: bool = False) -> None:
+        """Make sub-group ``index``'s state available at its home (:meth:`views`; at once if it is already loaded):
+        its span, or with ``in_slab`` the staging slab it is read into (a host update, stored right after it: one
+        slab stays free to move the others through). ``dirty``: the caller may write it, so it is written back when
+        stored."""
         if index not in self.sub_groups:
             return
         if self.swap.closed:
@@ -163,7 +176,7 @@ class FileTier:
             return
         slot = self._slab_of(index)
         if slot is None:
-            slot = self._free_slab(wait=True)
+            slot = self._free_slab()
             self._take(slot)
             self.swap.read(slot, self._record[index])
             self.read_bytes += self.swap.record_bytes(self.sub_groups[index].numel)
@@ -175,6 +188,15 @@ class FileTier:
         if self._busy[slot] == "read":
             self._wait(slot)
         self._touch(slot)
+        homes = sum(busy == "home" for busy in self._busy)
+        if in_slab and len(self._busy) - homes >= 2:
+            self._wait(slot)  # a copy whose write-back still runs: the update must not change it under the write
+            self._busy[slot], self._in_slab[index] = "home", slot
+            self.loaded[index] = dirty
+            if index in self._ahead:
+                self._ahead.remove(index)
+            self._read_ahead()
+            return
         master, states = self.swap.views(slot, self._record[index])
         param, home_states = self._spans(self.sub_groups[index])
         param.copy_(master)
@@ -192,11 +214,21 @@ class FileTier:
         if dirty is None:
             return
         sg = self.sub_groups[index]
+        slot = self._in_slab.pop(index, None)
+        if slot is not None:  # updated in its slab: written back from there, the span never touched
+            self._busy[slot] = None
+            if dirty:
+                self.swap.write(slot, self._record[index])
+                self.written_bytes += self.swap.record_bytes(sg.numel)
+                self._busy[slot] = "write"
+                self._touch(slot)
+            self._read_ahead()
+            return
         if dirty:
             previous = self._slab_of(index)
             if previous is not None:  # an older copy: its write must land before this one is issued, then it is stale
                 self._take(previous)
-            slot = self._free_slab(wait=True)
+            slot = self._free_slab()
             self._take(slot)
             master, states = self.swap.views(slot, self._record[index])
             param, home_states = self._spans(sg)
@@ -209,6 +241,14 @@ class FileTier:
             self._touch(slot)
         self._give_back_span(sg)
         self._read_ahead()
+
+    def views(self, index: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The master weights and state tensors of loaded sub-group ``index`` where they are now: its staging slab
+        (loaded ``in_slab``) or its span."""
+        slot = self._in_slab.get(index)
+        if slot is None:
+            return self._spans(self.sub_groups[index])
+        return self.swap.views(slot, self._record[index])
 
     def mark_written(self, indices: Iterable[int] | None = None) -> None:
         """These loaded sub-groups' spans were written by someone else (a checkpoint load, an accessor): store them

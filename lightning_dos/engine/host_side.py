@@ -211,7 +211,7 @@ class HostSubGroups:
         share the ``lp_h2d`` stream)."""
         step_tensors: dict[int, torch.Tensor] = {}
         last_upload = self._early_tail if skip else None
-        for index in plan.host_indices:
+        for index in self._host_order(plan):
             if index not in skip:
                 landed = self._update_host_sub_group(index, inputs, report, step_tensors)
                 self._land(index, landed)
@@ -224,6 +224,8 @@ class HostSubGroups:
         """Host sub-group ``index``'s update, 16-bit cast and upload; return when its 16-bit result lands."""
         streams = self.streams
         sg = self.sub_groups[index]
+        if self._file_backed(index):  # updated in the staging slab it is read into, and written back from there
+            self.files.load(index, in_slab=True)
         param, states, grad, lp = self._slices(sg, inputs)
         if sg.ds_group not in step_tensors:
             step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], torch.device("cpu"))

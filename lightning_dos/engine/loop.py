@@ -349,6 +349,17 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         if self.files is not None and index in self.files:
             self.files.store(index)
 
+    def _host_order(self, plan: Plan) -> list[int]:
+        """The order host sub-groups are updated in: the plan's, except that file-backed ones come last and every
+        other step backwards, so that the step begins with those the staging slabs still hold from the last one
+        (MLP-Offload's cache-friendly order: their reads are skipped). They hold the end of the partition, which the
+        next forward needs last."""
+        host = plan.host_indices
+        if self.files is None:
+            return host
+        kept, filed = [i for i in host if i not in self.files], [i for i in host if i in self.files]
+        return kept + (filed[::-1] if self.steps_taken % 2 == 0 else filed)
+
     def _settle_files(self) -> None:
         """The update is over: the streamed file-backed sub-groups are written back, and every write has landed (the
         file is the state of record between updates). Their downloads home have landed: the step waited for every
@@ -479,7 +490,7 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         if self.files is not None:
             # Read ahead in the order the update takes them: streamed ones are launched first.
             done_early = set(self.updated_early) if early is not None else set()
-            self.files.begin(plan.streamed_indices + [i for i in plan.host_indices if i not in done_early])
+            self.files.begin(plan.streamed_indices + [i for i in self._host_order(plan) if i not in done_early])
         report = self._new_report(plan, inputs)
         if early is not None:  # what backward's phase did counts in this step's report
             report.host_elements, report.h2d_bytes = early.host_elements, early.h2d_bytes
@@ -587,8 +598,9 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
     def _home(self, sg: SubGroup) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """A sub-group's span of the slabs (master weights, states): what DeepSpeed's views see. A file-backed one
         is loaded first (the update, or its recovery, is about to use it)."""
-        if self.files is not None:
+        if self.files is not None and sg.index in self.files:
             self.files.load(sg.index)
+            return self.files.views(sg.index)
         return self._span(sg)
 
     def _span(self, sg: SubGroup) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:

@@ -267,8 +267,13 @@ class BufferPool:
     @property
     def host_bytes(self) -> int:
         """Bytes of host memory the pool allocated: its slabs (pinned while :attr:`pinned`), the 16-bit ring
-        included after :meth:`release_host` freed it."""
-        return sum(slab.nbytes for slab in self._slabs)
+        included after :meth:`release_host` freed it; not the file-backed sub-groups' spans, which hold memory only
+        while loaded."""
+        held = sum(slab.nbytes for slab in self._slabs)
+        if self.file_backed_from is not None:
+            for slab in self._slabs[: 1 + len(self.states)]:
+                held -= (slab.tensor.numel() - self.file_backed_from) * slab.tensor.element_size()
+        return held
 
     # -- device staging ----------------------------------------------------------------------
 
