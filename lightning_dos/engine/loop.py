@@ -345,8 +345,8 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         return self.files is not None and index in self.files
 
     def _done_with(self, index: int) -> None:
-        """The update is done with sub-group ``index``'s span: a file-backed one is written back."""
-        if self.files is not None and index in self.files:
+        """The update is done with sub-group ``index``'s state: a file-backed one is written back."""
+        if self._file_backed(index):
             self.files.store(index)
 
     def _host_order(self, plan: Plan) -> list[int]:
@@ -596,9 +596,10 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         return param, states, inputs.grads[sg.ds_group][local], inputs.lp_targets[sg.ds_group][local]
 
     def _home(self, sg: SubGroup) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """A sub-group's span of the slabs (master weights, states): what DeepSpeed's views see. A file-backed one
-        is loaded first (the update, or its recovery, is about to use it)."""
-        if self.files is not None and sg.index in self.files:
+        """A sub-group's master weights and states: its span of the slabs (what DeepSpeed's views see), or for a
+        file-backed one, loaded first (the update, or its recovery, is about to use it), wherever it was loaded:
+        its span, or the staging slab a host update runs in."""
+        if self._file_backed(sg.index):
             self.files.load(sg.index)
             return self.files.views(sg.index)
         return self._span(sg)

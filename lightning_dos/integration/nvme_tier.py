@@ -27,12 +27,14 @@ class NvmeTier:
             rank, or ``"auto"`` (resolved by the pre-flight, :func:`resolve_host_budget`).
         block_size: bytes per I/O request (DeepSpeed's ``aio.block_size``).
         queue_depth: requests in flight per staging slab (``aio.queue_depth``).
+        host_bytes: ``host_budget`` resolved by this fit's pre-flight (None before it).
     """
 
     path: str
     host_budget: int | str = "auto"
     block_size: int = 1 << 20
     queue_depth: int = 8
+    host_bytes: int | None = None
 
 
 def check_host_budget(value: Any) -> None:

@@ -350,7 +350,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         )
         counted = self._speculation_bytes if self.speculation_memory != "auto" else 0  # "auto" fits by construction
         if self.dos_nvme is not None:
-            self._plan_nvme_tier(figure, per_rank, footprint, local_ranks, on_cuda)
+            self._plan_nvme_tier(figure, per_rank, footprint, local_ranks)
         check_host_memory(
             local_ranks * (figure.total + counted),
             what=(
@@ -364,9 +364,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             ),
         )
 
-    def _plan_nvme_tier(
-        self, figure: HostFigure, per_rank: int, footprint: Footprint, local_ranks: int, on_cuda: bool
-    ) -> None:
+    def _plan_nvme_tier(self, figure: HostFigure, per_rank: int, footprint: Footprint, local_ranks: int) -> None:
         """Resolve the host budget, check ``nvme_path`` (writable, O_DIRECT, room for every local rank's file) and
         libaio, and count in ``figure`` the host part of the state and the staging slabs instead of all of it."""
         tier = self.dos_nvme
@@ -374,8 +372,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         size = self.engine_sub_group_size
         largest = min(per_rank, auto_sub_group_size(per_rank) if size == "auto" else int(size)) + ALIGN_ELEMENTS
         staging = STAGING_SLOTS * footprint.optimizer_state * largest
-        budget = resolve_host_budget(tier, state, figure.total - state + staging, host_memory(), local_ranks)
-        tier.host_budget = budget
+        budget = tier.host_bytes = resolve_host_budget(
+            tier, state, figure.total - state + staging, host_memory(), local_ranks
+        )
         # Records are padded to 4096 bytes per tensor: a page per tensor per sub-group at most, counted generously.
         in_files = state - budget + 4096 * (1 + len(footprint.rule.states)) * max(1, -(-per_rank // largest) + 1)
         check_nvme_path(tier.path, local_ranks * in_files if budget < state else 0)

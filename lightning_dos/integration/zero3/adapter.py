@@ -176,7 +176,7 @@ class ZeRO3Adapter(ForwardGathers, BackwardHooks, StateAccess):
         for i in range(len(self.flats)):
             self._adopt_state(i)
         # "auto" is resolved by the strategy's pre-flight; unresolved (an adapter built by hand), nothing goes to files.
-        budget = nvme.host_budget
+        budget = nvme.host_bytes if nvme.host_bytes is not None else nvme.host_budget
         first = self.engine.first_file_backed(budget) if isinstance(budget, int) else len(self.engine.sub_groups)
         self.engine.keep_in_files(
             first, nvme.path, rank, load_aio(), slots=STAGING_SLOTS, block_size=nvme.block_size,
