@@ -23,7 +23,7 @@ touches.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -46,8 +46,8 @@ class FileTier:
         self,
         swap: SwapFile,
         sub_groups: Sequence[SubGroup],
-        spans,  # noqa: ANN001 - Callable[[SubGroup], tuple[Tensor, tuple[Tensor, ...]]]
-        give_back,  # noqa: ANN001 - Callable[[SubGroup], None]
+        spans: Callable[[SubGroup], tuple[torch.Tensor, tuple[torch.Tensor, ...]]],
+        give_back: Callable[[int, int], object],
     ) -> None:
         self.swap = swap
         self.sub_groups = {sg.index: sg for sg in sub_groups}
@@ -132,6 +132,14 @@ class FileTier:
         self._wait(slot)
         self._holds[slot] = None
 
+    def _start_read(self, slot: int, index: int) -> None:
+        """Start reading sub-group ``index``'s record into ``slot`` (emptied first)."""
+        self._take(slot)
+        self.swap.read(slot, self._record[index])
+        self.read_bytes += self.swap.record_bytes(self.sub_groups[index].numel)
+        self._holds[slot], self._busy[slot] = index, "read"
+        self._touch(slot)
+
     # -- the update's order ---------------------------------------------------------------------------
 
     def begin(self, order: Iterable[int]) -> None:
@@ -150,11 +158,7 @@ class FileTier:
             slot = max(idle, key=self._needed_after)
             if self._needed_after(slot) <= rank:
                 return
-            self._take(slot)
-            self.swap.read(slot, self._record[index])
-            self.read_bytes += self.swap.record_bytes(self.sub_groups[index].numel)
-            self._holds[slot], self._busy[slot] = index, "read"
-            self._touch(slot)
+            self._start_read(slot, index)
 
     # -- loading and storing ------------------------------------------------------------------------
 
@@ -177,14 +181,9 @@ class FileTier:
         slot = self._slab_of(index)
         if slot is None:
             slot = self._free_slab()
-            self._take(slot)
-            self.swap.read(slot, self._record[index])
-            self.read_bytes += self.swap.record_bytes(self.sub_groups[index].numel)
-            self._holds[slot], self._busy[slot] = index, "read"
-        elif self._busy[slot] == "read":
-            pass  # read ahead: waited for below
-        else:
-            self.reads_skipped += 1  # the slab holds the record's current copy (its write-back may still run)
+            self._start_read(slot, index)
+        elif self._busy[slot] != "read":  # not a read ahead: the record's current copy (its write-back may still run)
+            self.reads_skipped += 1
         if self._busy[slot] == "read":
             self._wait(slot)
         self._touch(slot)
@@ -192,16 +191,12 @@ class FileTier:
         if in_slab and len(self._busy) - homes >= 2:
             self._wait(slot)  # a copy whose write-back still runs: the update must not change it under the write
             self._busy[slot], self._in_slab[index] = "home", slot
-            self.loaded[index] = dirty
-            if index in self._ahead:
-                self._ahead.remove(index)
-            self._read_ahead()
-            return
-        master, states = self.swap.views(slot, self._record[index])
-        param, home_states = self._spans(self.sub_groups[index])
-        param.copy_(master)
-        for home, state in zip(home_states, states, strict=True):
-            home.copy_(state)
+        else:
+            master, states = self.swap.views(slot, self._record[index])
+            param, home_states = self._spans(self.sub_groups[index])
+            param.copy_(master)
+            for home, state in zip(home_states, states, strict=True):
+                home.copy_(state)
         self.loaded[index] = dirty
         if index in self._ahead:
             self._ahead.remove(index)
@@ -272,13 +267,10 @@ class FileTier:
             if not dirty:
                 self.store(index)
 
-    def store_all(self, dirty: bool) -> None:
-        """Write every file-backed sub-group's span to its record now (start-up, a loaded checkpoint) when
-        ``dirty``; otherwise just settle."""
-        if dirty:
-            self.mark_written(list(self.sub_groups))
-            for index in self.sub_groups:
-                self.loaded.setdefault(index, True)
+    def store_all(self) -> None:
+        """Write every file-backed sub-group's span to its record now, and wait (start-up: the spans hold the state)."""
+        for index in self.sub_groups:
+            self.loaded[index] = True
         self.settle()
 
     def close(self) -> None:

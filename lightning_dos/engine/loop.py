@@ -310,7 +310,7 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         )  # fmt: skip
         self.pool.file_backed_from = tail[0].slab_offset
         self.files = FileTier(swap, tail, self._span, self.pool.give_back)
-        self.files.store_all(dirty=True)
+        self.files.store_all()
         return self.files
 
     def first_file_backed(self, host_budget: int) -> int:
