@@ -162,12 +162,14 @@ def test_an_interrupted_update_with_state_in_files_is_pre_or_post_step(tmp_path:
 
 def test_every_other_step_goes_backwards_so_the_slabs_still_hold_its_first_records(tmp_path: Path, aio) -> None:  # noqa: ANN001
     """Six file-backed sub-groups, two staging slabs: a step ends with its last two records in the slabs, and the
-    next one (taken the other way) begins with them, reading two records fewer from the drive."""
+    next one (taken the other way) begins with them, reading two records fewer from the drive. The first step takes
+    them forwards after start-up wrote them forwards: a read ahead never evicts a record the update still needs, so
+    the last one start-up wrote is still in its slab when the step reaches it."""
     engine, _ = _engine(3, tmp_path, aio, sim=False, slots=2)
     inputs, skipped = Inputs(), []
     for step in range(1, 4):
         before = engine.files.reads_skipped
         engine.step(Plan((H,) * 9), inputs(step))
         skipped.append(engine.files.reads_skipped - before)
-    assert skipped == [0, 2, 2]
+    assert skipped == [1, 2, 2]
     engine.close_files()

@@ -10,9 +10,12 @@ import pytest
 from lightning_dos.commands.main import main
 from lightning_dos.model.nvme import (
     DiskRates,
+    host_order,
     nvme_sub_groups,
     predict_tiered,
+    slab_hits,
     stock_tiered_update_s,
+    tiered_plan,
     tiered_update,
 )
 from lightning_dos.model.perfmodel import predict
@@ -59,13 +62,19 @@ def test_the_drive_moves_each_file_backed_sub_group_once_each_way_and_bounds_the
         assert got.time_s >= predict(sizes, plan, RATES, 2).time_s * (1 - 1e-12)
 
 
-def test_a_host_budget_keeps_the_first_sub_groups_and_never_a_resident_one_in_files() -> None:
+def test_a_host_budget_keeps_the_first_sub_groups_and_a_resident_one_in_files_is_streamed() -> None:
     sizes = [10, 10, 10, 10]
-    plan = Plan((Place.RESIDENT, Place.HOST, Place.DEVICE, Place.HOST))
+    plan = Plan((Place.HOST, Place.RESIDENT, Place.DEVICE, Place.HOST))
     state = ADAM_FP32.optimizer_state
-    assert nvme_sub_groups(sizes, plan, 0, ADAM_FP32) == [1, 2, 3]
-    assert nvme_sub_groups(sizes, plan, 2 * 10 * state, ADAM_FP32) == [3]
-    assert nvme_sub_groups(sizes, plan, 3 * 10 * state, ADAM_FP32) == []
+    assert nvme_sub_groups(sizes, 0, ADAM_FP32) == [0, 1, 2, 3]
+    assert nvme_sub_groups(sizes, 2 * 10 * state, ADAM_FP32) == [2, 3]
+    assert nvme_sub_groups(sizes, 4 * 10 * state, ADAM_FP32) == []
+    assert tiered_plan(plan, [1, 2, 3]).places == (Place.HOST, Place.DEVICE, Place.DEVICE, Place.HOST)
+    assert tiered_plan(plan, [2, 3]) == plan
+    # Those in host slabs first; the file-backed ones backwards every other step.
+    all_host = Plan(tuple(Place.HOST for _ in range(5)))
+    assert host_order(all_host, [2, 3, 4], backwards=True) == [0, 1, 4, 3, 2]
+    assert host_order(all_host, [2, 3, 4], backwards=False) == [0, 1, 2, 3, 4]
 
 
 def test_ours_against_stocks_pipelined_swapper_at_70b_on_the_papers_node() -> None:
@@ -88,10 +97,22 @@ def test_the_alternating_order_skips_the_reads_of_what_the_slabs_still_hold() ->
     plan = Plan(tuple(Place.HOST for _ in SIZES))
     forward = tiered_update(SIZES, plan, RATES, DISK, 0, alternate=False)
     alternating = tiered_update(SIZES, plan, RATES, DISK, 0, alternate=True, slots=4)
-    # The reversed order starts with the last four sub-groups: the previous update wrote them last.
-    assert forward.read_bytes - alternating.read_bytes == sum(SIZES[-4:]) * ADAM_FP32.optimizer_state
+    # The reversed order starts with the last four sub-groups: the previous update wrote them last. Taken forwards
+    # again, the first read evicts the one needed last (Belady's choice) and the other three wait in their slabs.
+    state = sum(SIZES) * ADAM_FP32.optimizer_state
+    assert alternating.read_bytes == state - sum(SIZES[-4:]) * ADAM_FP32.optimizer_state
+    assert forward.read_bytes == state - sum(SIZES[-4:-1]) * ADAM_FP32.optimizer_state
     assert alternating.write_bytes == forward.write_bytes
     assert alternating.time_s < forward.time_s
+
+
+def test_the_slabs_hits_follow_the_engines_slab_rule() -> None:
+    # Held records used once free their slab; a miss with no free slab evicts the record needed furthest ahead.
+    assert slab_hits([5, 6], [6, 5, 4], 2) == [6, 5]
+    assert slab_hits([5, 6], [1, 2, 5, 6], 2) == [5]
+    assert slab_hits([], [1, 2], 4) == []
+    with pytest.raises(ValueError, match="slabs"):
+        slab_hits([1, 2, 3], [1], 2)
 
 
 def test_bad_figures_are_refused_with_the_setting_named() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -194,3 +195,32 @@ def test_a_sub_groups_update_is_charged_once_at_the_rules_rate_however_many_kern
     assert replay(two, RATES, footprint=lion).time_s == pytest.approx(2 * expected)
     loose = [LoggedOp("op", HOST, "host_adam", elements=n), LoggedOp("op", HOST, "host_adam", elements=n)]
     assert replay(loose, RATES).time_s == pytest.approx(2 * n / RATES.host_adam_eps)
+
+
+def test_simulate_replays_the_nvme_tier_beside_the_model_and_stock_for_each_host_budget(tmp_path, capsys) -> None:  # noqa: ANN001
+    """The engine's update with the state past each host budget on the simulated drive, replayed: within 10% of
+    the performance model, the drive's bytes exactly the model's, no race on the staging slabs, never under the
+    drive's floor, faster with more host memory, and ahead of stock's pipelined swapper (>= 1.6x at half)."""
+    trace = tmp_path / "t.json"
+    args = ["simulate", "--params", "8e9", "--profile", "paper-h100x4", "--trace", str(trace)]
+    nvme = ["--nvme-read-gbs", "25", "--nvme-write-gbs", "10", "--host-budget", "0,0.25,0.5"]
+    assert main([*args, *nvme, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)["nvme"]
+    assert (result["ranks"], result["slots"], result["read_gbs"]) == (4, 4, 25.0)
+    rows = result["rows"]
+    assert [row["host_budget"] for row in rows] == [0.0, 0.25, 0.5]
+    assert [round(row["file_share"], 1) for row in rows] == [1.0, 0.8, 0.5]
+    for row in rows:
+        assert 0.9 <= row["replay_over_prediction"] <= 1.1, row
+        assert row["ours_read_gb"] == pytest.approx(row["ours_predicted_read_gb"], rel=1e-4), row
+        assert row["races"] == 0
+        assert row["ours_s"] >= row["ours_disk_floor_s"] * (1 - 1e-9)
+        lanes = {event["name"] for event in json.loads(Path(row["trace"]).read_text())["traceEvents"]}
+        assert {"nvme_read", "nvme_write", "host_adam", "upload"} <= lanes
+    assert rows[0]["ours_s"] > rows[1]["ours_s"] > rows[2]["ours_s"]
+    assert rows[0]["ours_vs_stock"] >= 1.0 and rows[2]["ours_vs_stock"] >= 1.6
+    assert main([*args, *nvme]) == 0
+    table = capsys.readouterr().out
+    assert "NVMe tier" in table and "replay/" in table and "stream races found: 0" in table
+    assert main([*args, "--nvme-read-gbs", "25"]) == 2
+    assert "--nvme-write-gbs" in capsys.readouterr().err

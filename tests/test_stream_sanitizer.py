@@ -11,12 +11,9 @@ from __future__ import annotations
 import ast
 import copy
 import inspect
-import shutil
 import sys
-import tempfile
 import types
 import warnings
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +21,7 @@ import lightning as L
 import pytest
 import torch
 
+import lightning_dos.engine.file_tier as file_tier_module
 import lightning_dos.engine.host_side as host_side_module
 import lightning_dos.engine.in_flight as in_flight_module
 import lightning_dos.engine.loop as loop_module
@@ -38,6 +36,7 @@ from lightning_dos.host import disk
 from lightning_dos.model.plan import Place, Plan
 from lightning_dos.model.update_rules import ADAGRAD, ADAM, LION, Footprint
 from lightning_dos.sim.sanitizer import SanitizerUnavailableError, StreamSanitizer
+from lightning_dos.sim.simdrive import SimSwapFile
 from tests.helpers import RandomPlacement, TinyLM, full_parameters, loader, max_relative_error, trainer
 
 H, D, R = Place.HOST, Place.DEVICE, Place.RESIDENT
@@ -174,11 +173,13 @@ def run(
     reference = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in NUMELS]
     for i, flat in enumerate(reference):
         engine.param_view(i).copy_(flat.detach())
-    if scenario.files:
-        directory = tempfile.mkdtemp(prefix="dos-sanitizer-")
-        tier = engine.keep_in_files(len(engine.sub_groups) // 2, directory, 0, disk.load_aio(), slots=2)
-        weakref.finalize(engine, shutil.rmtree, directory, True)
-        weakref.finalize(engine, tier.close)
+    if scenario.files:  # the second half on the simulated drive: its staging slabs race-checked too
+        first = len(engine.sub_groups) // 2
+
+        def open_swap(records: list[int], master: torch.dtype, state: torch.dtype, states: int) -> SimSwapFile:
+            return SimSwapFile(checker, first, records, master, state, states, slots=2)
+
+        engine.keep_records_in(first, open_swap)
     groups = [{"params": [p for p, g in zip(reference, GROUPS) if g == k]} for k in (0, 1)]
     for group, h in zip(groups, HYPERS):
         group.update(lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay)
@@ -618,6 +619,66 @@ def test_removing_any_wait_host_wait_or_tail_event_is_reported_as_a_race(case: s
     assert not missed, f"removing these synchronisations went unnoticed: {missed}"
     assert [what for what, _ in needs_unsynced_deepspeed] == [f"host_wait at line {backward_end} of loop.py"]
     assert "gradient buffer" in needs_unsynced_deepspeed[0][1]
+
+
+#: The file tier's waits for the drive: the swap file's, and the tier's own helper around it.
+DRIVE_WAITS = {"wait", "_wait"}
+#: Functions whose waits the scenarios do not reach: teardown (the swap file's close waits for every request too).
+TEARDOWN = {"close"}
+
+
+def drive_wait_mutations() -> list[tuple[int, str]]:
+    """Every call that waits for the drive in the file tier, outside teardown: ``(line, what)``."""
+    tree = ast.parse(inspect.getsource(file_tier_module))
+    found = []
+    for function in ast.walk(tree):
+        if not isinstance(function, ast.FunctionDef) or function.name in TEARDOWN:
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+                func = node.value.func
+                if isinstance(func, ast.Attribute) and func.attr in DRIVE_WAITS:
+                    found.append((node.lineno, f"{func.attr} at line {node.lineno} in {function.name}"))
+    return sorted(found)
+
+
+def test_removing_any_wait_for_the_drive_is_a_race_on_a_staging_slab() -> None:
+    """The file tier's requests run on the simulated drive beside the host until it waits for them: without any one
+    of its waits, a host copy or update touches a slab a request is still filling or draining, or a read lands in a
+    slab still being written back. Each mutant runs the scenarios with state in files, in every overlap mode."""
+    mutations = drive_wait_mutations()
+    assert {what.split(" in ")[-1] for _, what in mutations} == {"_wait", "_take", "load", "settle"}, mutations
+    files = [s for s in SCENARIOS if s.files]
+    missed = []
+    for line, what in mutations:
+        source = ast.fix_missing_locations(_Remove(line).visit(ast.parse(inspect.getsource(file_tier_module))))
+        engine_class = _engine_from(source, file_tier_module)
+        races = [
+            race
+            for scenario in files
+            for overlap, early in OVERLAPS.values()
+            for race in run(scenario, engine_class, overlap=overlap, early=early)[0].races
+        ]
+        if not any("staging slab" in str(race) and "the drive" in str(race) for race in races):
+            missed.append(what)
+    assert not missed, f"removing these waits for the drive went unnoticed: {missed}"
+
+
+def test_a_read_landing_in_a_slab_still_being_written_back_is_a_race() -> None:
+    checker = StreamSanitizer()
+    swap = SimSwapFile(checker, 0, [8, 8], torch.float32, torch.float32, 2, slots=1)
+    swap.write(0, 0)
+    swap.read(0, 1)  # no wait for the write between the two
+    assert any("staging slab 0" in str(race) and "nvme_read" in str(race) for race in checker.races), checker.races
+    checker = StreamSanitizer()
+    swap = SimSwapFile(checker, 0, [8, 8], torch.float32, torch.float32, 2, slots=1)
+    swap.write(0, 0)
+    swap.wait(0)
+    swap.read(0, 1)
+    swap.wait(0)
+    with checker.active():
+        swap.views(0, 1)[0].add_(1.0)
+    assert checker.races == []
 
 
 def _backward_end_wait() -> int:

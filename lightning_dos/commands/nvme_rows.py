@@ -2,8 +2,9 @@
 
 lightning-dos plan --params 70e9 --nvme-read-gbs 25 --nvme-write-gbs 10 --host-budget 0,0.25,0.5
 
-Predicted by :mod:`lightning_dos.model.nvme` (the performance model), not replayed: the engine does not run
-the NVMe tier yet (offload_optimizer.device "nvme" is refused), so there is no schedule of it to replay.
+Predicted by :mod:`lightning_dos.model.nvme` (the performance model) for the engine as it runs the tier (the
+file-backed host sub-groups backwards every other iteration); ``lightning-dos simulate`` with the same options
+replays the engine's schedule of it on the virtual node.
 """
 
 from __future__ import annotations
@@ -12,13 +13,11 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_dos.model.nvme import STOCK_SLOTS, DiskRates, stock_tiered_update_s, tiered_update
+from lightning_dos.model.nvme import STAGING_SLOTS, DiskRates, stock_tiered_update_s, tiered_update
 from lightning_dos.model.perfmodel import HardwareRates
 from lightning_dos.model.plan import Plan
 from lightning_dos.model.update_rules import Footprint
 
-#: Host staging slabs ours cycles file-backed sub-groups through (as many sub-groups as stock's buffers hold).
-OUR_SLOTS = STOCK_SLOTS
 #: ``--host-budget``'s default: no host memory for the state, a quarter of it, half.
 DEFAULT_HOST_BUDGETS = "0,0.25,0.5"
 
@@ -75,29 +74,23 @@ def nvme_rows(
     lp_bytes: int,
     footprint: Footprint,
 ) -> dict[str, Any]:
-    """Per host budget: ours (``plan``'s placement, the file-backed sub-groups in the order the model finds
-    faster, alternating or forward) against stock's pipelined swapper, both on one rank's share of the drive."""
+    """Per host budget: ours (``plan``'s placement, the file-backed host sub-groups backwards every other iteration,
+    as the engine takes them) against stock's pipelined swapper, both on one rank's share of the drive."""
     per_rank = disk.per_rank(ranks)
     state = sum(sizes) * footprint.optimizer_state
     stock = stock_tiered_update_s(sizes, rates, per_rank, lp_bytes=lp_bytes, footprint=footprint)
     rows = []
     for budget in budgets:
         held = budget * state if budget <= 1 else budget / ranks
-        orders = {
-            alternate: tiered_update(
-                sizes, plan, rates, per_rank, held, alternate=alternate, lp_bytes=lp_bytes, slots=OUR_SLOTS,
-                footprint=footprint,
-            )
-            for alternate in (True, False)
-        }  # fmt: skip
-        alternate = orders[True].time_s <= orders[False].time_s
-        ours = orders[alternate]
+        ours = tiered_update(
+            sizes, plan, rates, per_rank, held, lp_bytes=lp_bytes, slots=STAGING_SLOTS, footprint=footprint
+        )
         rows.append(
             {
                 "host_budget": budget,
+                "host_state_bytes": min(held, state),
                 "host_state_gb": min(held, state) / 1e9,
                 "file_share": ours.write_bytes / state if state else 0.0,
-                "order": "alternating" if alternate else "forward",
                 "ours_s": ours.time_s,
                 "ours_disk_floor_s": ours.disk_s,
                 "ours_read_gb": ours.read_bytes / 1e9,
@@ -107,14 +100,27 @@ def nvme_rows(
                 "ours_vs_stock": stock.time_s / ours.time_s,
             }
         )
+    return nvme_result(disk, ranks, state, rows)
+
+
+def nvme_result(disk: DiskRates, ranks: int, state: float, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The NVMe rows with what they were computed for: the drive, the ranks sharing it, the state per rank."""
     return {
         "read_gbs": disk.read_bps / 1e9,
         "write_gbs": disk.write_bps / 1e9,
         "ranks": ranks,
-        "slots": OUR_SLOTS,
+        "slots": STAGING_SLOTS,
         "state_gb_per_rank": state / 1e9,
         "rows": rows,
     }
+
+
+def nvme_title(result: dict[str, Any]) -> str:
+    """The NVMe table's title: the drive, the ranks sharing it, the state per rank."""
+    return (
+        f"NVMe tier: a drive of {result['read_gbs']:.1f} GB/s read, {result['write_gbs']:.1f} GB/s write, "
+        f"shared by {result['ranks']} rank(s); {result['state_gb_per_rank']:.1f} GB of optimizer state per rank"
+    )
 
 
 def print_nvme(result: dict[str, Any], console: Any) -> None:  # noqa: ANN401 - a rich Console
@@ -122,20 +128,18 @@ def print_nvme(result: dict[str, Any], console: Any) -> None:  # noqa: ANN401 - 
     from rich.table import Table
 
     table = Table(
-        title=f"NVMe tier: a drive of {result['read_gbs']:.1f} GB/s read, {result['write_gbs']:.1f} GB/s write, "
-        f"shared by {result['ranks']} rank(s); {result['state_gb_per_rank']:.1f} GB of optimizer state per rank",
-        caption="predicted (performance model), not replayed. floor: the drive's time for the bytes read and "
-        f"written; {result['slots']} host staging slabs for each.",
+        title=nvme_title(result),
+        caption="predicted (performance model); lightning-dos simulate replays ours. floor: the drive's time for the "
+        f"bytes read and written; {result['slots']} host staging slabs for each.",
     )
     table.add_column("host\nbudget", justify="right")
-    for column in ("in\nfiles", "order", "ours\ns", "x\nfloor", "stock\ns", "x\nfloor", "ours vs\nstock"):
+    for column in ("in\nfiles", "ours\ns", "x\nfloor", "stock\ns", "x\nfloor", "ours vs\nstock"):
         table.add_column(column, justify="right", no_wrap=True)
     for row in result["rows"]:
         budget = row["host_budget"]
         table.add_row(
             f"{budget:.0%}" if budget <= 1 else f"{budget / 1e9:.0f} GB",
             f"{row['file_share']:.0%}",
-            row["order"],
             f"{row['ours_s']:.2f}",
             f"{row['ours_s'] / row['ours_disk_floor_s']:.2f}" if row["ours_disk_floor_s"] else "-",
             f"{row['stock_s']:.2f}",

@@ -9,6 +9,7 @@ lightning-dos simulate --params 20e9 --profile paper-h100x4
 lightning-dos simulate --recipe recipes/gpt-13b.yaml --gpu-fraction stride:2 --trace sim.json
 lightning-dos simulate --params 20e9 --master-dtype bf16 --state-dtype bf16
 lightning-dos simulate --params 20e9 --forward-s 0.5 --backward-s 1.0
+lightning-dos simulate --params 70e9 --nvme-read-gbs 25 --nvme-write-gbs 10 --host-budget 0,0.25,0.5
 
 With --forward-s and --backward-s (seconds per iteration and rank) the whole iteration is timed too, for each
 overlap mode: "off" (forward, backward, then the update), "forward" (the next forward beside the update, each
@@ -17,6 +18,10 @@ gradients become final), and stock ZeRO-3 offload; "forward" and "auto" with the
 own iteration. Each is replayed whole on the virtual node (backward's layers and DeepSpeed's gradient copies,
 the engine's update as it issues it, the next forward's layers after the engine's waits) and predicted by the
 performance model; --trace also writes each mode's iteration as a trace of its own.
+
+With an NVMe drive (--nvme-read-gbs and --nvme-write-gbs, or the profile's nvme entry) the update is replayed
+again for each --host-budget with the state past the budget on a simulated drive (its reads and writes in the
+trace's nvme lanes, its staging slabs race-checked), beside the model's prediction and stock ZeRO-3 NVMe offload's.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from lightning_dos.model.iteration import (
     iteration_s,
     predicted_timeline,
 )
+from lightning_dos.model.nvme import STAGING_SLOTS
 from lightning_dos.model.overlap import AUTO, FORWARD, MODES, begins_in_backward, overlaps_forward
 from lightning_dos.model.perfmodel import (
     HardwareRates,
@@ -164,13 +170,17 @@ def _steady_step(
     footprint: Footprint,
     overlap: str = "off",
     clipped: bool | None = None,
+    files_from: int | None = None,
 ) -> list[LoggedOp]:
     """Build an engine of ``sizes / scale`` elements per sub-group on ``checker``'s streams, watched by it as
     ``overlap`` runs (:meth:`~lightning_dos.sim.sanitizer.StreamSanitizer.watch`), step it twice with ``plan`` and
     return the log of the second step (the steady state: the first brings resident state up), its copies rescaled
     to ``footprint``'s bytes. The engine keeps its 16-bit parameters on the (simulated) device. ``clipped`` (under
     ``auto``): the updates begun during backward are speculative, and each step turns out clipped (True: they are
-    redone) or not (False: committed)."""
+    redone) or not (False: committed). ``files_from``: sub-groups from this one on keep their state on the
+    simulated drive (:class:`~lightning_dos.sim.simdrive.SimSwapFile`, 4 staging slabs, as the strategy runs the
+    NVMe tier); the engine then steps three times and the third is logged: it takes the file-backed sub-groups
+    backwards after a step that took them forwards (the alternating order's steady state)."""
     small = _test_sizes(sizes, scale)
     engine = InterleavedUpdate(
         small,
@@ -184,6 +194,13 @@ def _steady_step(
         state_dtype=DTYPES[footprint.state],
         keep_resident_grads=footprint.grads_on_device,
     )
+    if files_from is not None:
+        from lightning_dos.sim.simdrive import SimSwapFile
+
+        def open_swap(records: list[int], master: torch.dtype, state: torch.dtype, states: int) -> SimSwapFile:
+            return SimSwapFile(checker, files_from, records, master, state, states, slots=STAGING_SLOTS)
+
+        engine.keep_records_in(files_from, open_swap)
     early = begins_in_backward(overlap)
     checker.watch(engine, overlap=overlaps_forward(overlap), early=early, clipped=clipped if early else None)
     speculative = early and clipped is not None
@@ -192,7 +209,8 @@ def _steady_step(
     hyper = [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)]
     grads = [torch.zeros(n, dtype=DTYPES[footprint.master]) for n in small]
     lp = [torch.zeros(n, dtype=engine.lp_dtype) for n in small]
-    for step in (1, 2):  # the first step brings resident state up; the second is the steady state replayed
+    # The first step brings resident state up; the last is the steady state replayed.
+    for step in (1, 2) if files_from is None else (1, 2, 3):
         if footprint.grads_on_device:  # backward's copies on the device, before the update's log begins
             for flat, grad in enumerate(grads):
                 engine.keep_gradient(flat, 0, grad)
@@ -355,7 +373,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-dos simulate", description=_description(), formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    from lightning_dos.commands.nvme_rows import add_nvme_options
+
     add_model_options(parser)
+    add_nvme_options(parser)
     parser.add_argument("--gpu-fraction", default="auto", help="'auto', a number in [0, 1], or 'stride:K'")
     parser.add_argument(
         "--trace", type=Path, default=Path("runs/simulate/trace.json"), help="Perfetto trace to write (JSON)"
@@ -371,6 +392,7 @@ def _fail(message: str) -> int:
 def main(argv: list[str]) -> int:
     """Run ``lightning-dos simulate`` (``argv`` without the subcommand); returns the exit status."""
     from lightning_dos.commands import options
+    from lightning_dos.commands.nvme_rows import disk_of, host_budgets
     from lightning_dos.commands.simulate_table import print_summary
     from lightning_dos.planning.profiles import load_profile
 
@@ -390,6 +412,8 @@ def main(argv: list[str]) -> int:
     try:
         sub_group_size = options.sub_group_size_of(args.sub_group_size, params // gpus)
         speculation = options.speculation_option(args, footprint)
+        disk = disk_of(args, meta)
+        budgets = host_budgets(args.host_budget)
     except ValueError as error:
         return _fail(str(error))
     phases = (args.forward_s, args.backward_s)
@@ -436,6 +460,13 @@ def main(argv: list[str]) -> int:
                 plan_for=plan_for,
                 speculation=speculation,
             )
+        )
+    summary["nvme"] = None
+    if disk is not None:
+        from lightning_dos.commands.simulate_nvme import nvme_simulation
+
+        summary["nvme"] = nvme_simulation(
+            sizes, plan, rates, disk, budgets, gpus, args.lp_bytes, footprint, trace=args.trace
         )
     if args.json:
         print(json.dumps(summary, indent=2))

@@ -47,6 +47,10 @@ def print_summary(s: dict[str, Any]) -> None:
     console.print(table)
     if "iteration_s" in s:
         _print_iteration(console, s)
+    if s.get("nvme") is not None:
+        from lightning_dos.commands.simulate_nvme import print_nvme_simulation
+
+        print_nvme_simulation(s["nvme"], console)
     console.print(f"trace: {s['trace']} (open in https://ui.perfetto.dev)", markup=False)
     for mode, plan in s.get("iteration_plans", {}).items():
         if "trace" in plan:

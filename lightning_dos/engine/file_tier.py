@@ -14,11 +14,13 @@ sub-group, and a path that forgets to store a sub-group only costs memory until 
 never correctness. The price is a copy between slab and span each way, an order of magnitude faster than the drive.
 
 Reads run ahead in the order the update takes the sub-groups (:meth:`FileTier.begin`), into slabs no request is
-using; a slab keeps the record it last moved, so a sub-group loaded again before its slab is reused (the order that
-alternates between iterations, MLP-Offload's) is copied from it without touching the drive. Two writes of one
-record are never in flight at once, and a record is never read from the drive while its write-back runs. This
-module's I/O waits are the host's own (``aio_handle.wait``); the staging slabs are host memory no device stream
-touches.
+using and whose record the update does not need again; a slab keeps the record it last moved, so a sub-group loaded
+again before its slab is reused (the order that alternates between iterations, MLP-Offload's) is copied from it
+without touching the drive. Two writes of one record are never in flight at once, and a record is never read from
+the drive while its write-back runs. This module's I/O waits are the host's own (``aio_handle.wait``); the staging
+slabs are host memory no device stream touches. On the simulator the race checker watches them
+(:mod:`lightning_dos.sim.simdrive`): a slab touched, or a second request issued on it, before its request's wait is
+a race.
 """
 
 from __future__ import annotations
@@ -103,8 +105,9 @@ class FileTier:
 
     def _free_slab(self) -> int:
         """A slab to move a record through now: of the slabs not being written from, the one whose record the update
-        needs last, if it needs it no more; else the oldest write in flight (waited for); else that slab anyway (a
-        copy, or a read ahead, of what is needed furthest ahead: Belady's choice)."""
+        needs last, if it needs it no more; else the one with the oldest write in flight; else that slab anyway (a
+        copy, or a read ahead, of what is needed furthest ahead: Belady's choice). The caller empties it
+        (:meth:`_take`: its request waited for)."""
         slabs = [s for s in range(len(self._holds)) if self._busy[s] != "home"]
         best = max((s for s in slabs if self._busy[s] != "write"), key=self._needed_after, default=None)
         if best is not None and self._needed_after(best) > len(self._ahead):
@@ -114,7 +117,6 @@ class FileTier:
             best = min(writing, key=self._last_used.__getitem__)
         if best is None:
             raise RuntimeError("every staging slab is some loaded sub-group's home")
-        self._wait(best)
         return best
 
     def _needed_after(self, slot: int) -> int:
@@ -148,15 +150,17 @@ class FileTier:
         self._read_ahead()
 
     def _read_ahead(self) -> None:
-        for rank, index in enumerate(list(self._ahead)):
+        for index in list(self._ahead):
             if index in self.loaded or self._slab_of(index) is not None:
                 continue  # loaded already, or a slab holds it (read in flight, or a copy from the last write)
             idle = [s for s in range(len(self._holds)) if self._busy[s] is None]
             if not idle:
                 return
-            # The idle slab whose record is needed last (or never, or none): kept if it is needed before this one.
+            # The idle slab whose record is needed last: never one the update still needs. A read ahead is worth less
+            # than a read skipped (the drive is the tier's bottleneck): the records the last step left in the slabs
+            # stay there while the sub-groups before them (the streamed ones) go through the other slabs.
             slot = max(idle, key=self._needed_after)
-            if self._needed_after(slot) <= rank:
+            if self._needed_after(slot) <= len(self._ahead):
                 return
             self._start_read(slot, index)
 
@@ -189,7 +193,8 @@ class FileTier:
         self._touch(slot)
         homes = sum(busy == "home" for busy in self._busy)
         if in_slab and len(self._busy) - homes >= 2:
-            self._wait(slot)  # a copy whose write-back still runs: the update must not change it under the write
+            # No write-back of this record runs: it was written at most once this update, after its update, and the
+            # last update's writes all landed at its end (settle).
             self._busy[slot], self._in_slab[index] = "home", slot
         else:
             master, states = self.swap.views(slot, self._record[index])
@@ -254,7 +259,8 @@ class FileTier:
 
     def settle(self) -> None:
         """Store every loaded sub-group and wait for every write: the file is then the state of record for all of
-        them (the end of each update, and before the file is closed)."""
+        them (the end of each update, and before the file is closed), and the next update may update a record the
+        slabs still hold in place."""
         self._ahead = []
         for index in list(self.loaded):
             self.store(index)

@@ -297,6 +297,17 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         those spans are never pinned. ``aio`` is DeepSpeed's async I/O op; ``slots`` staging slabs move the records;
         ``io`` is passed to :class:`~lightning_dos.engine.swap_files.SwapFile` (``block_size``, ``queue_depth``).
         Return the tier (None when ``first`` leaves nothing to keep in files)."""
+
+        def open_swap(records: list[int], master: torch.dtype, state: torch.dtype, states: int) -> SwapFile:
+            return SwapFile(directory, rank, records, master, state, states, slots, aio, **io)
+
+        return self.keep_records_in(first, open_swap)
+
+    def keep_records_in(
+        self, first: int, open_swap: Callable[[list[int], torch.dtype, torch.dtype, int], SwapFile]
+    ) -> FileTier | None:
+        """:meth:`keep_in_files` with the swap file made by ``open_swap(records, master_dtype, state_dtype,
+        states)`` (the simulated drive's, :class:`~lightning_dos.sim.simdrive.SimSwapFile`, on the simulator)."""
         if self.files is not None:
             raise RuntimeError("the engine keeps sub-groups in files already")
         if self.pool.pinned:
@@ -304,10 +315,7 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         tail = self.sub_groups[first:]
         if not tail:
             return None
-        swap = SwapFile(
-            directory, rank, [sg.numel for sg in tail], self.pool.param.dtype, self.pool.state_dtype,
-            len(self.rule.states), slots, aio, **io,
-        )  # fmt: skip
+        swap = open_swap([sg.numel for sg in tail], self.pool.param.dtype, self.pool.state_dtype, len(self.rule.states))
         self.pool.file_backed_from = tail[0].slab_offset
         self.files = FileTier(swap, tail, self._span, self.pool.give_back)
         self.files.store_all()

@@ -11,7 +11,7 @@ on the same directory is refused by name, and sized once to its records (``ftrun
 file a killed run left behind is cut to the same size by the next. :meth:`SwapFile.close` removes it.
 
 This module does the I/O and keeps the layout; when a slab may be reused, and by whom, is its caller's to order
-(the engine's streams). Not yet used by the update loop (docs/nvme-tier.md).
+(:mod:`lightning_dos.engine.file_tier`).
 """
 
 from __future__ import annotations
@@ -100,17 +100,21 @@ class SwapFile:
             self.close()  # no file, lock or page-locked memory left behind by a half-made swap file
             raise
 
+    def _part_bytes(self, nbytes: int) -> int:
+        """Bytes one part of a record (master weights, or one state tensor) of ``nbytes`` takes, padding included."""
+        return _padded(nbytes)
+
     def record_bytes(self, numel: int) -> int:
         """Bytes of a record of ``numel`` elements, padding included."""
-        master = _padded(numel * self.master_dtype.itemsize)
-        return master + self.states * _padded(numel * self.state_dtype.itemsize)
+        master = self._part_bytes(numel * self.master_dtype.itemsize)
+        return master + self.states * self._part_bytes(numel * self.state_dtype.itemsize)
 
     def views(self, slot: int, record: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The master weights and state tensors of ``record`` as they lie in slab ``slot``."""
         numel, slab = self.numels[record], self.slabs[slot]
-        master_end = _padded(numel * self.master_dtype.itemsize)
+        master_end = self._part_bytes(numel * self.master_dtype.itemsize)
         master = slab[: numel * self.master_dtype.itemsize].view(self.master_dtype)
-        step = _padded(numel * self.state_dtype.itemsize)
+        step = self._part_bytes(numel * self.state_dtype.itemsize)
         states = tuple(
             slab[master_end + k * step : master_end + k * step + numel * self.state_dtype.itemsize].view(
                 self.state_dtype

@@ -21,7 +21,7 @@ skipped (``cached``). Predictions, not measurements; knows nothing of Lightning,
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lightning_dos.model.perfmodel import HardwareRates, link_seconds, rates_for
 from lightning_dos.model.plan import Place, Plan
@@ -31,6 +31,9 @@ from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 #: tensor (master weights, two moments, gradient), and it runs only from 16 (4 sub-groups) with pipelining on; its
 #: default, 4, runs out of buffers at the first step (bench/RESULTS.md, 2026-11-27).
 STOCK_SLOTS = 4
+#: Staging slabs ours moves file-backed records through (each the size of the largest sub-group's state): one being
+#: updated in, the next read ahead, the last written back, one spare for the alternating order.
+STAGING_SLOTS = 4
 
 
 @dataclass(frozen=True)
@@ -80,17 +83,34 @@ class TieredPrediction:
     slots: int
 
 
-def nvme_sub_groups(sizes: Sequence[int], plan: Plan, host_budget_bytes: float, footprint: Footprint) -> list[int]:
-    """The sub-groups whose state goes to files when the host slabs may hold ``host_budget_bytes`` of it:
-    resident ones never (their state lives on the device), the others in the plan's order, the last ones first
-    to the files, so the first sub-groups the update takes need no read and the drive's reads run beside them."""
-    held, kept = 0.0, set()
-    for i in [i for i in range(len(sizes)) if plan.places[i] is not Place.RESIDENT]:
-        need = sizes[i] * footprint.optimizer_state
-        if held + need <= host_budget_bytes:
-            held += need
-            kept.add(i)
-    return [i for i in range(len(sizes)) if plan.places[i] is not Place.RESIDENT and i not in kept]
+def nvme_sub_groups(sizes: Sequence[int], host_budget_bytes: float, footprint: Footprint) -> list[int]:
+    """The sub-groups whose state goes to files when the host slabs may hold ``host_budget_bytes`` of it, as the
+    engine picks them (``InterleavedUpdate.first_file_backed``): counted from the first, every sub-group past the
+    first that does not fit, a contiguous tail of the slabs. The first ones the update takes need no read, and the
+    drive's reads run beside them."""
+    held = 0.0
+    for i, size in enumerate(sizes):
+        held += size * footprint.optimizer_state
+        if held > host_budget_bytes:
+            return list(range(i, len(sizes)))
+    return []
+
+
+def tiered_plan(plan: Plan, on_nvme: Collection[int]) -> Plan:
+    """``plan`` as the engine runs it with ``on_nvme`` in files: a file-backed sub-group planned resident is streamed
+    (its state lives in its file between updates, not on the device)."""
+    files = set(on_nvme)
+    places = tuple(Place.DEVICE if i in files and p is Place.RESIDENT else p for i, p in enumerate(plan.places))
+    return replace(plan, places=places)
+
+
+def host_order(plan: Plan, on_nvme: Collection[int], backwards: bool) -> list[int]:
+    """The order the engine's CPU takes ``plan``'s host sub-groups in: those in host slabs first, in the plan's
+    order, then the file-backed ones, ``backwards`` every other step (MLP-Offload's cache-friendly order)."""
+    files = set(on_nvme)
+    kept = [i for i in plan.host_indices if i not in files]
+    filed = [i for i in plan.host_indices if i in files]
+    return kept + (filed[::-1] if backwards else filed)
 
 
 def predict_tiered(
@@ -242,6 +262,26 @@ def stock_tiered_update_s(
     )
 
 
+def slab_hits(held: Sequence[int], needed: Sequence[int], slots: int) -> list[int]:
+    """Which of the records ``needed`` (in the update's order) are found in the ``slots`` staging slabs, which hold
+    ``held`` when the update starts, as the engine's slabs are used (``FileTier``): a record once used is not needed
+    again, so its slab is free; a read takes a free slab, else evicts the record needed furthest ahead (Belady's
+    choice); a read ahead never evicts a record still needed."""
+    if len(held) > slots:
+        raise ValueError(f"{len(held)} records held in {slots} slabs")
+    slabs: list[int | None] = [*held, *[None] * (slots - len(held))]
+    hits = []
+    for k, index in enumerate(needed):
+        if index in slabs:
+            hits.append(index)
+            slabs[slabs.index(index)] = None
+        elif None not in slabs:
+            ahead = list(needed[k:])
+            furthest = max(slabs, key=lambda r: ahead.index(r) if r in ahead else len(ahead))
+            slabs[slabs.index(furthest)] = None
+    return hits
+
+
 def tiered_update(
     sizes: Sequence[int],
     plan: Plan,
@@ -251,20 +291,42 @@ def tiered_update(
     *,
     alternate: bool = True,
     lp_bytes: int = 2,
-    slots: int = 4,
+    slots: int = STAGING_SLOTS,
     footprint: Footprint = ADAM_FP32,
 ) -> TieredPrediction:
     """A steady-state update of ``plan`` with ``host_budget_bytes`` of optimizer state in host slabs and the rest in
-    files (:func:`nvme_sub_groups`). ``alternate``: the host sub-groups are taken in reverse order every other
-    iteration, so the update starts with the ``slots`` file-backed sub-groups the previous one wrote last, still in
-    their slabs (MLP-Offload's cache-friendly order); otherwise every file-backed sub-group is read."""
-    on_nvme = nvme_sub_groups(sizes, plan, host_budget_bytes, footprint)
-    order = list(reversed(plan.host_indices)) if alternate else plan.host_indices
+    files (:func:`nvme_sub_groups`): :func:`files_update`."""
+    on_nvme = nvme_sub_groups(sizes, host_budget_bytes, footprint)
+    return files_update(
+        sizes, plan, rates, disk, on_nvme, alternate=alternate, lp_bytes=lp_bytes, slots=slots, footprint=footprint
+    )
+
+
+def files_update(
+    sizes: Sequence[int],
+    plan: Plan,
+    rates: HardwareRates,
+    disk: DiskRates,
+    on_nvme: Sequence[int],
+    *,
+    alternate: bool = True,
+    lp_bytes: int = 2,
+    slots: int = STAGING_SLOTS,
+    footprint: Footprint = ADAM_FP32,
+) -> TieredPrediction:
+    """A steady-state update of ``plan`` with the sub-groups ``on_nvme`` in files, as the engine runs it
+    (:func:`tiered_plan`, :func:`host_order`). ``alternate``: the file-backed host sub-groups are taken in reverse
+    order every other iteration, so the update starts with the file-backed sub-groups the previous one wrote last,
+    still in their slabs (MLP-Offload's cache-friendly order); otherwise the same order every iteration, and only
+    the records the slabs keep until the update needs them are not read (:func:`slab_hits`)."""
+    plan = tiered_plan(plan, on_nvme)
+    order = host_order(plan, on_nvme, backwards=alternate)
     files = set(on_nvme)
-    streamed = any(i in files for i in plan.streamed_indices)
-    # The previous iteration took the host sub-groups in the opposite order and wrote these last: their slabs
-    # still hold them (one slab is left for the streamed sub-groups' reads, which come first).
-    cached = [i for i in order if i in files][: slots - 1 if streamed else slots] if alternate else []
+    streamed = [i for i in plan.streamed_indices if i in files]
+    # The previous iteration took the file-backed host sub-groups the other way (the same way, not alternating) and
+    # wrote the streamed ones back last, at its end: the last records it wrote are still in the slabs.
+    before = [i for i in host_order(plan, on_nvme, backwards=False) if i in files] + streamed
+    cached = slab_hits(before[-slots:], streamed + [i for i in order if i in files], slots)
     return predict_tiered(
         sizes,
         plan,

@@ -16,6 +16,10 @@ from lightning_dos.sim.simstreams import (
 #: TRAINING is the training thread while the update runs on a thread of its own (``overlap="forward"``), HOST
 #: the thread running the update.
 HOST, DS_REDUCE, DS_ALLGATHER, TRAINING = 100, 101, 102, 103
+#: The NVMe drive (the file tier's requests): one queue in the replay's log. To the race checker each request runs
+#: on a pseudo-stream of its own, numbered from DRIVE_REQUESTS: requests on different slabs run side by side, and a
+#: request runs beside everything the host does until the host waits for it.
+DRIVE, DRIVE_REQUESTS = 104, 1_000_000
 
 
 NAMES = {
@@ -24,7 +28,13 @@ NAMES = {
     DS_REDUCE: "deepspeed.reduce",
     DS_ALLGATHER: "deepspeed.allgather",
     TRAINING: "training thread",
+    DRIVE: "the drive",
 }
+
+
+def stream_name(stream: int) -> str:
+    """A stream's or pseudo-stream's name for messages."""
+    return "the drive" if stream >= DRIVE_REQUESTS else NAMES.get(stream, str(stream))
 
 
 @dataclass(frozen=True)
@@ -41,7 +51,7 @@ class Access:
 
     def describe(self) -> str:
         verb = "wrote" if self.write else "read"
-        return f"{self.op} on {NAMES.get(self.stream, self.stream)} {verb} it ({self.where})"
+        return f"{self.op} on {stream_name(self.stream)} {verb} it ({self.where})"
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,10 @@ The model:
   gradient scaling) are memory-bound and run at the bandwidth device Adam implies, by the bytes each element
   moves; forward and backward layers (a whole iteration's) take the seconds logged with them; kernels of
   different streams run side by side;
+- the **drive** (the NVMe tier's swap file, :mod:`lightning_dos.sim.simdrive`) serves one request at a time, in
+  the order the host issued them, at the drive's read or write rate (one rank's share:
+  :meth:`~lightning_dos.model.nvme.DiskRates.per_rank`); a host wait for a request blocks its thread until it is
+  done;
 - each sub-group's update is charged once per side, at the rule's rate, however many kernels the engine ran
   it in (:func:`one_update_per_sub_group`): the compiled host pass is one, torch's path for a rule or dtype
   is several (conversions, one kernel per term), and the calibrated rate is that of the whole update.
@@ -39,11 +43,14 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dos.model.iteration import write_allocate_share
+from lightning_dos.model.nvme import DiskRates
 from lightning_dos.model.perfmodel import HardwareRates, rates_for, update_bytes
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 from lightning_dos.sim.findings import HOST, LoggedOp
 
 COPY_LANES = {"upload": "h2d", "lp_upload": "h2d", "download": "d2h", "grad_download": "d2h"}
+#: The drive's requests (the NVMe tier): one queue, reads and writes.
+DRIVE_LANES = ("nvme_read", "nvme_write")
 #: Compute-stream work whose logged ``seconds`` are its time (the forward's and backward's layers).
 LAYER_LANES = ("forward", "backward")
 _EPS = 1e-15
@@ -67,9 +74,12 @@ class ReplayResult:
 
     Attributes:
         time_s: update time: from the first operation to the host's return from its last wait.
-        busy_s: seconds each resource worked: ``host``, ``h2d`` and ``d2h`` copy engines, ``compute``.
+        busy_s: seconds each resource worked: ``host``, ``h2d`` and ``d2h`` copy engines, ``compute``, and the
+            ``drive`` when the log has its requests.
         h2d_bytes: bytes uploaded.
         d2h_bytes: bytes downloaded.
+        read_bytes: bytes read from the drive.
+        write_bytes: bytes written to it.
         spans: every operation, for a trace.
         host_clock_s: each host thread's clock when it had done its last entry.
         marks_s: when each ``host_record`` was reached.
@@ -80,6 +90,8 @@ class ReplayResult:
     h2d_bytes: float
     d2h_bytes: float
     spans: list[ReplaySpan] = field(default_factory=list)
+    read_bytes: float = 0.0
+    write_bytes: float = 0.0
     host_clock_s: dict[int, float] = field(default_factory=dict)
     marks_s: dict[int, float] = field(default_factory=dict)
 
@@ -116,14 +128,14 @@ def device_kernel_bytes(lane: str, footprint: Footprint = ADAM_FP32, lp_bytes: i
 class _Device:
     """Streams, copy engines and the compute stream, advanced only as far as the host needs."""
 
-    def __init__(self, rates: HardwareRates) -> None:
-        self.rates = rates
+    def __init__(self, rates: HardwareRates, disk: DiskRates | None = None) -> None:
+        self.rates, self.disk = rates, disk
         self.now = 0.0
         self.queues: dict[int, deque[_Item]] = {}
         self.done_events: dict[int, float] = {}
         self.active: dict[str, tuple[int, _Item]] = {}  # resource -> (stream, item)
         self.spans: list[ReplaySpan] = []
-        self.busy = {"h2d": 0.0, "d2h": 0.0, "compute": 0.0}
+        self.busy = {"h2d": 0.0, "d2h": 0.0, "compute": 0.0, **({"drive": 0.0} if disk is not None else {})}
 
     def submit(self, stream: int, item: _Item) -> None:
         queue = self.queues.setdefault(stream, deque())
@@ -135,12 +147,17 @@ class _Device:
         """A copy engine, or the compute of one stream: kernels of different streams run side by side (the
         engine's are short and memory-bound beside the forward's and backward's; their contention is not
         modelled), a stream's own run one at a time."""
+        if lane in DRIVE_LANES:
+            return "drive"
         return COPY_LANES.get(lane, f"compute:{stream}")
 
     def _rate(self, resource: str) -> float:
         r = self.rates
         if resource.startswith("compute"):
             return 1.0  # compute items carry seconds of work already
+        if resource == "drive":
+            reading = self.active["drive"][1].lane == "nvme_read"
+            return self.disk.read_bps if reading else self.disk.write_bps
         duplex = ("d2h" if resource == "h2d" else "h2d") in self.active
         if resource == "h2d":
             return r.duplex_h2d_bps if duplex else r.h2d_bps
@@ -287,11 +304,16 @@ def one_update_per_sub_group(log: Sequence[LoggedOp]) -> list[LoggedOp]:
 
 
 def replay(
-    log: Sequence[LoggedOp], rates: HardwareRates, scale: float = 1.0, *, footprint: Footprint = ADAM_FP32
+    log: Sequence[LoggedOp],
+    rates: HardwareRates,
+    scale: float = 1.0,
+    *,
+    footprint: Footprint = ADAM_FP32,
+    disk: DiskRates | None = None,
 ) -> ReplayResult:
     """Replay ``log`` on the node ``rates`` describes, every amount multiplied by ``scale``; ``footprint`` is the
     optimizer's rule and dtypes the logged engine ran (its update rates and kernel bytes; copies move the bytes
-    logged).
+    logged); ``disk``: the drive's rates, one rank's share (needed when the log has drive requests).
 
     Each host thread of the log (``LoggedOp.host``) walks its own entries in program order on a clock of its own;
     the thread whose clock is earliest goes next, so that work reaches the device in the order it was issued in
@@ -302,8 +324,10 @@ def replay(
     if rates.device_adam_eps <= 0:
         raise ValueError("replay needs a profile with an accelerator (device_adam_eps > 0)")
     entries = one_update_per_sub_group(log)
+    if disk is None and any(e.kind == "op" and e.lane in DRIVE_LANES for e in entries):
+        raise ValueError("the log has the NVMe tier's drive requests: give the drive's rates (disk=DiskRates(...))")
     recorded = {e.event for e in entries if e.kind in ("record", "host_record")}
-    device = _Device(rates)
+    device = _Device(rates, disk)
     threads: dict[int, deque[LoggedOp]] = {}
     for entry in entries:
         threads.setdefault(entry.host, deque()).append(entry)
@@ -313,6 +337,7 @@ def replay(
     host_busy = 0.0
     host_spans: list[ReplaySpan] = []
     h2d_bytes = d2h_bytes = 0.0
+    drive_bytes = dict.fromkeys(DRIVE_LANES, 0.0)
 
     def waiting(thread: int) -> bool:
         """``thread`` is blocked: on a host wait for a recorded event or mark, or a synchronisation it has reached."""
@@ -368,7 +393,10 @@ def replay(
         elif entry.kind == "op":
             if entry.lane in ("scalar", "alloc"):
                 continue
-            if entry.lane in COPY_LANES:
+            if entry.lane in DRIVE_LANES:
+                amount = work = entry.nbytes * scale
+                drive_bytes[entry.lane] += amount
+            elif entry.lane in COPY_LANES:
                 amount = work = entry.nbytes * scale
                 if COPY_LANES[entry.lane] == "h2d":
                     h2d_bytes += amount
@@ -388,7 +416,9 @@ def replay(
     end = max([*clock.values(), device.now] + [s.end_s for s in device.spans])
     busy = {"host": host_busy, **device.busy}
     spans = sorted(host_spans + device.spans, key=lambda s: (s.start_s, s.lane))
-    return ReplayResult(end, busy, h2d_bytes, d2h_bytes, spans, dict(clock), marks)
+    return ReplayResult(
+        end, busy, h2d_bytes, d2h_bytes, spans, drive_bytes["nvme_read"], drive_bytes["nvme_write"], dict(clock), marks
+    )
 
 
 def write_perfetto(path: str | Path, result: ReplayResult, title: str = "lightning-dos simulate") -> Path:

@@ -52,6 +52,8 @@ from lightning_dos.engine.pool import FP32_BYTES
 from lightning_dos.sim.allocator_model import CachingAllocatorModel
 from lightning_dos.sim.deepspeed_model import DeepSpeedModel, ModelledBackward
 from lightning_dos.sim.findings import (
+    DRIVE,
+    DRIVE_REQUESTS,
     DS_ALLGATHER,
     DS_REDUCE,
     HOST,
@@ -167,6 +169,9 @@ class StreamSanitizer(CachingAllocatorModel, DeepSpeedModel):
         #: scalars' fill): host memory to the race checks (docs/stream-sanitizer.md), device values to this check.
         self._made_in_lanes: dict[int, tuple[int, int]] = {}
         self._made_ids = itertools.count()
+        #: The drive's requests: a pseudo-stream each, and the event that marks its end.
+        self._drive_requests = itertools.count(DRIVE_REQUESTS)
+        self._drive_events = itertools.count(-3_000_000, -1)
 
     # -- setting up -------------------------------------------------------------------------------
 
@@ -268,8 +273,9 @@ class StreamSanitizer(CachingAllocatorModel, DeepSpeedModel):
     def on_device_synchronize(self) -> None:
         self._host_sync("a device synchronisation")
         host = self.syncs.current_sync_states[HOST]
-        for state in list(self.syncs.current_sync_states.values()):
-            self.syncs._state_wait_for_other(host, state)
+        for stream, state in list(self.syncs.current_sync_states.items()):
+            if stream < DRIVE_REQUESTS:  # the device's streams: a device synchronisation does not wait for the drive
+                self.syncs._state_wait_for_other(host, state)
         self._log(LoggedOp("sync"))
 
     def stream_synchronize(self, stream: int) -> None:
@@ -291,6 +297,32 @@ class StreamSanitizer(CachingAllocatorModel, DeepSpeedModel):
     ) -> None:
         """Record an access that did not go through aten on its real stream (a modelled DeepSpeed copy)."""
         self._launch(stream, op, list(reads), list(writes), where="modelled")
+
+    # -- the drive (the NVMe tier's staging slabs) ----------------------------------------------------
+
+    def drive_request(self, lane: str, buffer: torch.Tensor, sub_group: int = -1) -> int:
+        """The host starts an asynchronous request of the drive on ``buffer`` (a staging slab's record):
+        ``nvme_read`` fills it, ``nvme_write`` reads it. The request runs beside everything the host does after
+        issuing it, and beside every other request, until the host waits for it (:meth:`drive_wait`): a host access
+        to the slab, or a second request on it, before that wait is a race. Returns the request's event."""
+        if lane not in ("nvme_read", "nvme_write"):
+            raise ValueError(f"a drive request is nvme_read or nvme_write, not {lane!r}")
+        stream = next(self._drive_requests)
+        self.syncs.create_stream(stream)
+        reads, writes = ([buffer], []) if lane == "nvme_write" else ([], [buffer])
+        self._launch(stream, lane, reads, writes, where=_caller())
+        event = next(self._drive_events)
+        self.syncs.create_event(event)
+        self.syncs.record_state(event, stream)
+        nbytes = buffer.numel() * buffer.element_size()
+        self._log(LoggedOp("op", DRIVE, lane, buffer.numel(), nbytes, sub_group=sub_group))
+        self._log(LoggedOp("record", DRIVE, event=event))
+        return event
+
+    def drive_wait(self, event: int) -> None:
+        """The host blocks until the drive's request ``event`` is done (``aio_handle.wait``)."""
+        self.syncs.stream_wait_for_event(self.host, event)
+        self._log(LoggedOp("host_wait", event=event))
 
     # -- the checks ---------------------------------------------------------------------------------
 

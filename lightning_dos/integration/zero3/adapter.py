@@ -19,7 +19,7 @@ from lightning_dos.engine.streams import Streams
 from lightning_dos.host.disk import load_aio
 from lightning_dos.host.hostmem import return_freed_memory
 from lightning_dos.host.signals import SignalHold
-from lightning_dos.integration.nvme_tier import STAGING_SLOTS, NvmeTier
+from lightning_dos.integration.nvme_tier import NvmeTier
 from lightning_dos.integration.optimizers import (
     hyper_of,
     rule_of,
@@ -35,6 +35,7 @@ from lightning_dos.integration.zero3.compat import (
 )
 from lightning_dos.integration.zero3.gathers import ForwardGathers
 from lightning_dos.integration.zero3.state_access import TRIM_EVERY_BYTES, StateAccess
+from lightning_dos.model.nvme import STAGING_SLOTS
 from lightning_dos.model.overlap import OFF, Overlap, check_overlap, overlaps_forward
 from lightning_dos.model.plan import Plan, auto_sub_group_size
 from lightning_dos.model.step_report import StepReport

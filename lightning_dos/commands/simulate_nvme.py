@@ -1,0 +1,119 @@
+"""The NVMe tier in ``lightning-dos simulate``: ours replayed on the virtual node, per host-memory budget, beside the
+performance model and stock ZeRO-3 NVMe offload.
+
+lightning-dos simulate --params 70e9 --nvme-read-gbs 25 --nvme-write-gbs 10 --host-budget 0,0.25,0.5
+
+For each budget the engine runs at test size with the sub-groups past the budget on the simulated drive
+(:class:`~lightning_dos.sim.simdrive.SimSwapFile`: the staging slabs' requests race-checked and logged), and its
+third step (the file-backed sub-groups backwards, after a step that took them forwards) is replayed with the drive's
+reads and writes on one queue at one rank's share of its rates. Stock is the performance model's
+(:func:`~lightning_dos.model.nvme.stock_tiered_update_s`): DeepSpeed's swapper is not ours to replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_dos.commands.nvme_rows import nvme_rows, nvme_title
+from lightning_dos.commands.simulate import SIM_ELEMENTS, _steady_step
+from lightning_dos.model.nvme import (
+    DiskRates,
+    nvme_sub_groups,
+    tiered_plan,
+)
+from lightning_dos.model.perfmodel import HardwareRates
+from lightning_dos.model.plan import Plan
+from lightning_dos.model.update_rules import Footprint
+from lightning_dos.sim.replay import ReplayResult, replay, write_perfetto
+from lightning_dos.sim.sanitizer import StreamSanitizer
+
+
+def replay_tiered(
+    sizes: Sequence[int],
+    plan: Plan,
+    rates: HardwareRates,
+    disk: DiskRates,
+    on_nvme: Sequence[int],
+    lp_bytes: int,
+    footprint: Footprint,
+) -> tuple[ReplayResult, int]:
+    """The engine's steady-state update of ``plan`` with ``on_nvme`` (a tail of the sub-groups) on the simulated
+    drive, replayed on the node ``rates`` and ``disk`` (one rank's share) describe; and the races found."""
+    scale = max(sizes) / SIM_ELEMENTS
+    checker = StreamSanitizer()
+    first = on_nvme[0] if on_nvme else None
+    log = _steady_step(checker, sizes, plan, lp_bytes, scale, footprint, files_from=first)
+    return replay(log, rates, scale, footprint=footprint, disk=disk), len(checker.races)
+
+
+def nvme_simulation(
+    sizes: Sequence[int],
+    plan: Plan,
+    rates: HardwareRates,
+    disk: DiskRates,
+    budgets: Sequence[float],
+    ranks: int,
+    lp_bytes: int,
+    footprint: Footprint,
+    trace: Path | None = None,
+) -> dict[str, Any]:
+    """:func:`~lightning_dos.commands.nvme_rows.nvme_rows` (ours and stock predicted, per host budget, on one rank's
+    share of ``disk``) with ours replayed: ``ours_s`` and its bytes are the replay's, ``ours_predicted_s`` the
+    model's. With ``trace``, each budget's replay is written beside it as a Perfetto trace
+    (``<trace stem>-nvme-<budget><suffix>``: the drive's reads and writes in lanes of their own)."""
+    result = nvme_rows(sizes, plan, rates, disk, budgets, ranks, lp_bytes, footprint)
+    per_rank = disk.per_rank(ranks)
+    for row in result["rows"]:
+        on_nvme = nvme_sub_groups(sizes, row["host_state_bytes"], footprint)
+        run, races = replay_tiered(sizes, tiered_plan(plan, on_nvme), rates, per_rank, on_nvme, lp_bytes, footprint)
+        row_trace = None
+        if trace is not None:
+            budget = row["host_budget"]
+            row_trace = str(trace.with_name(f"{trace.stem}-nvme-{budget:g}{trace.suffix}"))
+            write_perfetto(row_trace, run, f"the update with a host budget of {budget:g} and the rest on NVMe")
+        row.update(
+            ours_predicted_s=row["ours_s"],
+            ours_predicted_read_gb=row["ours_read_gb"],
+            ours_s=run.time_s,
+            replay_over_prediction=run.time_s / row["ours_s"],
+            ours_read_gb=run.read_bytes / 1e9,
+            ours_write_gb=run.write_bytes / 1e9,
+            ours_disk_floor_s=per_rank.floor_s(run.read_bytes, run.write_bytes),
+            drive_busy_share=run.busy_share().get("drive", 0.0),
+            ours_vs_stock=row["stock_s"] / run.time_s,
+            races=races,
+            trace=row_trace,
+        )
+    return result
+
+
+def print_nvme_simulation(result: dict[str, Any], console: Any) -> None:  # noqa: ANN401 - a rich Console
+    """The replayed NVMe rows as a table that fits 80 columns."""
+    from rich.table import Table
+
+    races = sum(row["races"] for row in result["rows"])
+    table = Table(
+        title=nvme_title(result),
+        caption="ours: the engine's schedule replayed (SIMULATED), beside the model; stock: the model of "
+        f"DeepSpeed's pipelined swapper. floor: the drive's time for the bytes; {result['slots']} staging slabs; "
+        f"stream races found: {races}.",
+    )
+    for column in ("host\nbudget", "in\nfiles", "ours\ns", "model\ns", "replay/\nmodel", "x\nfloor", "stock\ns"):
+        table.add_column(column, justify="right", no_wrap=True)
+    table.add_column("ours vs\nstock", justify="right", no_wrap=True)
+    for row in result["rows"]:
+        budget = row["host_budget"]
+        floor = row["ours_disk_floor_s"]
+        table.add_row(
+            f"{budget:.0%}" if budget <= 1 else f"{budget / 1e9:.0f} GB",
+            f"{row['file_share']:.0%}",
+            f"{row['ours_s']:.2f}",
+            f"{row['ours_predicted_s']:.2f}",
+            f"{row['replay_over_prediction']:.3f}",
+            f"{row['ours_s'] / floor:.2f}" if floor else "-",
+            f"{row['stock_s']:.2f}",
+            f"{row['ours_vs_stock']:.2f}x",
+        )
+    console.print(table)
