@@ -17,7 +17,18 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.errors import DOSConfigError
 from lightning_dos.host import disk
-from tests.helpers import RandomPlacement, TinyLM, clean_env, full_parameters, loader, trainer
+from lightning_dos.integration.cpu_strategy import DeepSpeedCPUStrategy
+from lightning_dos.model.perfmodel import predict
+from tests.helpers import (
+    FP32_RTOL,
+    RandomPlacement,
+    TinyLM,
+    clean_env,
+    full_parameters,
+    loader,
+    max_relative_error,
+    trainer,
+)
 
 AIO_MISSING = disk.aio_unavailable()
 needs_aio = pytest.mark.skipif(
@@ -47,15 +58,18 @@ def _fit(  # noqa: ANN202
     precision: str = "32-true",
     steps: int = STEPS,
     overlap="off",
+    placement: bool = True,
     **kw,  # noqa: ANN001, ANN003
 ):
+    """Fit a TinyLM with the NVMe tier under ``tmp_path`` (None: all in host memory); ``placement``: a random plan
+    each step (host, streamed, resident), else the ratio scheduler's."""
     L.seed_everything(0, verbose=False)
     model, end = TinyLM(), StateAtEnd()
     nvme = {} if tmp_path is None else {"offload_optimizer_device": "nvme", "nvme_path": str(tmp_path)}
     if budget is not None:
         nvme["host_memory_budget"] = budget
     strategy = DeepOptimizerStatesStrategy(sub_group_size=SUB_GROUP, overlap=overlap, **nvme)
-    callbacks = [end, RandomPlacement(seed=3)] + kw.pop("callbacks", [])
+    callbacks = [end, *([RandomPlacement(seed=3)] if placement else []), *kw.pop("callbacks", [])]
     trainer(strategy, steps=steps, precision=precision, callbacks=callbacks, **kw).fit(model, loader())
     return model, end, strategy
 
@@ -90,6 +104,50 @@ def test_any_host_budget_gives_the_all_host_engines_bits(tmp_path: Path, precisi
 def test_a_budget_holding_everything_keeps_no_file(tmp_path: Path) -> None:
     _, end, strategy = _fit(tmp_path, "auto")  # this machine's memory holds a TinyLM's state many times over
     assert end.files is None and list(tmp_path.iterdir()) == []
+
+
+def _stock_nvme(directory: Path, precision: str) -> dict[str, torch.Tensor]:
+    """Stock ZeRO-3 NVMe offload (DeepSpeed's pipelined swapper) of the same model, optimizer and data."""
+    offload = {"device": "nvme", "nvme_path": str(directory), "pipeline_read": True, "pipeline_write": True}
+    config = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {**offload, "buffer_count": 16},
+            "sub_group_size": SUB_GROUP,
+        },
+        "zero_force_ds_cpu_optimizer": False,
+        "zero_allow_untested_optimizer": True,
+    }
+    L.seed_everything(0, verbose=False)
+    model = TinyLM()
+    trainer(DeepSpeedCPUStrategy(config=config), steps=STEPS, precision=precision).fit(model, loader())
+    return full_parameters(model)
+
+
+@needs_aio
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_ours_on_nvme_is_within_stocks_own_deviation_of_stock_nvme_offload(tmp_path: Path, precision: str) -> None:
+    """Stock's own deviation: how far stock NVMe offload's parameters are from the all-host engine's, which compute
+    torch's fused AdamW (tests/test_equivalence.py). Ours, with all of the state in files, is no further from stock
+    than that (it is the all-host engine's bits), and stock is within float tolerance of both. Under the strategy's
+    own placement (the ratio scheduler's), whose predictions count the drive measured at start-up."""
+    (tmp_path / "stock").mkdir()
+    (tmp_path / "ours").mkdir()
+    stock = _stock_nvme(tmp_path / "stock", precision)
+    reference, _, _ = _fit(None, None, precision, placement=False)
+    model, _, strategy = _fit(tmp_path / "ours", 0, precision, placement=False)
+    ours, exact = full_parameters(model), full_parameters(reference)
+    own_deviation = max_relative_error(stock, exact)
+    assert max_relative_error(ours, stock) <= own_deviation
+    assert max_relative_error(ours, exact) == 0.0
+    assert own_deviation < (FP32_RTOL if precision == "32-true" else 1e-2)
+    assert list((tmp_path / "ours").iterdir()) == []
+    # The drive was measured at start-up, and the ratio scheduler predicted each update with its reads and writes.
+    engine, scheduler = strategy.dos_engine, strategy.dos_scheduler
+    assert scheduler.drive is strategy.dos_nvme.drive is not None
+    report = engine.last_report
+    in_memory = predict(engine.sizes, report.plan, scheduler.rates, engine.lp_bytes, footprint=scheduler.footprint)
+    assert report.predicted_s > in_memory.time_s
 
 
 def _resume(checkpoint: Path, swap: Path | None) -> tuple[TinyLM, StateAtEnd]:

@@ -9,12 +9,12 @@ from typing import Any
 
 from lightning_dos.errors import DOSConfigError
 from lightning_dos.host.hostmem import HostMemory
+from lightning_dos.model.nvme import DiskRates
 
-#: Staging slabs the engine moves file-backed records through (each the size of the largest sub-group's state):
-#: one being copied, the next read ahead, the last written back, one spare for the alternating order.
-STAGING_SLOTS = 4
 #: Share of the host memory found spare that ``host_memory_budget="auto"`` gives the optimizer state.
 AUTO_SHARE = 0.9
+#: Bytes written and read back on ``nvme_path`` at start-up to measure the drive (a fraction of a second on NVMe).
+CALIBRATION_BYTES = 64 << 20
 
 
 @dataclass
@@ -28,6 +28,8 @@ class NvmeTier:
         block_size: bytes per I/O request (DeepSpeed's ``aio.block_size``).
         queue_depth: requests in flight per staging slab (``aio.queue_depth``).
         host_bytes: ``host_budget`` resolved by this fit's pre-flight (None before it).
+        drive: the drive's read and write bandwidth, measured on ``path`` by this fit's pre-flight when state goes to
+            files (None otherwise): the ratio scheduler predicts each update with it.
     """
 
     path: str
@@ -35,6 +37,7 @@ class NvmeTier:
     block_size: int = 1 << 20
     queue_depth: int = 8
     host_bytes: int | None = None
+    drive: DiskRates | None = None
 
 
 def check_host_budget(value: Any) -> None:

@@ -29,14 +29,14 @@ from lightning_dos.engine.streams import Streams
 from lightning_dos.errors import DOSConfigError
 from lightning_dos.host import quiet
 from lightning_dos.host.cores import HostPlacement
-from lightning_dos.host.disk import check_nvme_path, load_aio
+from lightning_dos.host.disk import check_nvme_path, load_aio, measure_disk
 from lightning_dos.host.host_threads import apply_host_threads
 from lightning_dos.host.hostmem import LIMIT_ENV, check_host_memory, host_memory
 from lightning_dos.host.ranks import Calibration, calibrate_together, reduce_min_over_ranks
 from lightning_dos.integration.cpu_strategy import DeepSpeedCPUStrategy
 from lightning_dos.integration.held_signals import DeliverHeldSignals
 from lightning_dos.integration.nvme_tier import (
-    STAGING_SLOTS,
+    CALIBRATION_BYTES,
     NvmeTier,
     check_host_budget,
     resolve_host_budget,
@@ -69,6 +69,7 @@ from lightning_dos.integration.zero3 import (
     ZeRO3Adapter,
     load_zero3_weights_for_evaluation,
 )
+from lightning_dos.model.nvme import STAGING_SLOTS
 from lightning_dos.model.perfmodel import HardwareRates
 from lightning_dos.model.plan import ALIGN_ELEMENTS, FractionSpec, auto_sub_group_size, coarse_share_warning
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
@@ -381,9 +382,14 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         load_aio("offload_optimizer.device='nvme'")  # libaio missing: named, with the command, before any work
         figure.items = [(what, n - (state - budget) if what == "engine slabs" else n) for what, n in figure.items]
         figure.items.append(("NVMe staging slabs", staging))
+        measured = ""
+        if budget < state:
+            # The drive as this rank sees it now (every local rank measures at start-up: each sees its share).
+            tier.drive = measure_disk(tier.path, CALIBRATION_BYTES)
+            measured = f" (measured {tier.drive.read_bps / 1e9:.2f} GB/s read, {tier.drive.write_bps / 1e9:.2f} write)"
         rank_zero_info(
             f"lightning-dos: the NVMe tier keeps {_size(budget)} of each rank's {_size(state)} of optimizer state in "
-            f"host memory and the rest in {tier.path}"
+            f"host memory and the rest in {tier.path}{measured}"
         )
 
     def setup_distributed(self) -> None:
@@ -429,6 +435,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             reduce_min=reduce_min_over_ranks(self.root_device, adapter.process_group),
             # What the plan minimises: the update alone, or the iteration it overlaps.
             overlap=adapter.overlap,
+            drive=self.dos_nvme.drive if self.dos_nvme is not None else None,
         )
         self.dos_adapter.planner = self.dos_scheduler
         plan_for_speculation(self.dos_scheduler, adapter)

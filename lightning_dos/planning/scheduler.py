@@ -35,6 +35,7 @@ import torch
 from lightning_dos.engine.loop import InterleavedUpdate
 from lightning_dos.model.auto_plan import auto_plan
 from lightning_dos.model.iteration import Speculation
+from lightning_dos.model.nvme import DiskRates, files_update
 from lightning_dos.model.overlap import OFF, check_overlap
 from lightning_dos.model.perfmodel import HardwareRates, predict
 from lightning_dos.model.plan import FractionSpec, Plan, all_host
@@ -63,6 +64,8 @@ class PlacementScheduler:
             :data:`~lightning_dos.model.overlap.MODES`: ``"off"`` (after backward, alone: the update's own best
             plan is the iteration's), ``"forward"`` (beside the next forward), ``"auto"`` (beside the next
             forward, and host sub-groups during backward).
+        drive: the NVMe drive's rates (measured at start-up) when the engine keeps sub-groups in files: each update
+            is predicted with their reads and writes (:func:`~lightning_dos.model.nvme.files_update`).
     """
 
     def __init__(
@@ -72,8 +75,10 @@ class PlacementScheduler:
         calibrate: Callable[[torch.device], HardwareRates],
         reduce_min: ReduceMin | None = None,
         overlap: str = "off",
+        drive: DiskRates | None = None,
     ) -> None:
         self.overlap = check_overlap(overlap)
+        self.drive = drive
         #: (forward, backward) seconds per iteration the plan is made for, agreed by the ranks; None until measured.
         self.phases: tuple[float, float] | None = None
         self._new_phases: tuple[float, float] | None = None
@@ -156,6 +161,12 @@ class PlacementScheduler:
             self._replan(step)
         rates = self._ensure_rates()
         engine = self.engine
+        files = getattr(engine, "files", None)
+        if files is not None and self.drive is not None:
+            # The tier's reads and writes too, through the engine's staging slabs.
+            tiered = files_update(engine.sizes, self._plan, rates, self.drive, files.indices, lp_bytes=engine.lp_bytes,
+                                  slots=len(files.swap.slabs), footprint=self.footprint)  # fmt: skip
+            return self._plan, tiered.time_s
         prediction = predict(
             engine.sizes, self._plan, rates, engine.lp_bytes, engine.lp_downloads, footprint=self.footprint
         )
