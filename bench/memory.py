@@ -29,11 +29,16 @@ DeepSpeed's fp32 master copies were freed put start-up 4 B/param above it on a G
 and ``DeepSpeedCPUAdam(fp32_optimizer_states=False)``, for both systems (stock runs that optimizer anyway).
     python bench/memory.py --n-layer 4 --n-embd 256 --steps 2 --precisions 32-true
     python bench/memory.py --simulated                       # ours on the simulated accelerator (CPU)
+    python bench/memory.py --precisions 32-true --systems stock-nvme:/nvme,nvme:0.5:/nvme,nvme:0:/nvme  # NVMe tiers
     python bench/memory.py --accelerator cuda                # on a GPU: DeepSpeed's pinned buffers, registered slabs
 
 ``--simulated`` runs ours on the simulated accelerator (``SimStreams``): the engine's GPU-side host memory (its
 16-bit staging ring), and slabs registered by a registrar that faults in every page as ``cudaHostRegister`` does.
 ``--accelerator cuda`` trains on the GPU: host memory is then only what is offloaded (and CUDA's own).
+
+``stock-nvme:DIR`` is stock ZeRO-3 NVMe offload (no pre-flight figure: DeepSpeed has none, and ours does not model
+its swapper's buffers); ``nvme:SHARE:DIR`` ours with SHARE of the fp32 Adam state in host memory and the rest in a
+swap file under DIR (its pre-flight figure counts the host part and the staging slabs).
 """
 
 from __future__ import annotations
@@ -104,7 +109,8 @@ def child(args: argparse.Namespace) -> None:
     marks: dict = {}
     _record_before_optimizer_state(marks)
 
-    strategy, ours = make_strategy(args.system, args.sub_group_size)
+    params = GPT.count_parameters(args.n_layer, args.n_embd, 256, args.seq)
+    strategy, ours = make_strategy(args.system, args.sub_group_size, 12 * params)
     shape = dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.seq, vocab_size=256)
     precision = args.precision
     L.seed_everything(0, verbose=False)
@@ -138,12 +144,13 @@ def child(args: argparse.Namespace) -> None:
     baseline = _status_bytes("VmRSS")
     trainer.fit(model, datamodule=data)
     peak = max(_status_bytes("VmHWM"), marks["peak_before"])
-    params = GPT.count_parameters(args.n_layer, args.n_embd, 256, args.seq)
     row = {"system": args.system, "precision": args.precision, "params": params, "baseline": baseline, "peak": peak}
     if ours:
         pool = strategy.dos_engine.pool
         row.update(engine_host_bytes=pool.host_bytes, pinned_bytes=marks["pinned_bytes"])
         figure = strategy.dos_host_figure
+    elif args.system.startswith("stock-nvme:"):
+        figure = None  # DeepSpeed's swapper: no pre-flight to set beside it
     else:
         # Stock has no pre-flight: the same model of DeepSpeed's buffers, its own master weights and optimizer state
         # in place of the slabs, in the dtypes the config asks for (preflight.config_footprint; Adam's two moments).
@@ -158,7 +165,7 @@ def child(args: argparse.Namespace) -> None:
             state_owner="deepspeed",
         )
     row.update(
-        preflight=figure.total,
+        preflight=None if figure is None else figure.total,
         state_held=marks["held"] - marks["before_state"],
         startup=marks["startup_peak"] - marks["before_state"],
     )
@@ -199,11 +206,16 @@ def preflight_table(rows: list[dict]) -> str:
         mine = [r for r in rows if (r["precision"], r["system"]) == (precision, system)]
         params = mine[0]["params"]
         held = [r["state_held"] / params for r in mine]
-        pre = statistics.median(r["preflight"] for r in mine) / params
         startup = statistics.median(r["startup"] for r in mine) / params
+        if mine[0]["preflight"] is None:
+            pre_text = held_ratio = startup_ratio = "n/a"
+        else:
+            pre = statistics.median(r["preflight"] for r in mine) / params
+            pre_text, held_ratio = f"{pre:.2f}", f"{statistics.median(held) / pre:.3f}"
+            startup_ratio = f"{startup / pre:.3f}"
         lines.append(
-            f"| {precision} | {system} | {pre:.2f} | {statistics.median(held):.2f} ({min(held):.2f}-{max(held):.2f}) "
-            f"| {statistics.median(held) / pre:.3f} | {startup:.2f} | {startup / pre:.3f} "
+            f"| {precision} | {system} | {pre_text} | {statistics.median(held):.2f} ({min(held):.2f}-{max(held):.2f}) "
+            f"| {held_ratio} | {startup:.2f} | {startup_ratio} "
             f"| {statistics.median(_per_param(r) for r in mine):.2f} |"
         )
     return "\n".join(lines)
@@ -286,7 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(preflight_table(rows))
     if args.max_startup_ratio is not None:
-        over = [r for r in rows if r["system"] != "stock" and r["startup"] > args.max_startup_ratio * r["preflight"]]
+        over = [
+            r
+            for r in rows
+            if r["system"] != "stock"
+            and r["preflight"] is not None
+            and r["startup"] > args.max_startup_ratio * r["preflight"]
+        ]
         for r in over:
             print(
                 f"start-up above {args.max_startup_ratio}x the pre-flight figure: {r['system']} {r['precision']} "

@@ -273,10 +273,19 @@ class FileTier:
             if not dirty:
                 self.store(index)
 
+    def write_spans(self, indices: Iterable[int]) -> None:
+        """These sub-groups' spans hold their state (start-up): write each to its record and give its pages back
+        (:meth:`settle` waits for the writes). All are marked loaded first: a span's pages shared with a neighbour
+        are given back only once the neighbour is in its file too."""
+        indices = list(indices)
+        for index in indices:
+            self.loaded[index] = True
+        for index in indices:
+            self.store(index)
+
     def store_all(self) -> None:
         """Write every file-backed sub-group's span to its record now, and wait (start-up: the spans hold the state)."""
-        for index in self.sub_groups:
-            self.loaded[index] = True
+        self.write_spans(self.sub_groups)
         self.settle()
 
     def close(self) -> None:

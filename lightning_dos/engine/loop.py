@@ -289,22 +289,28 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         return SpareSlabs.slot_bytes(max(self.sizes, default=0), self.pool.param.dtype, states, self.lp_dtype)
 
     def keep_in_files(
-        self, first: int, directory: str, rank: int, aio: object, slots: int = 4, **io: int
+        self, first: int, directory: str, rank: int, aio: object, slots: int = 4, *, write: bool = True, **io: int
     ) -> FileTier | None:
         """Keep sub-groups ``first`` onwards (the slabs' tail) in a swap file under ``directory`` between updates:
         their spans' current contents are written to it and their pages given back (the NVMe tier, see
         :mod:`lightning_dos.engine.file_tier`). Call before the slabs are registered (:meth:`BufferPool.register_host`):
         those spans are never pinned. ``aio`` is DeepSpeed's async I/O op; ``slots`` staging slabs move the records;
         ``io`` is passed to :class:`~lightning_dos.engine.swap_files.SwapFile` (``block_size``, ``queue_depth``).
+        ``write=False``: the spans do not hold the state yet; the caller writes each one as it fills it
+        (:meth:`FileTier.write_spans`, then :meth:`FileTier.settle`), so that start-up never holds all of it at once.
         Return the tier (None when ``first`` leaves nothing to keep in files)."""
 
         def open_swap(records: list[int], master: torch.dtype, state: torch.dtype, states: int) -> SwapFile:
             return SwapFile(directory, rank, records, master, state, states, slots, aio, **io)
 
-        return self.keep_records_in(first, open_swap)
+        return self.keep_records_in(first, open_swap, write=write)
 
     def keep_records_in(
-        self, first: int, open_swap: Callable[[list[int], torch.dtype, torch.dtype, int], SwapFile]
+        self,
+        first: int,
+        open_swap: Callable[[list[int], torch.dtype, torch.dtype, int], SwapFile],
+        *,
+        write: bool = True,
     ) -> FileTier | None:
         """:meth:`keep_in_files` with the swap file made by ``open_swap(records, master_dtype, state_dtype,
         states)`` (the simulated drive's, :class:`~lightning_dos.sim.simdrive.SimSwapFile`, on the simulator)."""
@@ -318,7 +324,8 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         swap = open_swap([sg.numel for sg in tail], self.pool.param.dtype, self.pool.state_dtype, len(self.rule.states))
         self.pool.file_backed_from = tail[0].slab_offset
         self.files = FileTier(swap, tail, self._span, self.pool.give_back)
-        self.files.store_all()
+        if write:
+            self.files.store_all()
         return self.files
 
     def first_file_backed(self, host_budget: int) -> int:

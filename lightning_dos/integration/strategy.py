@@ -382,6 +382,12 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         load_aio("offload_optimizer.device='nvme'")  # libaio missing: named, with the command, before any work
         figure.items = [(what, n - (state - budget) if what == "engine slabs" else n) for what, n in figure.items]
         figure.items.append(("NVMe staging slabs", staging))
+        # DeepSpeed builds its fp32 master partitions before the engine adopts them: those of the state bound for the
+        # file are held until each partition is adopted and written there, at start-up (its peak).
+        in_files_elements = (state - budget) // footprint.optimizer_state
+        figure.items.append(
+            ("DeepSpeed masters of the NVMe part, until start-up ends", footprint.master * in_files_elements)
+        )
         measured = ""
         if budget < state:
             # The drive as this rank sees it now (every local rank measures at start-up: each sees its share).

@@ -13,6 +13,7 @@ import torch
 
 from lightning_dos.engine.arrivals import GradientArrivals
 from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, TornStateError, UpdateInFlightError, UpdateInterrupted
+from lightning_dos.engine.file_tier import FileTier
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
 from lightning_dos.engine.recovery import take_on_host
 from lightning_dos.engine.streams import Streams
@@ -116,16 +117,21 @@ class ZeRO3Adapter(ForwardGathers, BackwardHooks, StateAccess):
             # DeepSpeed has the boundary copy to watch (0.19.5 to 0.19.8 do).
             keep_resident_grads=hasattr(z, "_offload_grad_partition_at_boundary"),
         )
+        files = self._open_files(nvme, rank) if nvme is not None else None
         freed = 0
         for i in range(len(self.flats)):
             freed += self._adopt_master(i)
+            if files is not None:  # the NVMe tier: the partition's whole state, then its file-backed part to the file
+                self._adopt_state(i)
+                files.write_spans(sg.index for sg in self.engine.sub_groups if sg.ds_group == i and sg.index in files)
+                freed = TRIM_EVERY_BYTES  # its moments and file-backed pages are freed too
             if freed >= TRIM_EVERY_BYTES:  # keep the copy-then-free transient to about this much
                 return_freed_memory()
                 freed = 0
+        if files is not None:
+            files.settle()
         # DeepSpeed's replaced partitions (and its start-up temporaries) leave the resident set now.
         return_freed_memory()
-        if nvme is not None:
-            self._keep_in_files(nvme, rank)
         # Registering faults in and pins every page of the slabs: done before, beside DeepSpeed's fp32 master
         # partitions, it made start-up 4 B/param above the pre-flight figure (issue 32, point 5).
         if pin:
@@ -171,19 +177,18 @@ class ZeRO3Adapter(ForwardGathers, BackwardHooks, StateAccess):
             self._watch_gradients(z)
         self._mark_backward_ends(z)
 
-    def _keep_in_files(self, nvme: NvmeTier, rank: int) -> None:
-        """Move the sub-groups past the host budget to the rank's swap file (the NVMe tier), before the slabs are
-        registered: their state (the moments made views of the slabs first) goes to the file, their pages back."""
-        for i in range(len(self.flats)):
-            self._adopt_state(i)
+    def _open_files(self, nvme: NvmeTier, rank: int) -> FileTier | None:
+        """Open the rank's swap file for the sub-groups past the host budget (the NVMe tier), before any state is
+        adopted: each partition's file-backed sub-groups are written to it as soon as their state is in the slabs
+        (master weights and moments adopted), and their pages given back, so that start-up holds no more than a
+        partition of the state beyond the host budget."""
         # "auto" is resolved by the strategy's pre-flight; unresolved (an adapter built by hand), nothing goes to files.
         budget = nvme.host_bytes if nvme.host_bytes is not None else nvme.host_budget
         first = self.engine.first_file_backed(budget) if isinstance(budget, int) else len(self.engine.sub_groups)
-        self.engine.keep_in_files(
-            first, nvme.path, rank, load_aio(), slots=STAGING_SLOTS, block_size=nvme.block_size,
+        return self.engine.keep_in_files(
+            first, nvme.path, rank, load_aio(), slots=STAGING_SLOTS, write=False, block_size=nvme.block_size,
             queue_depth=nvme.queue_depth,
         )  # fmt: skip
-        return_freed_memory()
 
     # -- overlapping the update with the next forward ---------------------------------------------
 
