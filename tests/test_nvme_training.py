@@ -251,3 +251,25 @@ def test_two_ranks_keep_one_swap_file_each_and_train_as_in_host_memory(tmp_path:
     got, want = torch.load(tmp_path / "nvme.pt"), torch.load(tmp_path / "cpu.pt")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert list(swap.iterdir()) == []
+
+
+@needs_aio
+def test_the_trace_has_the_drives_requests_in_lanes_of_their_own(tmp_path: Path) -> None:
+    """Under the defaults (bf16-mixed, overlap="auto"), all of the state in files: the traced step's timeline has each
+    staging slab's reads and writes (issue to the host's wait) in lanes of their own, none overlapping within one, and
+    the trace writer has nothing to clip."""
+    from lightning_dos import DOSMonitor
+    from lightning_dos.integration.trace import lane_overlaps
+
+    (tmp_path / "swap").mkdir()
+    monitor = DOSMonitor(trace_dir=tmp_path / "trace", trace_steps=(3,), summary=False)
+    _fit(tmp_path / "swap", 0, "bf16-mixed", overlap="auto", placement=False, callbacks=[monitor])
+    trace = json.loads(monitor.trace_path.read_text())
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    lanes = {names[e["tid"]] for e in spans}
+    assert {lane for lane in lanes if lane.startswith("nvme read, slab ")}, lanes
+    assert {lane for lane in lanes if lane.startswith("nvme write, slab ")}, lanes
+    assert lane_overlaps(trace) == [] and trace["otherData"]["clipped_spans"] == 0
+    drive = [e for e in spans if names[e["tid"]].startswith("nvme ")]
+    assert all(e["dur"] >= 0 and e["args"]["bytes"] > 0 for e in drive), drive[:3]

@@ -32,16 +32,11 @@ import json
 import math
 import sys
 import textwrap
-from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from lightning_dos.engine.kernels import Hyper
-from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
 from lightning_dos.model.auto_plan import auto_plan
 from lightning_dos.model.iteration import (
     Speculation,
@@ -49,8 +44,7 @@ from lightning_dos.model.iteration import (
     iteration_s,
     predicted_timeline,
 )
-from lightning_dos.model.nvme import STAGING_SLOTS
-from lightning_dos.model.overlap import AUTO, FORWARD, MODES, begins_in_backward, overlaps_forward
+from lightning_dos.model.overlap import AUTO, FORWARD, MODES
 from lightning_dos.model.perfmodel import (
     HardwareRates,
     Prediction,
@@ -59,14 +53,17 @@ from lightning_dos.model.perfmodel import (
 )
 from lightning_dos.model.plan import Place, Plan, parse_gpu_fraction, split_into_sub_groups
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
+from lightning_dos.sim.logged_step import (
+    SIM_ELEMENTS,
+    copy_bytes,
+    engine_log,
+    rescale_copies,
+    sizes_at_test_scale,
+    steady_step,
+)
 from lightning_dos.sim.replay import ReplayResult, replay, write_perfetto
-from lightning_dos.sim.sanitizer import LoggedOp, StreamSanitizer
+from lightning_dos.sim.sanitizer import LoggedOp
 from lightning_dos.sim.timed_iteration import TimedIteration
-
-#: Bytes per element of the master weights and states, and their dtypes.
-DTYPES = {4: torch.float32, 2: torch.bfloat16}
-#: Elements per sub-group in the test-sized run that is logged (the replay scales it to the real size).
-SIM_ELEMENTS = 64
 
 
 @dataclass
@@ -95,132 +92,6 @@ class Simulation:
         return self.replayed.time_s / self.predicted.time_s
 
 
-def copy_bytes(plan: Plan, sizes: Sequence[int], footprint: Footprint, lp_bytes: int, lp_downloads: bool) -> dict:
-    """Bytes the engine copies per ``(sub-group, lane)`` in a steady-state step of ``plan`` for ``footprint``, for the
-    copies whose bytes depend on the optimizer: a streamed sub-group's upload (master weights, states, gradient)
-    and download (master weights and states, and its 16-bit result when ``lp_downloads``), a resident one's
-    upload (its gradient, unless ``footprint`` keeps it on the device)."""
-    expected = {}
-    for i in plan.streamed_indices:
-        expected[i, "upload"] = footprint.streamed_up * sizes[i]
-        expected[i, "download"] = (footprint.streamed_down + (lp_bytes if lp_downloads else 0)) * sizes[i]
-    for i in plan.resident_indices:
-        expected[i, "upload"] = footprint.resident_up * sizes[i]
-    return expected
-
-
-def rescale_copies(log: Sequence[LoggedOp], expected: dict) -> tuple[list[LoggedOp], dict]:
-    """``log`` with the copies of each ``(sub-group, lane)`` in ``expected`` scaled to carry those bytes in all,
-    and the factor applied to each (1.0 where the engine already moved them).
-
-    Copies of one lane run one after another on one copy engine, so only their sum shapes the replay: scaling
-    each in proportion keeps the engine's order, waits and overlap and gives every transfer its real size.
-    That is how an engine that runs one rule and dtype is replayed as another (the figures are then the
-    schedule of the engine as it is, with the other's bytes)."""
-    logged: dict = defaultdict(int)
-    for entry in log:
-        if entry.kind == "op" and (entry.sub_group, entry.lane) in expected:
-            logged[entry.sub_group, entry.lane] += entry.nbytes
-    factors = {key: expected[key] / logged[key] for key in expected if logged.get(key)}
-    done: dict = defaultdict(int)  # logged bytes of each group seen so far
-    out = []
-    for entry in log:
-        key = (entry.sub_group, entry.lane)
-        if entry.kind != "op" or key not in factors:
-            out.append(entry)
-            continue
-        # Rounded on the running sum, so that the group's copies add up to exactly the expected bytes.
-        before = round(done[key] * factors[key])
-        done[key] += entry.nbytes
-        out.append(replace(entry, nbytes=round(done[key] * factors[key]) - before))
-    return out, factors
-
-
-def engine_log(
-    sizes: Sequence[int],
-    plan: Plan,
-    lp_bytes: int,
-    sim_elements: int = SIM_ELEMENTS,
-    *,
-    footprint: Footprint = ADAM_FP32,
-) -> tuple[list, float, int]:
-    """Run ``plan`` at test size under the checker; return the log of a steady-state step, the scale from
-    test size to ``sizes``, and the number of races found.
-
-    ``footprint``: the optimizer's rule and dtypes. The engine built here runs its own (Adam in fp32 until it
-    takes a rule; then it is given this one); the optimizer-dependent copies are scaled to ``footprint``'s
-    bytes (:func:`rescale_copies`: a factor of 1 when the engine ran it)."""
-    scale = max(sizes) / sim_elements
-    checker = StreamSanitizer()
-    log = _steady_step(checker, sizes, plan, lp_bytes, scale, footprint)
-    return log, scale, len(checker.races)
-
-
-def _test_sizes(sizes: Sequence[int], scale: float) -> list[int]:
-    """The logged engine's sub-group sizes: ``sizes`` divided by ``scale``."""
-    return [max(1, round(n / scale)) for n in sizes]
-
-
-def _steady_step(
-    checker: StreamSanitizer,
-    sizes: Sequence[int],
-    plan: Plan,
-    lp_bytes: int,
-    scale: float,
-    footprint: Footprint,
-    overlap: str = "off",
-    clipped: bool | None = None,
-    files_from: int | None = None,
-) -> list[LoggedOp]:
-    """Build an engine of ``sizes / scale`` elements per sub-group on ``checker``'s streams, watched by it as
-    ``overlap`` runs (:meth:`~lightning_dos.sim.sanitizer.StreamSanitizer.watch`), step it twice with ``plan`` and
-    return the log of the second step (the steady state: the first brings resident state up), its copies rescaled
-    to ``footprint``'s bytes. The engine keeps its 16-bit parameters on the (simulated) device. ``clipped`` (under
-    ``auto``): the updates begun during backward are speculative, and each step turns out clipped (True: they are
-    redone) or not (False: committed). ``files_from``: sub-groups from this one on keep their state on the
-    simulated drive (:class:`~lightning_dos.sim.simdrive.SimSwapFile`, 4 staging slabs, as the strategy runs the
-    NVMe tier); the engine then steps three times and the third is logged: it takes the file-backed sub-groups
-    backwards after a step that took them forwards (the alternating order's steady state)."""
-    small = _test_sizes(sizes, scale)
-    engine = InterleavedUpdate(
-        small,
-        [0] * len(small),
-        max(small),
-        torch.device("cpu"),
-        torch.bfloat16 if lp_bytes == 2 else torch.float32,
-        streams=checker.streams(),
-        rule=footprint.rule,
-        master_dtype=DTYPES[footprint.master],
-        state_dtype=DTYPES[footprint.state],
-        keep_resident_grads=footprint.grads_on_device,
-    )
-    if files_from is not None:
-        from lightning_dos.sim.simdrive import SimSwapFile
-
-        def open_swap(records: list[int], master: torch.dtype, state: torch.dtype, states: int) -> SimSwapFile:
-            return SimSwapFile(checker, files_from, records, master, state, states, slots=STAGING_SLOTS)
-
-        engine.keep_records_in(files_from, open_swap)
-    early = begins_in_backward(overlap)
-    checker.watch(engine, overlap=overlaps_forward(overlap), early=early, clipped=clipped if early else None)
-    speculative = early and clipped is not None
-    if speculative:  # one spare slot per sub-group, as speculation_memory="auto" gives where host memory allows
-        engine.reserve_speculation(len(small))
-    hyper = [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)]
-    grads = [torch.zeros(n, dtype=DTYPES[footprint.master]) for n in small]
-    lp = [torch.zeros(n, dtype=engine.lp_dtype) for n in small]
-    # The first step brings resident state up; the last is the steady state replayed.
-    for step in (1, 2) if files_from is None else (1, 2, 3):
-        if footprint.grads_on_device:  # backward's copies on the device, before the update's log begins
-            for flat, grad in enumerate(grads):
-                engine.keep_gradient(flat, 0, grad)
-        checker.log.clear()
-        inputs = StepInputs(grads, lp, hyper * len(small), [step] * len(small), speculative=speculative)
-        engine.step(plan, inputs)
-    assert not engine.lp_downloads and engine.lp_bytes == lp_bytes
-    return rescale_copies(checker.log, copy_bytes(plan, small, footprint, lp_bytes, lp_downloads=False))[0]
-
-
 def replay_iteration(
     sizes: Sequence[int],
     plan: Plan,
@@ -239,14 +110,14 @@ def replay_iteration(
     (:class:`~lightning_dos.sim.timed_iteration.TimedIteration`); return the replay, its time from the start of
     backward to the end of the next forward and the update, and the races found."""
     scale = max(sizes) / SIM_ELEMENTS
-    expected = copy_bytes(plan, _test_sizes(sizes, scale), footprint, lp_bytes, lp_downloads=False)
+    expected = copy_bytes(plan, sizes_at_test_scale(sizes, scale), footprint, lp_bytes, lp_downloads=False)
 
     def replayed(log: list[LoggedOp]) -> ReplayResult:
         return replay(rescale_copies(log, expected)[0], rates, scale, footprint=footprint)
 
     host = {i for i, place in enumerate(plan.places) if place == Place.HOST}
     checker = TimedIteration(sizes, scale, forward_s, backward_s, lp_bytes, host, replayed)
-    log = _steady_step(checker, sizes, plan, lp_bytes, scale, footprint, overlap=mode, clipped=clipped)
+    log = steady_step(checker, sizes, plan, lp_bytes, scale, footprint, overlap=mode, clipped=clipped)
     return replay(log, rates, scale, footprint=footprint), len(checker.races)
 
 

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dos.commands.nvme_rows import nvme_rows, nvme_title
-from lightning_dos.commands.simulate import SIM_ELEMENTS, _steady_step
 from lightning_dos.model.nvme import (
     DiskRates,
     nvme_sub_groups,
@@ -26,6 +25,7 @@ from lightning_dos.model.nvme import (
 from lightning_dos.model.perfmodel import HardwareRates
 from lightning_dos.model.plan import Plan
 from lightning_dos.model.update_rules import Footprint
+from lightning_dos.sim.logged_step import SIM_ELEMENTS, steady_step
 from lightning_dos.sim.replay import ReplayResult, replay, write_perfetto
 from lightning_dos.sim.sanitizer import StreamSanitizer
 
@@ -44,7 +44,7 @@ def replay_tiered(
     scale = max(sizes) / SIM_ELEMENTS
     checker = StreamSanitizer()
     first = on_nvme[0] if on_nvme else None
-    log = _steady_step(checker, sizes, plan, lp_bytes, scale, footprint, files_from=first)
+    log = steady_step(checker, sizes, plan, lp_bytes, scale, footprint, files_from=first)
     return replay(log, rates, scale, footprint=footprint, disk=disk), len(checker.races)
 
 

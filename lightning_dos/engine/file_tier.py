@@ -25,6 +25,7 @@ a race.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -72,6 +73,11 @@ class FileTier:
         self.read_bytes = self.written_bytes = self.reads_skipped = 0
         #: Host bytes of the staging slabs (page-locked by DeepSpeed's op).
         self.staging_bytes = sum(slab.numel() * slab.element_size() for slab in swap.slabs)
+        #: Told of each request once the host has waited for it: ``(lane, sub-group, issued, seen done, bytes)``, times
+        #: on ``time.perf_counter``'s clock; the lane names the direction and the slab (``nvme read, slab 0``), so a
+        #: lane's requests never overlap. "Seen done" is when the wait returned: aio tells no earlier.
+        self.on_request: Callable[[str, int, float, float, int], None] | None = None
+        self._issued: list[tuple[str, int, float, int] | None] = [None] * slots
 
     def _give_back_span(self, sg: SubGroup) -> None:
         """Give back the pages of ``sg``'s span, and the pages it shares with a neighbour that is file-backed and not
@@ -128,6 +134,23 @@ class FileTier:
         if self._busy[slot] in ("read", "write"):
             self.swap.wait(slot)
             self._busy[slot] = None
+            issued, self._issued[slot] = self._issued[slot], None
+            if issued is not None and self.on_request is not None:
+                kind, index, start, nbytes = issued
+                self.on_request(f"nvme {kind}, slab {slot}", index, start, time.perf_counter(), nbytes)
+
+    def _issue(self, slot: int, kind: str, index: int) -> None:
+        """Start reading (``kind`` "read") or writing back sub-group ``index``'s record through ``slot``."""
+        nbytes = self.swap.record_bytes(self.sub_groups[index].numel)
+        if kind == "read":
+            self.swap.read(slot, self._record[index])
+            self.read_bytes += nbytes
+        else:
+            self.swap.write(slot, self._record[index])
+            self.written_bytes += nbytes
+        self._issued[slot] = (kind, index, time.perf_counter(), nbytes)
+        self._busy[slot] = kind
+        self._touch(slot)
 
     def _take(self, slot: int) -> None:
         """Empty ``slot`` for a new record (its request, if any, finished)."""
@@ -137,10 +160,8 @@ class FileTier:
     def _start_read(self, slot: int, index: int) -> None:
         """Start reading sub-group ``index``'s record into ``slot`` (emptied first)."""
         self._take(slot)
-        self.swap.read(slot, self._record[index])
-        self.read_bytes += self.swap.record_bytes(self.sub_groups[index].numel)
-        self._holds[slot], self._busy[slot] = index, "read"
-        self._touch(slot)
+        self._holds[slot] = index
+        self._issue(slot, "read", index)
 
     # -- the update's order ---------------------------------------------------------------------------
 
@@ -218,10 +239,7 @@ class FileTier:
         if slot is not None:  # updated in its slab: written back from there, the span never touched
             self._busy[slot] = None
             if dirty:
-                self.swap.write(slot, self._record[index])
-                self.written_bytes += self.swap.record_bytes(sg.numel)
-                self._busy[slot] = "write"
-                self._touch(slot)
+                self._issue(slot, "write", index)
             self._read_ahead()
             return
         if dirty:
@@ -235,10 +253,8 @@ class FileTier:
             master.copy_(param)
             for into, home in zip(states, home_states, strict=True):
                 into.copy_(home)
-            self.swap.write(slot, self._record[index])
-            self.written_bytes += self.swap.record_bytes(sg.numel)
-            self._holds[slot], self._busy[slot] = index, "write"
-            self._touch(slot)
+            self._holds[slot] = index
+            self._issue(slot, "write", index)
         self._give_back_span(sg)
         self._read_ahead()
 

@@ -324,6 +324,7 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         swap = open_swap([sg.numel for sg in tail], self.pool.param.dtype, self.pool.state_dtype, len(self.rule.states))
         self.pool.file_backed_from = tail[0].slab_offset
         self.files = FileTier(swap, tail, self._span, self.pool.give_back)
+        self.files.on_request = self.streams.host_span  # the drive's requests in the step's timeline
         if write:
             self.files.store_all()
         return self.files

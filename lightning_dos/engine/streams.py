@@ -93,6 +93,11 @@ class Streams:
             yield
             timeline.add(lane, sub_group, start, timeline.mark(stream), nbytes)
 
+    def host_span(self, lane: str, sub_group: int, start: float, end: float, nbytes: int) -> None:
+        """Record a span of ``lane`` the host timed itself, ``start`` and ``end`` on ``time.perf_counter``'s clock
+        (the NVMe tier's requests, from issue to the host's wait): kept only while this step is timed."""
+        self._timeline.add(lane, sub_group, start, end, nbytes)
+
     def spans(self) -> list[Span]:
         """The spans of the step's timeline; call after the step's final wait, so no event is pending."""
         return self._timeline.resolve()
