@@ -273,3 +273,25 @@ def test_the_trace_has_the_drives_requests_in_lanes_of_their_own(tmp_path: Path)
     assert lane_overlaps(trace) == [] and trace["otherData"]["clipped_spans"] == 0
     drive = [e for e in spans if names[e["tid"]].startswith("nvme ")]
     assert all(e["dur"] >= 0 and e["args"]["bytes"] > 0 for e in drive), drive[:3]
+
+
+def test_auto_keeps_what_fits_with_start_ups_masters_of_the_rest_counted() -> None:
+    """``host_memory_budget="auto"``: the state kept in host memory, the other buffers, and DeepSpeed's master
+    partitions of the part bound for the file (a third of Adam's fp32 state, held at start-up) fit 90% of what each
+    rank has; a budget asked for is taken as it is."""
+    from lightning_dos.host.hostmem import HostMemory
+    from lightning_dos.integration.nvme_tier import AUTO_SHARE, NvmeTier, resolve_host_budget
+
+    state, other, share = 1200, 100, 1 / 3
+    for headroom in (500, 800, 1000, 1400):
+        memory = HostMemory(headroom=2 * headroom, limit=2 * headroom, in_use=0, source="test")
+        kept = resolve_host_budget(NvmeTier("/x", "auto"), state, other, memory, 2, share)
+        at_start_up = other + kept + share * (state - kept)
+        assert 0 <= kept <= state
+        if 0 < kept < state:
+            spare = headroom - other - share * state
+            assert at_start_up == pytest.approx(other + share * state + AUTO_SHARE * spare, abs=1)
+        assert at_start_up <= headroom or kept == 0  # none kept: the pre-flight refuses what start-up cannot hold
+    memory = HostMemory(headroom=10**6, limit=10**6, in_use=0, source="test")
+    assert resolve_host_budget(NvmeTier("/x", "auto"), state, other, memory, 1, share) == state
+    assert resolve_host_budget(NvmeTier("/x", 300), state, other, memory, 1, share) == 300

@@ -79,15 +79,22 @@ def take_nvme_tier(config: dict[str, Any], host_budget: int | str) -> NvmeTier |
 
 
 def resolve_host_budget(
-    tier: NvmeTier, state_bytes: int, other_bytes: int, memory: HostMemory | None, ranks: int
+    tier: NvmeTier,
+    state_bytes: int,
+    other_bytes: int,
+    memory: HostMemory | None,
+    ranks: int,
+    startup_share: float = 0.0,
 ) -> int:
     """Bytes of this rank's ``state_bytes`` of master weights and optimizer state kept in host memory: the budget
     asked for, or under ``"auto"`` a share (:data:`AUTO_SHARE`) of what the host limit leaves each of the node's
-    ``ranks`` once their ``other_bytes`` (gradient buffers, staging, the 16-bit ring) are counted; never more than
-    the state. No readable limit: all of it."""
+    ``ranks`` once their ``other_bytes`` (gradient buffers, staging, the 16-bit ring) are counted, and, of the state
+    bound for the file, the ``startup_share`` start-up holds until it is written there (DeepSpeed's fp32 master
+    partitions: 1/3 of Adam's fp32 state); never more than the state. No readable limit: all of it."""
     if tier.host_budget != "auto":
         return min(int(tier.host_budget), state_bytes)
     if memory is None:
         return state_bytes
-    spare = memory.headroom // max(1, ranks) - other_bytes
-    return max(0, min(state_bytes, int(spare * AUTO_SHARE)))
+    # other + b + startup_share * (state - b) must fit what each rank has: solved for b.
+    spare = memory.headroom // max(1, ranks) - other_bytes - startup_share * state_bytes
+    return max(0, min(state_bytes, int(spare * AUTO_SHARE / (1.0 - startup_share))))

@@ -373,8 +373,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         size = self.engine_sub_group_size
         largest = min(per_rank, auto_sub_group_size(per_rank) if size == "auto" else int(size)) + ALIGN_ELEMENTS
         staging = STAGING_SLOTS * footprint.optimizer_state * largest
+        startup_share = footprint.master / footprint.optimizer_state  # DeepSpeed's masters of the part in files
         budget = tier.host_bytes = resolve_host_budget(
-            tier, state, figure.total - state + staging, host_memory(), local_ranks
+            tier, state, figure.total - state + staging, host_memory(), local_ranks, startup_share
         )
         # Records are padded to 4096 bytes per tensor: a page per tensor per sub-group at most, counted generously.
         in_files = state - budget + 4096 * (1 + len(footprint.rule.states)) * max(1, -(-per_rank // largest) + 1)
@@ -382,14 +383,12 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         load_aio("offload_optimizer.device='nvme'")  # libaio missing: named, with the command, before any work
         figure.items = [(what, n - (state - budget) if what == "engine slabs" else n) for what, n in figure.items]
         figure.items.append(("NVMe staging slabs", staging))
-        # DeepSpeed builds its fp32 master partitions before the engine adopts them: those of the state bound for the
-        # file are held until each partition is adopted and written there, at start-up (its peak).
-        in_files_elements = (state - budget) // footprint.optimizer_state
-        figure.items.append(
-            ("DeepSpeed masters of the NVMe part, until start-up ends", footprint.master * in_files_elements)
-        )
         measured = ""
         if budget < state:
+            # DeepSpeed builds its fp32 master partitions before the engine adopts them: those of the state bound for
+            # the file are held until each partition is adopted and written there, at start-up (its peak).
+            masters = footprint.master * ((state - budget) // footprint.optimizer_state)
+            figure.items.append(("DeepSpeed masters of the NVMe part, until start-up ends", masters))
             # The drive as this rank sees it now (every local rank measures at start-up: each sees its share).
             tier.drive = measure_disk(tier.path, CALIBRATION_BYTES)
             measured = f" (measured {tier.drive.read_bps / 1e9:.2f} GB/s read, {tier.drive.write_bps / 1e9:.2f} write)"
