@@ -11,11 +11,13 @@ import pytest
 from lightning_dos.commands.main import main
 from lightning_dos.commands.simulate import copy_bytes, engine_log, rescale_copies, simulate, sub_group_sizes
 from lightning_dos.model.auto_plan import auto_plan
+from lightning_dos.model.nvme import DiskRates
 from lightning_dos.model.perfmodel import HardwareRates
 from lightning_dos.model.plan import Place, Plan
 from lightning_dos.model.plan_search import choose_plan
 from lightning_dos.model.update_rules import ADAGRAD, ADAM, ADAM_FP32, LION, Footprint
 from lightning_dos.planning.profiles import load_profile
+from lightning_dos.sim.findings import DRIVE
 from lightning_dos.sim.replay import replay
 from lightning_dos.sim.sanitizer import HOST, LoggedOp
 from lightning_dos.sim.simstreams import D2H, H2D
@@ -31,6 +33,26 @@ def test_replay_uses_solo_rates_alone_and_duplex_rates_together() -> None:
     )
     assert both.time_s == pytest.approx(1e-3)  # 25 MB at 25 GB/s beside 20 MB at 20 GB/s
     assert both.h2d_bytes == 25_000_000 and both.d2h_bytes == 20_000_000
+
+
+def test_replay_runs_the_drives_requests_one_at_a_time_at_its_rates_and_blocks_the_host_on_their_waits() -> None:
+    log = [
+        LoggedOp("op", DRIVE, "nvme_read", nbytes=1_000_000_000),  # 0.5 s at 2 GB/s
+        LoggedOp("record", DRIVE, event=1),
+        LoggedOp("op", DRIVE, "nvme_write", nbytes=1_000_000_000),  # 1 s at 1 GB/s, after the read: one queue
+        LoggedOp("record", DRIVE, event=2),
+        LoggedOp("host_wait", event=1),
+        LoggedOp("op", HOST, "host_adam", elements=1_000_000),  # 1 ms, once the read landed
+        LoggedOp("host_wait", event=2),
+    ]
+    result = replay(log, RATES, disk=DiskRates(2e9, 1e9))
+    assert result.time_s == pytest.approx(1.5)
+    assert (result.read_bytes, result.write_bytes) == (1e9, 1e9)
+    assert result.busy_s["drive"] == pytest.approx(1.5) and result.busy_s["host"] == pytest.approx(1e-3)
+    host = next(span for span in result.spans if span.lane == "host_adam")
+    assert host.start_s == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="drive"):
+        replay(log, RATES)
 
 
 def test_replay_orders_work_by_waits_and_blocks_the_host_on_host_waits() -> None:
