@@ -66,14 +66,7 @@ class SwapFile:
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
-        self.master_dtype, self.state_dtype, self.states = master_dtype, state_dtype, states
-        self.numels = list(records)
-        self.offsets: list[int] = []
-        offset = 0
-        for numel in self.numels:
-            self.offsets.append(offset)
-            offset += self.record_bytes(numel)
-        self.nbytes = offset
+        self._lay_out(records, master_dtype, state_dtype, states)
         self.path = Path(directory) / f"lightning-dos-rank{rank}.swap"
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -99,6 +92,19 @@ class SwapFile:
         except BaseException:
             self.close()  # no file, lock or page-locked memory left behind by a half-made swap file
             raise
+
+    def _lay_out(
+        self, records: Sequence[int], master_dtype: torch.dtype, state_dtype: torch.dtype, states: int
+    ) -> None:
+        """Place the records back to back: ``numels``, ``offsets`` and the file's ``nbytes``."""
+        self.master_dtype, self.state_dtype, self.states = master_dtype, state_dtype, states
+        self.numels = list(records)
+        self.offsets: list[int] = []
+        offset = 0
+        for numel in self.numels:
+            self.offsets.append(offset)
+            offset += self.record_bytes(numel)
+        self.nbytes = offset
 
     def _part_bytes(self, nbytes: int) -> int:
         """Bytes one part of a record (master weights, or one state tensor) of ``nbytes`` takes, padding included."""

@@ -54,14 +54,7 @@ class SimSwapFile(SwapFile):
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
         self.checker, self.first = checker, first
-        self.master_dtype, self.state_dtype, self.states = master_dtype, state_dtype, states
-        self.numels = list(records)
-        self.offsets = []
-        offset = 0
-        for numel in self.numels:
-            self.offsets.append(offset)
-            offset += self.record_bytes(numel)
-        self.nbytes = offset
+        self._lay_out(records, master_dtype, state_dtype, states)
         self.path = Path("<simulated drive>")
         self._records = numpy.zeros(self.nbytes, dtype=numpy.uint8)
         slab_bytes = max((self.record_bytes(n) for n in self.numels), default=1)

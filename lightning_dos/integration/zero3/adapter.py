@@ -124,8 +124,8 @@ class ZeRO3Adapter(ForwardGathers, BackwardHooks, StateAccess):
             if files is not None:  # the NVMe tier: the partition's whole state, then its file-backed part to the file
                 self._adopt_state(i)
                 files.write_spans(sg.index for sg in self.engine.sub_groups if sg.ds_group == i and sg.index in files)
-                freed = TRIM_EVERY_BYTES  # its moments and file-backed pages are freed too
-            if freed >= TRIM_EVERY_BYTES:  # keep the copy-then-free transient to about this much
+            # Keep the copy-then-free transient to about this much; with the tier, to one partition's state.
+            if files is not None or freed >= TRIM_EVERY_BYTES:
                 return_freed_memory()
                 freed = 0
         if files is not None:
