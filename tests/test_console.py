@@ -109,11 +109,13 @@ def test_help_at_80_columns_in_a_pipe(command: str) -> None:
 
 def test_simulate_at_80_columns_in_a_pipe(tmp_path: Path) -> None:
     trace = tmp_path / "sim.json"
-    done = _run_at_80("simulate", "--params", "20e9", "--profile", "paper-h100x4", "--trace", str(trace))
+    nvme = ("--nvme-read-gbs", "25", "--nvme-write-gbs", "10")  # and the NVMe tier's table
+    done = _run_at_80("simulate", "--params", "20e9", "--profile", "paper-h100x4", "--trace", str(trace), *nvme)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _too_wide(done.stdout) == [], done.stdout
     assert "…" not in done.stdout, done.stdout
     assert "SIMULATED (not measured)" in done.stdout and "stream races found" in done.stdout
+    assert "NVMe tier" in done.stdout and "replay/" in done.stdout
     assert trace.exists()
 
 

@@ -295,3 +295,33 @@ def test_auto_keeps_what_fits_with_start_ups_masters_of_the_rest_counted() -> No
     memory = HostMemory(headroom=10**6, limit=10**6, in_use=0, source="test")
     assert resolve_host_budget(NvmeTier("/x", "auto"), state, other, memory, 1, share) == state
     assert resolve_host_budget(NvmeTier("/x", 300), state, other, memory, 1, share) == 300
+
+
+@needs_aio
+def test_the_console_of_a_run_on_nvme_under_the_defaults(tmp_path: Path) -> None:
+    """bf16-mixed, overlap="auto", gradient clipping, all of the state on NVMe, in a process of its own (DeepSpeed's
+    notice about SSD wear is logged once per process): the tier's line with the drive measured at start-up, that
+    notice once (true for a run that writes its state to the drive every step), and no other warning."""
+    script = f"""
+import lightning as L
+from lightning_dos import DeepOptimizerStatesStrategy
+from tests.helpers import TinyLM, loader, trainer
+L.seed_everything(0, verbose=False)
+nvme = dict(offload_optimizer_device="nvme", nvme_path={str(tmp_path)!r}, host_memory_budget=0)
+strategy = DeepOptimizerStatesStrategy(**nvme)
+trainer(strategy, steps=4, precision="bf16-mixed", clip=1.0).fit(TinyLM(), loader())
+"""
+    env = {**clean_env(), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    console = done.stdout + done.stderr
+    tier = [line for line in console.splitlines() if "the NVMe tier keeps" in line]
+    assert len(tier) == 1 and "measured" in tier[0] and "GB/s read" in tier[0], console
+    assert console.count("Offloading to NVMe can generate heavy write traffic") == 1, console
+    others = [
+        line
+        for line in console.splitlines()
+        if "warning" in line.lower() and "Offloading to NVMe can generate heavy write traffic" not in line
+    ]
+    assert others == [], console
+    assert list(tmp_path.iterdir()) == []

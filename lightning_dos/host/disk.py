@@ -126,11 +126,14 @@ def measure_disk(
     queue_depth: int = 32,
     threads: int = 2,
     repeats: int = 2,
+    wear_notice: bool = False,
 ) -> DiskRates:
     """Sequential read and write bandwidth of the drive under ``path`` through DeepSpeed's async I/O op: a file of
     ``nbytes`` written and read back from page-locked memory, ``repeats`` times, best of each (the file is removed
     after). Reads right after writes may come from the drive's own cache; use ``nbytes`` well above it (several
-    GB) for figures that hold over a whole update."""
+    GB) for figures that hold over a whole update. ``wear_notice``: let DeepSpeed's notice about SSD wear through
+    (it logs it once per process, at the first write: a training run that keeps state on the drive must show it;
+    a one-off measurement drops it)."""
     import torch
 
     if nbytes <= 0 or nbytes % ALIGNMENT:
@@ -142,7 +145,9 @@ def measure_disk(
     target = where / f".lightning-dos-measure-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         buffer.random_(0, 256)
-        with quiet.log_line_dropped(*quiet.SSD_WEAR_NOTICE):  # a few hundred MB written once, not a sustained load
+        # A few hundred MB written once is not the sustained load the notice is about, unless a run follows.
+        dropped = contextlib.nullcontext() if wear_notice else quiet.log_line_dropped(*quiet.SSD_WEAR_NOTICE)
+        with dropped:
             write_s, read_s = _best_write_and_read(handle, buffer, target, repeats)
     finally:
         target.unlink(missing_ok=True)

@@ -390,7 +390,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             masters = footprint.master * ((state - budget) // footprint.optimizer_state)
             figure.items.append(("DeepSpeed masters of the NVMe part, until start-up ends", masters))
             # The drive as this rank sees it now (every local rank measures at start-up: each sees its share).
-            tier.drive = measure_disk(tier.path, CALIBRATION_BYTES)
+            tier.drive = measure_disk(tier.path, CALIBRATION_BYTES, wear_notice=True)  # the run writes there on
             measured = f" (measured {tier.drive.read_bps / 1e9:.2f} GB/s read, {tier.drive.write_bps / 1e9:.2f} write)"
         rank_zero_info(
             f"lightning-dos: the NVMe tier keeps {_size(budget)} of each rank's {_size(state)} of optimizer state in "
