@@ -35,7 +35,6 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 import torch
 
@@ -56,6 +55,7 @@ from lightning_dos.engine.streamed import StreamedSubGroups
 from lightning_dos.engine.streams import Streams, make_streams
 from lightning_dos.engine.swap_files import SwapFile
 from lightning_dos.model.budget_fit import fit_to_budget, plan_device_bytes
+from lightning_dos.model.nvme import host_order, nvme_sub_groups, tiered_plan
 from lightning_dos.model.perfmodel import FREE_MEMORY_MARGIN
 from lightning_dos.model.plan import Place, Plan, SubGroup, split_into_sub_groups
 from lightning_dos.model.step_report import StepReport
@@ -331,13 +331,10 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
 
     def first_file_backed(self, host_budget: int) -> int:
         """The first sub-group past what ``host_budget`` bytes of master weights and state hold (counted from the
-        first; every one when they all fit): where the NVMe tier begins."""
-        held = 0
-        for sg in self.sub_groups:
-            held += self.footprint.optimizer_state * sg.numel
-            if held > host_budget:
-                return sg.index
-        return len(self.sub_groups)
+        first; every one when they all fit): where the NVMe tier begins, as the performance model counts it
+        (:func:`~lightning_dos.model.nvme.nvme_sub_groups`)."""
+        in_files = nvme_sub_groups(self.sizes, host_budget, self.footprint)
+        return in_files[0] if in_files else len(self.sub_groups)
 
     def close_files(self) -> None:
         """Remove the swap file (teardown). Its sub-groups' state is gone with it: the slabs hold zeros there."""
@@ -370,11 +367,8 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         other step backwards, so that the step begins with those the staging slabs still hold from the last one
         (MLP-Offload's cache-friendly order: their reads are skipped). They hold the end of the partition, which the
         next forward needs last."""
-        host = plan.host_indices
-        if self.files is None:
-            return host
-        kept, filed = [i for i in host if i not in self.files], [i for i in host if i in self.files]
-        return kept + (filed[::-1] if self.steps_taken % 2 == 0 else filed)
+        in_files = self.files.indices if self.files is not None else ()
+        return host_order(plan, in_files, backwards=self.steps_taken % 2 == 0)
 
     def _settle_files(self) -> None:
         """The update is over: the streamed file-backed sub-groups are written back, and every write has landed (the
@@ -488,8 +482,7 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         requested = plan
         if self.files is not None:
             # A resident sub-group's state lives on the device between updates; a file-backed one's in its file.
-            kept = [i for i in plan.resident_indices if i in self.files]
-            plan = replace(plan, places=tuple(Place.DEVICE if i in kept else p for i, p in enumerate(plan.places)))
+            plan = tiered_plan(plan, self.files.indices)
         budget = self.device_budget()
         plan = self.fit_to_budget(plan, budget)
         progress.places = plan.places
