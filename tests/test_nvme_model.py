@@ -9,7 +9,11 @@ import pytest
 
 from lightning_dos.commands.main import main
 from lightning_dos.model.nvme import (
+    ALTERNATE,
+    FORWARD,
     DiskRates,
+    choose_files_order,
+    files_update,
     host_order,
     nvme_sub_groups,
     predict_tiered,
@@ -95,8 +99,8 @@ def test_ours_against_stocks_pipelined_swapper_at_70b_on_the_papers_node() -> No
 
 def test_the_alternating_order_skips_the_reads_of_what_the_slabs_still_hold() -> None:
     plan = Plan(tuple(Place.HOST for _ in SIZES))
-    forward = tiered_update(SIZES, plan, RATES, DISK, 0, alternate=False)
-    alternating = tiered_update(SIZES, plan, RATES, DISK, 0, alternate=True, slots=4)
+    forward = tiered_update(SIZES, plan, RATES, DISK, 0, order=FORWARD)
+    alternating = tiered_update(SIZES, plan, RATES, DISK, 0, order=ALTERNATE, backwards=True, slots=4)
     # The reversed order starts with the last four sub-groups: the previous update wrote them last. Taken forwards
     # again, the first read evicts the one needed last (Belady's choice) and the other three wait in their slabs.
     state = sum(SIZES) * ADAM_FP32.optimizer_state
@@ -104,6 +108,32 @@ def test_the_alternating_order_skips_the_reads_of_what_the_slabs_still_hold() ->
     assert forward.read_bytes == state - sum(SIZES[-4:-1]) * ADAM_FP32.optimizer_state
     assert alternating.write_bytes == forward.write_bytes
     assert alternating.time_s < forward.time_s
+
+
+def test_the_planner_alternates_unless_the_model_finds_forwards_faster() -> None:
+    plan = Plan(tuple(Place.HOST for _ in SIZES))
+    everything = nvme_sub_groups(SIZES, 0, ADAM_FP32)
+    # All in files, the update alone: the alternation skips a read every update, and wins.
+    alone = choose_files_order(SIZES, plan, RATES, DISK, everything)
+    assert alone.order == ALTERNATE and alone.alternate_s < alone.forward_s
+    # The next forward beside the update (60 s, backward 120 s): taken backwards, the first file-backed sub-group the
+    # forward needs lands last every other iteration; forwards, the forward follows the update: a shorter iteration.
+    beside = choose_files_order(SIZES, plan, RATES, DISK, everything, phases=(60.0, 120.0), overlap="forward")
+    assert beside.order == FORWARD and beside.forward_s < beside.alternate_s
+    # The iteration it compares is at least backward + forward, and at least backward + the update.
+    update = files_update(SIZES, plan, RATES, DISK, everything, order=FORWARD)
+    assert beside.forward_s >= 120.0 + max(60.0, update.time_s) - 1e-9
+    # With overlap off the phases change nothing: the update alone decides.
+    assert choose_files_order(SIZES, plan, RATES, DISK, everything, phases=(60.0, 120.0)) == alone
+    # Taken forwards again, the records the slabs kept are the last the update needs, and hold their slabs till then:
+    # fewer slabs to read ahead through, and more bytes read than alternating.
+    half = nvme_sub_groups(SIZES, STATE / 2, ADAM_FP32)
+    alternating = [files_update(SIZES, plan, RATES, DISK, half, backwards=b) for b in (True, False)]
+    forwards = files_update(SIZES, plan, RATES, DISK, half, order=FORWARD)
+    assert all(a.read_bytes < forwards.read_bytes and a.time_s < forwards.time_s for a in alternating)
+    assert choose_files_order(SIZES, plan, RATES, DISK, half).order == ALTERNATE
+    with pytest.raises(ValueError, match="order='sideways' is not one of alternate, forward"):
+        files_update(SIZES, plan, RATES, DISK, half, order="sideways")
 
 
 def test_the_slabs_hits_follow_the_engines_slab_rule() -> None:
@@ -163,3 +193,19 @@ def test_plan_shows_ours_against_stock_nvme_offload_per_host_budget(capsys, tmp_
 def test_plan_refuses_bad_nvme_figures_naming_them(capsys, args: list[str], named: str) -> None:  # noqa: ANN001
     assert main(["plan", "--params", "70e9", *args]) == 2
     assert named in capsys.readouterr().err
+
+
+def test_the_tier_takes_deepspeeds_aio_block_and_leaves_deepspeed_offloading_to_cpu():
+    from lightning_dos.integration.nvme_tier import take_nvme_tier
+
+    config = {
+        "zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x", "buffer_count": 16}},
+        "aio": {"block_size": 1 << 21, "queue_depth": 16, "intra_op_parallelism": 2},
+    }
+    tier = take_nvme_tier(config, "auto")
+    assert (tier.path, tier.block_size, tier.queue_depth, tier.threads) == ("/x", 1 << 21, 16, 2)
+    assert config["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    # DeepSpeed's older name for the same setting.
+    legacy = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}}
+    legacy["aio"] = {"thread_count": 3}
+    assert take_nvme_tier(legacy, 0).threads == 3

@@ -148,6 +148,9 @@ def test_ours_on_nvme_is_within_stocks_own_deviation_of_stock_nvme_offload(tmp_p
     report = engine.last_report
     in_memory = predict(engine.sizes, report.plan, scheduler.rates, engine.lp_bytes, footprint=scheduler.footprint)
     assert report.predicted_s > in_memory.time_s
+    # The order of the file-backed sub-groups is the one the model chose (no phases on CPU: the shorter update).
+    choice = scheduler.files_order
+    assert engine.files_order == choice.order == ("alternate" if choice.alternate_s <= choice.forward_s else "forward")
 
 
 def _resume(checkpoint: Path, swap: Path | None) -> tuple[TinyLM, StateAtEnd]:
@@ -214,6 +217,11 @@ def test_bad_nvme_settings_are_refused_before_any_step(tmp_path: Path, monkeypat
         "aio": {"block_size": 1000},
     }
     _refused(tmp_path, "aio.block_size=1000 is not valid; use a multiple of 4096", config=config)
+    config = {  # a fresh one: the strategy takes the NVMe section out of the config it is given
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}},
+        "aio": {"intra_op_parallelism": 0},
+    }
+    _refused(tmp_path, "aio.intra_op_parallelism=0 is not valid; use a positive integer", config=config)
     # libaio missing: the real answer where it is; where it is installed (CI), DeepSpeed's check is made to answer
     # as it does without it (tests/test_disk.py does the same).
     if AIO_MISSING is None:

@@ -72,6 +72,8 @@ class Scenario:
     #: The second half of the sub-groups keep their state in a swap file (the NVMe tier, through DeepSpeed's async
     #: I/O op): loaded before their update, written back after it (a streamed one once its download landed).
     files: bool = False
+    #: The order the file-backed host sub-groups are taken in (``model.nvme.ORDERS``; the planner's choice).
+    files_order: str = "alternate"
 
 
 SCENARIOS = (
@@ -107,6 +109,7 @@ SCENARIOS = (
     (
         Scenario("state in files", (Plan(mixed(H, D, R, D), 2),) * 3, inv_grad_scale=0.5, files=True),
         Scenario("state in files, 1 buffer", (Plan(mixed(D), 1), Plan(mixed(D, H), 1)), files=True),
+        Scenario("state in files, forwards", (Plan(mixed(H, D), 1),) * 3, files=True, files_order="forward"),
     )
     if AIO_MISSING is None
     else ()
@@ -180,6 +183,7 @@ def run(
             return SimSwapFile(checker, first, records, master, state, states, slots=2)
 
         engine.keep_records_in(first, open_swap)
+        engine.files_order = scenario.files_order
     groups = [{"params": [p for p, g in zip(reference, GROUPS) if g == k]} for k in (0, 1)]
     for group, h in zip(groups, HYPERS):
         group.update(lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay)

@@ -2,9 +2,10 @@
 
 lightning-dos plan --params 70e9 --nvme-read-gbs 25 --nvme-write-gbs 10 --host-budget 0,0.25,0.5
 
-Predicted by :mod:`lightning_dos.model.nvme` (the performance model) for the engine as it runs the tier (the
-file-backed host sub-groups backwards every other iteration); ``lightning-dos simulate`` with the same options
-replays the engine's schedule of it on the virtual node.
+Predicted by :mod:`lightning_dos.model.nvme` (the performance model) for the engine as it runs the tier, in the
+order of the file-backed host sub-groups the planner chooses from the model (alternating between iterations, or
+forwards every one: :func:`~lightning_dos.model.nvme.choose_files_order`); ``lightning-dos simulate`` with the
+same options replays the engine's schedule of it on the virtual node.
 """
 
 from __future__ import annotations
@@ -13,11 +14,20 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_dos.model.nvme import STAGING_SLOTS, DiskRates, stock_tiered_update_s, tiered_update
+from lightning_dos.model.nvme import (
+    STAGING_SLOTS,
+    DiskRates,
+    choose_files_order,
+    files_update,
+    nvme_sub_groups,
+    stock_tiered_update_s,
+)
 from lightning_dos.model.perfmodel import HardwareRates
 from lightning_dos.model.plan import Plan
 from lightning_dos.model.update_rules import Footprint
 
+#: The order column's cells: the file-backed sub-groups alternating between iterations, or forwards in each.
+ORDER_CELL = {"alternate": "alt.", "forward": "fwd"}
 #: ``--host-budget``'s default: no host memory for the state, a quarter of it, half.
 DEFAULT_HOST_BUDGETS = "0,0.25,0.5"
 
@@ -74,20 +84,23 @@ def nvme_rows(
     lp_bytes: int,
     footprint: Footprint,
 ) -> dict[str, Any]:
-    """Per host budget: ours (``plan``'s placement, the file-backed host sub-groups backwards every other iteration,
-    as the engine takes them) against stock's pipelined swapper, both on one rank's share of the drive."""
+    """Per host budget: ours (``plan``'s placement, the file-backed host sub-groups in the order the planner chooses,
+    ``order``; the update after one that took them the other way, when they alternate, as ``simulate`` replays it)
+    against stock's pipelined swapper, both on one rank's share of the drive."""
     per_rank = disk.per_rank(ranks)
     state = sum(sizes) * footprint.optimizer_state
     stock = stock_tiered_update_s(sizes, rates, per_rank, lp_bytes=lp_bytes, footprint=footprint)
     rows = []
     for budget in budgets:
         held = budget * state if budget <= 1 else budget / ranks
-        ours = tiered_update(
-            sizes, plan, rates, per_rank, held, lp_bytes=lp_bytes, slots=STAGING_SLOTS, footprint=footprint
-        )
+        on_nvme = nvme_sub_groups(sizes, held, footprint)
+        kwargs = {"lp_bytes": lp_bytes, "slots": STAGING_SLOTS, "footprint": footprint}
+        order = choose_files_order(sizes, plan, rates, per_rank, on_nvme, **kwargs).order
+        ours = files_update(sizes, plan, rates, per_rank, on_nvme, order=order, backwards=False, **kwargs)
         rows.append(
             {
                 "host_budget": budget,
+                "order": order,
                 "host_state_bytes": min(held, state),
                 "host_state_gb": min(held, state) / 1e9,
                 "file_share": ours.write_bytes / state if state else 0.0,
@@ -133,13 +146,14 @@ def print_nvme(result: dict[str, Any], console: Any) -> None:  # noqa: ANN401 - 
         f"bytes read and written; {result['slots']} host staging slabs for each.",
     )
     table.add_column("host\nbudget", justify="right")
-    for column in ("in\nfiles", "ours\ns", "x\nfloor", "stock\ns", "x\nfloor", "ours vs\nstock"):
+    for column in ("in\nfiles", "order", "ours\ns", "x\nfloor", "stock\ns", "x\nfloor", "ours vs\nstock"):
         table.add_column(column, justify="right", no_wrap=True)
     for row in result["rows"]:
         budget = row["host_budget"]
         table.add_row(
             f"{budget:.0%}" if budget <= 1 else f"{budget / 1e9:.0f} GB",
             f"{row['file_share']:.0%}",
+            ORDER_CELL[row["order"]],
             f"{row['ours_s']:.2f}",
             f"{row['ours_s'] / row['ours_disk_floor_s']:.2f}" if row["ours_disk_floor_s"] else "-",
             f"{row['stock_s']:.2f}",

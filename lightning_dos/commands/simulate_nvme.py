@@ -5,7 +5,8 @@ lightning-dos simulate --params 70e9 --nvme-read-gbs 25 --nvme-write-gbs 10 --ho
 
 For each budget the engine runs at test size with the sub-groups past the budget on the simulated drive
 (:class:`~lightning_dos.sim.simdrive.SimSwapFile`: the staging slabs' requests race-checked and logged), and its
-third step (the file-backed sub-groups backwards, after a step that took them forwards) is replayed with the drive's
+third step (the file-backed sub-groups in the order the planner chooses: forwards, after a step that took them
+backwards when they alternate) is replayed with the drive's
 reads and writes on one queue at one rank's share of its rates. Stock is the performance model's
 (:func:`~lightning_dos.model.nvme.stock_tiered_update_s`): DeepSpeed's swapper is not ours to replay.
 """
@@ -16,8 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_dos.commands.nvme_rows import nvme_rows, nvme_title
+from lightning_dos.commands.nvme_rows import ORDER_CELL, nvme_rows, nvme_title
 from lightning_dos.model.nvme import (
+    ALTERNATE,
     DiskRates,
     nvme_sub_groups,
     tiered_plan,
@@ -38,13 +40,15 @@ def replay_tiered(
     on_nvme: Sequence[int],
     lp_bytes: int,
     footprint: Footprint,
+    order: str = ALTERNATE,
 ) -> tuple[ReplayResult, int]:
     """The engine's steady-state update of ``plan`` with ``on_nvme`` (a tail of the sub-groups) on the simulated
-    drive, replayed on the node ``rates`` and ``disk`` (one rank's share) describe; and the races found."""
+    drive, taken in ``order``, replayed on the node ``rates`` and ``disk`` (one rank's share) describe; and the
+    races found."""
     scale = max(sizes) / SIM_ELEMENTS
     checker = StreamSanitizer()
     first = on_nvme[0] if on_nvme else None
-    log = steady_step(checker, sizes, plan, lp_bytes, scale, footprint, files_from=first)
+    log = steady_step(checker, sizes, plan, lp_bytes, scale, footprint, files_from=first, files_order=order)
     return replay(log, rates, scale, footprint=footprint, disk=disk), len(checker.races)
 
 
@@ -67,7 +71,8 @@ def nvme_simulation(
     per_rank = disk.per_rank(ranks)
     for row in result["rows"]:
         on_nvme = nvme_sub_groups(sizes, row["host_state_bytes"], footprint)
-        run, races = replay_tiered(sizes, tiered_plan(plan, on_nvme), rates, per_rank, on_nvme, lp_bytes, footprint)
+        tiered = tiered_plan(plan, on_nvme)
+        run, races = replay_tiered(sizes, tiered, rates, per_rank, on_nvme, lp_bytes, footprint, row["order"])
         row_trace = None
         if trace is not None:
             budget = row["host_budget"]
@@ -100,15 +105,17 @@ def print_nvme_simulation(result: dict[str, Any], console: Any) -> None:  # noqa
         f"DeepSpeed's pipelined swapper. floor: the drive's time for the bytes; {result['slots']} staging slabs; "
         f"stream races found: {races}.",
     )
-    for column in ("host\nbudget", "in\nfiles", "ours\ns", "model\ns", "replay/\nmodel", "x\nfloor", "stock\ns"):
+    columns = ("host\nbudget", "in\nfiles", "order", "ours\ns", "model\ns", "replay/\nmodel", "x\nfloor", "stock\ns")
+    for column in columns:
         table.add_column(column, justify="right", no_wrap=True)
-    table.add_column("ours vs\nstock", justify="right", no_wrap=True)
+    table.add_column("vs\nstock", justify="right", no_wrap=True)
     for row in result["rows"]:
         budget = row["host_budget"]
         floor = row["ours_disk_floor_s"]
         table.add_row(
             f"{budget:.0%}" if budget <= 1 else f"{budget / 1e9:.0f} GB",
             f"{row['file_share']:.0%}",
+            ORDER_CELL[row["order"]],
             f"{row['ours_s']:.2f}",
             f"{row['ours_predicted_s']:.2f}",
             f"{row['replay_over_prediction']:.3f}",

@@ -14,7 +14,8 @@ sub-group, and a path that forgets to store a sub-group only costs memory until 
 never correctness. The price is a copy between slab and span each way, an order of magnitude faster than the drive.
 
 Reads run ahead in the order the update takes the sub-groups (:meth:`FileTier.begin`), into slabs no request is
-using and whose record the update does not need again; a slab keeps the record it last moved, so a sub-group loaded
+using (or whose write-back, older than another in flight, it waits for) and whose record the update does not need
+again; a slab keeps the record it last moved, so a sub-group loaded
 again before its slab is reused (the order that alternates between iterations, MLP-Offload's) is copied from it
 without touching the drive. Two writes of one record are never in flight at once, and a record is never read from
 the drive while its write-back runs. This module's I/O waits are the host's own (``aio_handle.wait``); the staging
@@ -176,6 +177,8 @@ class FileTier:
                 continue  # loaded already, or a slab holds it (read in flight, or a copy from the last write)
             idle = [s for s in range(len(self._holds)) if self._busy[s] is None]
             if not idle:
+                idle = self._landed_write()
+            if not idle:
                 return
             # The idle slab whose record is needed last: never one the update still needs. A read ahead is worth less
             # than a read skipped (the drive is the tier's bottleneck): the records the last step left in the slabs
@@ -184,6 +187,18 @@ class FileTier:
             if self._needed_after(slot) <= len(self._ahead):
                 return
             self._start_read(slot, index)
+
+    def _landed_write(self) -> list[int]:
+        """The slab of the oldest write-back in flight, when a newer one is in flight too and the update does not
+        need its record again: the drive has most likely done that write while the CPU updated the sub-groups since,
+        so waiting for it is short (the caller does: :meth:`_start_read` empties the slab first), and a read ahead
+        queued now keeps the drive busy instead of waiting for the update's next load to ask for it. The newest write
+        keeps running. Empty when there is none."""
+        writing = [s for s in range(len(self._busy)) if self._busy[s] == "write"]
+        writing.sort(key=self._last_used.__getitem__)
+        if len(writing) < 2 or self._needed_after(writing[0]) <= len(self._ahead):
+            return []
+        return [writing[0]]
 
     # -- loading and storing ------------------------------------------------------------------------
 

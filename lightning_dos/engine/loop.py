@@ -55,7 +55,7 @@ from lightning_dos.engine.streamed import StreamedSubGroups
 from lightning_dos.engine.streams import Streams, make_streams
 from lightning_dos.engine.swap_files import SwapFile
 from lightning_dos.model.budget_fit import fit_to_budget, plan_device_bytes
-from lightning_dos.model.nvme import host_order, nvme_sub_groups, tiered_plan
+from lightning_dos.model.nvme import ALTERNATE, host_order, nvme_sub_groups, tiered_plan
 from lightning_dos.model.perfmodel import FREE_MEMORY_MARGIN
 from lightning_dos.model.plan import Place, Plan, SubGroup, split_into_sub_groups
 from lightning_dos.model.step_report import StepReport
@@ -203,6 +203,9 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         #: The NVMe tier: the sub-groups whose state lives in a swap file between updates (None until
         #: :meth:`keep_in_files`).
         self.files: FileTier | None = None
+        #: The order the file-backed host sub-groups are taken in (``model.nvme.ORDERS``): ``"alternate"`` (reversed
+        #: every other step) until the ratio scheduler chooses from the model (``model.nvme.choose_files_order``).
+        self.files_order = ALTERNATE
         #: Streamed file-backed sub-groups of the update in flight: written back once their download home landed.
         self._stored_after_download: list[int] = []
 
@@ -295,7 +298,8 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         their spans' current contents are written to it and their pages given back (the NVMe tier, see
         :mod:`lightning_dos.engine.file_tier`). Call before the slabs are registered (:meth:`BufferPool.register_host`):
         those spans are never pinned. ``aio`` is DeepSpeed's async I/O op; ``slots`` staging slabs move the records;
-        ``io`` is passed to :class:`~lightning_dos.engine.swap_files.SwapFile` (``block_size``, ``queue_depth``).
+        ``io`` is passed to :class:`~lightning_dos.engine.swap_files.SwapFile` (``block_size``, ``queue_depth``,
+        ``threads``).
         ``write=False``: the spans do not hold the state yet; the caller writes each one as it fills it
         (:meth:`FileTier.write_spans`, then :meth:`FileTier.settle`), so that start-up never holds all of it at once.
         Return the tier (None when ``first`` leaves nothing to keep in files)."""
@@ -362,13 +366,18 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         if self._file_backed(index):
             self.files.store(index)
 
+    def files_backwards(self, step: int) -> bool:
+        """Whether step ``step`` (counted from 1) takes the file-backed host sub-groups backwards: every even one, in
+        the alternating :attr:`files_order`."""
+        return self.files_order == ALTERNATE and step % 2 == 0
+
     def _host_order(self, plan: Plan) -> list[int]:
-        """The order host sub-groups are updated in: the plan's, except that file-backed ones come last and every
-        other step backwards, so that the step begins with those the staging slabs still hold from the last one
-        (MLP-Offload's cache-friendly order: their reads are skipped). They hold the end of the partition, which the
-        next forward needs last."""
+        """The order host sub-groups are updated in: the plan's, except that file-backed ones come last (they hold
+        the end of the partition, which the next forward needs last), backwards every other step in the alternating
+        :attr:`files_order`, so that the step begins with those the staging slabs still hold from the last one
+        (MLP-Offload's cache-friendly order: their reads are skipped)."""
         in_files = self.files.indices if self.files is not None else ()
-        return host_order(plan, in_files, backwards=self.steps_taken % 2 == 0)
+        return host_order(plan, in_files, backwards=self.files_backwards(self.steps_taken))  # this step's number
 
     def _settle_files(self) -> None:
         """The update is over: the streamed file-backed sub-groups are written back, and every write has landed (the

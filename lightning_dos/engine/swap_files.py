@@ -48,6 +48,7 @@ class SwapFile:
         aio: DeepSpeed's async I/O op (``lightning_dos.host.disk.load_aio()``).
         block_size: bytes per I/O request the op submits.
         queue_depth: requests in flight per handle.
+        threads: threads each handle splits a request over (DeepSpeed's ``intra_op_parallelism``).
     """
 
     def __init__(
@@ -63,6 +64,7 @@ class SwapFile:
         *,
         block_size: int = 1 << 20,
         queue_depth: int = 8,
+        threads: int = 1,
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
@@ -85,7 +87,7 @@ class SwapFile:
             os.ftruncate(self._fd, self.nbytes)  # exactly the records: a file left behind is cut to size, never grown
             slab_bytes = max((self.record_bytes(n) for n in self.numels), default=ALIGNMENT)
             for _ in range(slots):
-                self._handles.append(aio.aio_handle(block_size, queue_depth, False, True, 1))
+                self._handles.append(aio.aio_handle(block_size, queue_depth, False, True, threads))
                 self.slabs.append(
                     self._handles[-1].new_cpu_locked_tensor(slab_bytes, torch.empty(0, dtype=torch.uint8))
                 )

@@ -27,6 +27,8 @@ class NvmeTier:
             rank, or ``"auto"`` (resolved by the pre-flight, :func:`resolve_host_budget`).
         block_size: bytes per I/O request (DeepSpeed's ``aio.block_size``).
         queue_depth: requests in flight per staging slab (``aio.queue_depth``).
+        threads: threads that split each request (``aio.intra_op_parallelism``; ``aio.thread_count`` in older
+            DeepSpeed configs).
         host_bytes: ``host_budget`` resolved by this fit's pre-flight (None before it).
         drive: the drive's read and write bandwidth, measured on ``path`` by this fit's pre-flight when state goes to
             files (None otherwise): the ratio scheduler predicts each update with it.
@@ -36,6 +38,7 @@ class NvmeTier:
     host_budget: int | str = "auto"
     block_size: int = 1 << 20
     queue_depth: int = 8
+    threads: int = 1
     host_bytes: int | None = None
     drive: DiskRates | None = None
 
@@ -67,12 +70,13 @@ def take_nvme_tier(config: dict[str, Any], host_budget: int | str) -> NvmeTier |
         offload.pop(key, None)
     aio = config.get("aio") or {}
     tier = NvmeTier(str(path), host_budget)
-    for key in ("block_size", "queue_depth"):
+    for key, field in (("block_size",) * 2, ("queue_depth",) * 2, ("intra_op_parallelism", "threads"),
+                       ("thread_count", "threads")):  # fmt: skip
         if key in aio:
             value = aio[key]
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise DOSConfigError(f"aio.{key}={value!r} is not valid; use a positive integer")
-            setattr(tier, key, value)
+            setattr(tier, field, value)
     if tier.block_size % 4096:
         raise DOSConfigError(f"aio.block_size={tier.block_size} is not valid; use a multiple of 4096 bytes")
     return tier

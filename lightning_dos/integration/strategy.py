@@ -151,7 +151,8 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             past ``host_memory_budget`` keep theirs in one swap file per rank under ``nvme_path`` (a keyword argument
             of Lightning's ``DeepSpeedStrategy``, or the config's ``offload_optimizer.nvme_path``), read before
             their update and written back after it through DeepSpeed's async I/O op (``libaio``: the config's
-            ``aio.block_size`` and ``aio.queue_depth`` apply). The result is the same bits as ``"cpu"``.
+            ``aio.block_size``, ``aio.queue_depth`` and ``aio.intra_op_parallelism`` apply). The result is the
+            same bits as ``"cpu"``.
         host_memory_budget: with ``offload_optimizer_device="nvme"``, bytes of master weights and optimizer state
             each rank keeps in host memory (the first sub-groups; the rest on NVMe): ``"auto"`` (the default): 90%
             of what the pre-flight finds spare once everything else is counted; 0: all of it on NVMe. Ignored

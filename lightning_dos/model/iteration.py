@@ -197,6 +197,16 @@ def iteration_floor(
     }
 
 
+def forward_beside_update_s(
+    sizes: Sequence[int], land_s: Sequence[float], forward_s: float, update_end_s: float
+) -> float:
+    """From the update's start: the next forward, its layers spread over the sub-groups of ``sizes`` by their
+    elements and each sub-group's after its landing (``land_s``), and the update's end (``update_end_s``),
+    whichever comes last (the next backward waits for both)."""
+    total = sum(sizes) or 1
+    return _forward_beside_update(land_s, [forward_s * n / total for n in sizes], update_end_s)
+
+
 def _forward_beside_update(land_s: Sequence[float], forward_share: Sequence[float], update_end_s: float) -> float:
     """From the update's start: the next forward, each sub-group's layers after its landing, and the update's end,
     whichever comes last (the next backward waits for both)."""

@@ -15,7 +15,8 @@ sub-group's CPU update followed by its cast and a blocking upload of the 16-bit 
 
 Between iterations the order of the file-backed sub-groups can alternate (MLP-Offload's cache-friendly order):
 the last ones written are still in their slabs when the next update starts with them, so their reads are
-skipped (``cached``). Predictions, not measurements; knows nothing of Lightning, DeepSpeed or files.
+skipped (``cached``); or stay forwards, the order the next forward needs them in (:func:`choose_files_order`
+picks). Predictions, not measurements; knows nothing of Lightning, DeepSpeed or files.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
+from lightning_dos.model.iteration import forward_beside_update_s
+from lightning_dos.model.overlap import OFF
 from lightning_dos.model.perfmodel import HardwareRates, link_seconds, rates_for
 from lightning_dos.model.plan import Place, Plan
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
@@ -31,6 +34,9 @@ from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 #: tensor (master weights, two moments, gradient), and it runs only from 16 (4 sub-groups) with pipelining on; its
 #: default, 4, runs out of buffers at the first step (bench/RESULTS.md, 2026-11-27).
 STOCK_SLOTS = 4
+#: The orders the file-backed host sub-groups can be taken in, iteration after iteration (:func:`files_update`).
+ALTERNATE, FORWARD = "alternate", "forward"
+ORDERS = (ALTERNATE, FORWARD)
 #: Staging slabs ours moves file-backed records through (each the size of the largest sub-group's state): one being
 #: updated in, the next read ahead, the last written back, one spare for the alternating order.
 STAGING_SLOTS = 4
@@ -73,6 +79,8 @@ class TieredPrediction:
         disk_s: time the drive is busy (the disk-bandwidth floor of this update).
         host_s: time the CPU is busy.
         slots: staging slabs used.
+        land_s: per sub-group, when its 16-bit result is in place for the next forward (a host sub-group's upload
+            done, a device one's cast), from the update's start.
     """
 
     time_s: float
@@ -81,6 +89,7 @@ class TieredPrediction:
     disk_s: float
     host_s: float
     slots: int
+    land_s: tuple[float, ...] = ()
 
 
 def nvme_sub_groups(sizes: Sequence[int], host_budget_bytes: float, footprint: Footprint) -> list[int]:
@@ -135,17 +144,21 @@ def predict_tiered(
     The engine's order: device sub-groups first (the device pipeline of :func:`perfmodel.predict`, each streamed
     one uploaded once its read has landed), then the host ones in the plan's order, each waiting for its read.
     ``cached``: file-backed sub-groups already in a slab when the update starts (the cache-friendly order), read
-    from nowhere. ``host_s_per_element``: CPU seconds per element (default: the update and the cast at
-    ``rates``); ``serial_upload``: each host sub-group's 16-bit upload blocks the CPU (stock's swapper);
-    ``host_order``: the order the CPU takes its sub-groups in (default: the plan's); ``gradient_in_files``: a
-    file-backed sub-group's gradient is read from its file too (``footprint.master`` bytes per element more; stock
-    writes it there during backward).
+    from nowhere; each holds its slab from the start until its write-back is done, as the engine keeps it.
+    ``host_s_per_element``: CPU seconds per element (default: the update and the cast at ``rates``);
+    ``serial_upload``: each host sub-group's 16-bit upload blocks the CPU (stock's swapper); ``host_order``: the
+    order the CPU takes its sub-groups in (default: the plan's); ``gradient_in_files``: a file-backed sub-group's
+    gradient is read from its file too (``footprint.master`` bytes per element more; stock writes it there during
+    backward).
     """
     if slots < 1:
         raise ValueError(f"slots must be at least 1, got {slots}")
     rates = rates_for(rates, footprint)
     state = footprint.optimizer_state
-    on_nvme, cached = set(on_nvme), set(cached) & set(on_nvme)
+    on_nvme = set(on_nvme)
+    cached = [i for i in dict.fromkeys(cached) if i in on_nvme]
+    if len(cached) > slots:
+        raise ValueError(f"{len(cached)} cached records do not fit {slots} staging slabs")
     per_element = rates.host_s_per_element if host_s_per_element is None else host_s_per_element
     streaming = bool(plan.streamed_indices)
     up = rates.duplex_h2d_bps if streaming else rates.h2d_bps
@@ -153,7 +166,9 @@ def predict_tiered(
 
     disk_free = 0.0
     disk_busy = 0.0
-    slot_free = [0.0] * slots
+    # A cached record's slab is its own until its write-back is done: no read goes through it before.
+    slot_free = [float("inf")] * len(cached) + [0.0] * (slots - len(cached))
+    cached_slot = {index: slot for slot, index in enumerate(cached)}
     writes: list[tuple[float, int, int]] = []  # (ready time, bytes, slot) not yet given to the drive
     read_bytes = write_bytes = 0
 
@@ -168,6 +183,8 @@ def predict_tiered(
     def read(i: int) -> tuple[float, int]:
         """Bring sub-group i into a slab: when it is there, and the slab."""
         nonlocal disk_free, disk_busy, read_bytes
+        if i in cached_slot:
+            return 0.0, cached_slot[i]
         while True:  # a write ready by the time this read could start goes first: it frees a slab
             slot = min(range(slots), key=slot_free.__getitem__)
             writes.sort()
@@ -176,9 +193,6 @@ def predict_tiered(
             write(*writes.pop(0))
         if slot_free[slot] == float("inf"):
             raise ValueError(f"{slots} staging slabs are all held: too few for the sub-groups already in them")
-        if i in cached:
-            slot_free[slot] = float("inf")
-            return 0.0, slot
         start = max(disk_free, slot_free[slot])
         nbytes = sizes[i] * (state + (footprint.master if gradient_in_files else 0))
         disk_free = start + nbytes / disk.read_bps
@@ -193,15 +207,16 @@ def predict_tiered(
     d2h_bytes = sum(footprint.streamed_down * sizes[i] for i in plan.streamed_indices)
     if not rates.shared_cpu:
         h2d_bytes += sum(lp_bytes * sizes[i] for i in plan.host_indices)
+    land = [0.0] * len(sizes)
     for i in plan.resident_indices:
         h2d_free += footprint.resident_up * sizes[i] / up
-        compute_free = max(compute_free, h2d_free) + sizes[i] / rates.device_adam_eps
+        land[i] = compute_free = max(compute_free, h2d_free) + sizes[i] / rates.device_adam_eps
     device_slots = [0.0] * max(1, plan.device_buffers)
     for j, i in enumerate(plan.streamed_indices):
         landed, slot = read(i) if i in on_nvme else (0.0, -1)
         k = j % len(device_slots)
         h2d_free = max(h2d_free, device_slots[k], landed) + footprint.streamed_up * sizes[i] / up
-        compute_free = max(compute_free, h2d_free) + sizes[i] / rates.device_adam_eps
+        land[i] = compute_free = max(compute_free, h2d_free) + sizes[i] / rates.device_adam_eps
         d2h_free = device_slots[k] = max(d2h_free, compute_free) + footprint.streamed_down * sizes[i] / down
         if slot >= 0:
             writes.append((d2h_free, sizes[i] * state, slot))
@@ -215,10 +230,11 @@ def predict_tiered(
         cpu_free = max(cpu_free, landed) + work
         host_s += work
         upload = lp_bytes * sizes[i] / up
+        land[i] = cpu_free
         if serial_upload:
-            cpu_free += upload
+            land[i] = cpu_free = cpu_free + upload
         elif not rates.shared_cpu:
-            link_free = max(link_free, cpu_free) + upload
+            land[i] = link_free = max(link_free, cpu_free) + upload
         if slot >= 0:
             writes.append((cpu_free, sizes[i] * state, slot))
     for pending in sorted(writes):
@@ -229,7 +245,7 @@ def predict_tiered(
     if rates.shared_cpu:  # the "device" is the CPU: its work and the host's add up
         cpu_free += max(h2d_free, compute_free, d2h_free)
     end = max(disk_free, cpu_free, link_free, link, h2d_free, compute_free, d2h_free)
-    return TieredPrediction(end, read_bytes, write_bytes, disk_busy, host_s, slots)
+    return TieredPrediction(end, read_bytes, write_bytes, disk_busy, host_s, slots, tuple(land))
 
 
 def stock_tiered_update_s(
@@ -289,7 +305,8 @@ def tiered_update(
     disk: DiskRates,
     host_budget_bytes: float,
     *,
-    alternate: bool = True,
+    order: str = ALTERNATE,
+    backwards: bool = True,
     lp_bytes: int = 2,
     slots: int = STAGING_SLOTS,
     footprint: Footprint = ADAM_FP32,
@@ -298,8 +315,9 @@ def tiered_update(
     files (:func:`nvme_sub_groups`): :func:`files_update`."""
     on_nvme = nvme_sub_groups(sizes, host_budget_bytes, footprint)
     return files_update(
-        sizes, plan, rates, disk, on_nvme, alternate=alternate, lp_bytes=lp_bytes, slots=slots, footprint=footprint
-    )
+        sizes, plan, rates, disk, on_nvme, order=order, backwards=backwards, lp_bytes=lp_bytes, slots=slots,
+        footprint=footprint,
+    )  # fmt: skip
 
 
 def files_update(
@@ -309,24 +327,33 @@ def files_update(
     disk: DiskRates,
     on_nvme: Sequence[int],
     *,
-    alternate: bool = True,
+    order: str = ALTERNATE,
+    backwards: bool = True,
     lp_bytes: int = 2,
     slots: int = STAGING_SLOTS,
     footprint: Footprint = ADAM_FP32,
 ) -> TieredPrediction:
     """A steady-state update of ``plan`` with the sub-groups ``on_nvme`` in files, as the engine runs it
-    (:func:`tiered_plan`, :func:`host_order`). ``alternate``: the file-backed host sub-groups are taken in reverse
-    order every other iteration, so the update starts with the file-backed sub-groups the previous one wrote last,
-    still in their slabs (MLP-Offload's cache-friendly order); otherwise the same order every iteration, and only
-    the records the slabs keep until the update needs them are not read (:func:`slab_hits`)."""
+    (:func:`tiered_plan`, :func:`host_order`), in the file-backed host sub-groups' ``order``:
+
+    - :data:`ALTERNATE`: reversed every other iteration, so that an update starts with the file-backed sub-groups
+      the previous one wrote last, still in their slabs (MLP-Offload's cache-friendly order); ``backwards``: this
+      update is one that takes them backwards (after one that took them forwards), else the one after it;
+    - :data:`FORWARD`: the partition's order every iteration (the next forward needs them in it); only the records
+      the slabs keep until the update needs them are not read (:func:`slab_hits`).
+    """
+    if order not in ORDERS:
+        raise ValueError(f"order={order!r} is not one of {', '.join(ORDERS)}")
+    backwards = backwards and order == ALTERNATE
+    previously_backwards = order == ALTERNATE and not backwards
     plan = tiered_plan(plan, on_nvme)
-    order = host_order(plan, on_nvme, backwards=alternate)
+    taken = host_order(plan, on_nvme, backwards=backwards)
     files = set(on_nvme)
     streamed = [i for i in plan.streamed_indices if i in files]
-    # The previous iteration took the file-backed host sub-groups the other way (the same way, not alternating) and
-    # wrote the streamed ones back last, at its end: the last records it wrote are still in the slabs.
-    before = [i for i in host_order(plan, on_nvme, backwards=False) if i in files] + streamed
-    cached = slab_hits(before[-slots:], streamed + [i for i in order if i in files], slots)
+    # The previous iteration wrote its file-backed host sub-groups back in its own order and the streamed ones last,
+    # at its end: the last records it wrote are still in the slabs.
+    before = [i for i in host_order(plan, on_nvme, backwards=previously_backwards) if i in files] + streamed
+    cached = slab_hits(before[-slots:], streamed + [i for i in taken if i in files], slots)
     return predict_tiered(
         sizes,
         plan,
@@ -337,5 +364,59 @@ def files_update(
         slots=slots,
         cached=cached,
         footprint=footprint,
-        host_order=order,
+        host_order=taken,
     )
+
+
+@dataclass(frozen=True)
+class OrderChoice:
+    """Which order the file-backed host sub-groups are taken in, and why.
+
+    Attributes:
+        order: :data:`ALTERNATE` or :data:`FORWARD`, whichever predicts the shorter time.
+        alternate_s: the mean over the two updates of the alternation (backwards, then forwards) of the time
+            compared: the iteration when the next forward runs beside the update, else the update.
+        forward_s: the same with the file-backed sub-groups taken forwards every iteration.
+    """
+
+    order: str
+    alternate_s: float
+    forward_s: float
+
+
+def choose_files_order(
+    sizes: Sequence[int],
+    plan: Plan,
+    rates: HardwareRates,
+    disk: DiskRates,
+    on_nvme: Sequence[int],
+    *,
+    phases: tuple[float, float] | None = None,
+    overlap: str = OFF,
+    lp_bytes: int = 2,
+    slots: int = STAGING_SLOTS,
+    footprint: Footprint = ADAM_FP32,
+) -> OrderChoice:
+    """The file-backed sub-groups' order the planner runs: :data:`ALTERNATE` skips the reads of the records the slabs
+    still hold, but every other update takes the file-backed sub-groups backwards, so the first of them the next
+    forward needs lands last; :data:`FORWARD` reads more and lands them in the order the forward needs them. With the
+    update alone (``overlap`` off, or ``phases`` not measured yet) the shorter update wins, which is the alternating
+    one whenever a record is kept; when the next forward runs beside the update (``phases``: forward and backward
+    seconds), the shorter iteration (:func:`~lightning_dos.model.iteration.forward_beside_update_s`). The host
+    updates ``overlap="auto"`` runs during backward are left out of both: the file-backed sub-groups are not among
+    them, and the rest come first in either order."""
+    kwargs = {"lp_bytes": lp_bytes, "slots": slots, "footprint": footprint}
+    steps = {
+        ALTERNATE: [files_update(sizes, plan, rates, disk, on_nvme, backwards=b, **kwargs) for b in (True, False)],
+        FORWARD: [files_update(sizes, plan, rates, disk, on_nvme, order=FORWARD, **kwargs)],
+    }
+
+    def seconds(update: TieredPrediction) -> float:
+        if phases is None or overlap == OFF:
+            return update.time_s
+        forward_s, backward_s = phases
+        return backward_s + forward_beside_update_s(sizes, update.land_s, forward_s, update.time_s)
+
+    mean = {order: sum(map(seconds, updates)) / len(updates) for order, updates in steps.items()}
+    order = ALTERNATE if mean[ALTERNATE] <= mean[FORWARD] else FORWARD
+    return OrderChoice(order, mean[ALTERNATE], mean[FORWARD])

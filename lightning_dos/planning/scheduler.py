@@ -35,7 +35,7 @@ import torch
 from lightning_dos.engine.loop import InterleavedUpdate
 from lightning_dos.model.auto_plan import auto_plan
 from lightning_dos.model.iteration import Speculation
-from lightning_dos.model.nvme import DiskRates, files_update
+from lightning_dos.model.nvme import DiskRates, OrderChoice, choose_files_order, files_update
 from lightning_dos.model.overlap import OFF, check_overlap
 from lightning_dos.model.perfmodel import HardwareRates, predict
 from lightning_dos.model.plan import FractionSpec, Plan, all_host
@@ -65,7 +65,9 @@ class PlacementScheduler:
             plan is the iteration's), ``"forward"`` (beside the next forward), ``"auto"`` (beside the next
             forward, and host sub-groups during backward).
         drive: the NVMe drive's rates (measured at start-up) when the engine keeps sub-groups in files: each update
-            is predicted with their reads and writes (:func:`~lightning_dos.model.nvme.files_update`).
+            is predicted with their reads and writes (:func:`~lightning_dos.model.nvme.files_update`), and their
+            order (alternating or forwards) chosen from the model
+            (:func:`~lightning_dos.model.nvme.choose_files_order`).
     """
 
     def __init__(
@@ -100,6 +102,8 @@ class PlacementScheduler:
         #: Under overlap="auto" with gradient clipping, the speculation the iteration is planned for (its commit
         #: rate as observed so far): the strategy installs it; None: the updates begun during backward are exact.
         self.speculation: Callable[[], Speculation | None] | None = None
+        #: With an NVMe tier, the order of its file-backed sub-groups the model chose for the last step (None: none).
+        self.files_order: OrderChoice | None = None
         #: Predicted and measured update times of recent steps, for the monitor and tests.
         self.history: list[tuple[float | None, float]] = []
 
@@ -163,9 +167,13 @@ class PlacementScheduler:
         engine = self.engine
         files = getattr(engine, "files", None)
         if files is not None and self.drive is not None:
-            # The tier's reads and writes too, through the engine's staging slabs.
-            tiered = files_update(engine.sizes, self._plan, rates, self.drive, files.indices, lp_bytes=engine.lp_bytes,
-                                  slots=len(files.swap.slabs), footprint=self.footprint)  # fmt: skip
+            # The tier's reads and writes too, through the engine's staging slabs, in the order the model finds
+            # fastest (the iteration's, once the phases are known and the next forward runs beside the update).
+            kwargs = {"lp_bytes": engine.lp_bytes, "slots": len(files.swap.slabs), "footprint": self.footprint}
+            args = (engine.sizes, self._plan, rates, self.drive, files.indices)
+            self.files_order = choose_files_order(*args, phases=self.phases, overlap=self.overlap, **kwargs)
+            engine.files_order = self.files_order.order
+            tiered = files_update(*args, order=engine.files_order, backwards=engine.files_backwards(step), **kwargs)
             return self._plan, tiered.time_s
         prediction = predict(
             engine.sizes, self._plan, rates, engine.lp_bytes, engine.lp_downloads, footprint=self.footprint

@@ -12,7 +12,7 @@ import torch
 
 from lightning_dos.engine.kernels import Hyper
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
-from lightning_dos.model.nvme import STAGING_SLOTS
+from lightning_dos.model.nvme import ALTERNATE, STAGING_SLOTS
 from lightning_dos.model.overlap import begins_in_backward, overlaps_forward
 from lightning_dos.model.plan import Plan
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
@@ -102,6 +102,7 @@ def steady_step(
     overlap: str = "off",
     clipped: bool | None = None,
     files_from: int | None = None,
+    files_order: str = ALTERNATE,
 ) -> list[LoggedOp]:
     """Build an engine of ``sizes / scale`` elements per sub-group on ``checker``'s streams, watched by it as
     ``overlap`` runs (:meth:`~lightning_dos.sim.sanitizer.StreamSanitizer.watch`), step it twice with ``plan`` and
@@ -110,8 +111,9 @@ def steady_step(
     ``auto``): the updates begun during backward are speculative, and each step turns out clipped (True: they are
     redone) or not (False: committed). ``files_from``: sub-groups from this one on keep their state on the
     simulated drive (:class:`~lightning_dos.sim.simdrive.SimSwapFile`, 4 staging slabs, as the strategy runs the
-    NVMe tier); the engine then steps three times and the third is logged: it takes the file-backed sub-groups
-    backwards after a step that took them forwards (the alternating order's steady state)."""
+    NVMe tier), taken in ``files_order`` (``model.nvme.ORDERS``); the engine then steps three times and the third
+    is logged: it takes the file-backed sub-groups forwards, after a step that took them backwards (alternating)
+    or forwards too."""
     small = sizes_at_test_scale(sizes, scale)
     engine = InterleavedUpdate(
         small,
@@ -131,6 +133,7 @@ def steady_step(
             return SimSwapFile(checker, files_from, records, master, state, states, slots=STAGING_SLOTS)
 
         engine.keep_records_in(files_from, open_swap)
+        engine.files_order = files_order
     early = begins_in_backward(overlap)
     checker.watch(engine, overlap=overlaps_forward(overlap), early=early, clipped=clipped if early else None)
     speculative = early and clipped is not None

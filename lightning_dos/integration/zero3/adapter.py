@@ -187,7 +187,7 @@ class ZeRO3Adapter(ForwardGathers, BackwardHooks, StateAccess):
         first = self.engine.first_file_backed(budget) if isinstance(budget, int) else len(self.engine.sub_groups)
         return self.engine.keep_in_files(
             first, nvme.path, rank, load_aio(), slots=STAGING_SLOTS, write=False, block_size=nvme.block_size,
-            queue_depth=nvme.queue_depth,
+            queue_depth=nvme.queue_depth, threads=nvme.threads,
         )  # fmt: skip
 
     # -- overlapping the update with the next forward ---------------------------------------------
