@@ -56,6 +56,9 @@ DEFAULT_SYSTEMS = (
     "stock,twinflow:0.1,twinflow:0.2,twinflow:0.3,twinflow:0.4,twinflow:0.5,stride:2,stride:3,stride:4,auto"
 )
 GB = 1e9
+#: DeepSpeed's async I/O settings both NVMe systems run with (stock's swapper and ours): 1 MiB blocks, 32 in flight,
+#: each request split over 2 threads; the drive's floor is measured with them too.
+AIO = {"block_size": 1 << 20, "queue_depth": 32, "intra_op_parallelism": 2, "overlap_events": True}
 
 
 @dataclass
@@ -112,7 +115,7 @@ def stock_config(sub_group_size: int, ratio: float = 1.0, nvme_path: str | None 
         # ZeRO-Infinity: every sub-group's optimizer state in files, DeepSpeed's pipelined swapper reading the next
         # sub-groups ahead and writing the last ones back behind the CPU's update (its best settings).
         offload.update(device="nvme", nvme_path=nvme_path, pipeline_read=True, pipeline_write=True, buffer_count=16)
-        config["aio"] = {"block_size": 1 << 20, "queue_depth": 32, "intra_op_parallelism": 2, "overlap_events": True}
+        config["aio"] = dict(AIO)
     return config
 
 
@@ -127,9 +130,11 @@ def make_strategy(system: str, sub_group_size: int, state_bytes: int = 0) -> tup
         return DeepSpeedCPUStrategy(config=stock_config(sub_group_size, nvme_path=system.split(":", 1)[1])), False
     if system.startswith("nvme:"):  # nvme:SHARE:DIR, ours with SHARE of the fp32 Adam state in host memory
         _, share, directory = system.split(":", 2)
+        offload = {"device": "nvme", "nvme_path": directory}
+        config = {"zero_optimization": {"stage": 3, "offload_optimizer": offload, "sub_group_size": sub_group_size}}
         strategy = DeepOptimizerStatesStrategy(
-            sub_group_size=sub_group_size, overlap=overlap or "auto", offload_optimizer_device="nvme",
-            nvme_path=directory, host_memory_budget=int(float(share) * state_bytes),
+            config={**config, "aio": dict(AIO)}, overlap=overlap or "auto",
+            host_memory_budget=int(float(share) * state_bytes),
         )  # fmt: skip
         return strategy, True
     if system.startswith("twinflow:"):
@@ -143,6 +148,103 @@ def make_strategy(system: str, sub_group_size: int, state_bytes: int = 0) -> tup
 def _median(rows: list[dict[str, float]], key: str) -> float | None:
     values = [r[key] for r in rows if key in r]
     return statistics.median(values) if values else None
+
+
+class _DriveWatch(L.Callback):
+    """The drive of an NVMe system measured right before its measured steps and right after, and the tier's byte
+    counters there.
+
+    A shared or virtual drive's bandwidth drifts from minute to minute (this project's CPU machine: 0.5 to 2.3 GB/s
+    within the hour, bench/RESULTS.md), so the floor is taken at the mean of the rates measured right around the
+    steps, not at a figure from elsewhere. Not between the steps: each measurement writes and reads a few hundred MB,
+    which would flush whatever caches the drive's records sit in between two steps. Listed before the monitor, so
+    the first measurement falls outside the first measured step's timed phases."""
+
+    def __init__(self, warmup: int, directory: str | None, nbytes: int) -> None:
+        self.warmup, self.directory, self.nbytes = warmup, directory, nbytes
+        #: (read B/s, write B/s, B/s reading and writing at once, bytes the tier had read, bytes it had written) at
+        #: the first measured step's start, and at the end of the last.
+        self.marks: list[tuple[float, float, float, int, int]] = []
+
+    def _mark(self, trainer: L.Trainer) -> None:
+        from lightning_dos.host.disk import measure_mixed
+
+        files = getattr(getattr(trainer.strategy, "dos_engine", None), "files", None)
+        rates = _measure_drive(self.directory, self.nbytes)
+        mixed = measure_mixed(
+            self.directory, self.nbytes, block_size=AIO["block_size"], queue_depth=AIO["queue_depth"],
+            threads=AIO["intra_op_parallelism"],
+        )  # fmt: skip
+        counters = (files.read_bytes, files.written_bytes) if files is not None else (0, 0)
+        self.marks.append((rates.read_bps, rates.write_bps, mixed, *counters))
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.directory is not None and trainer.global_step == self.warmup and not self.marks:
+            self._mark(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.directory is not None and self.marks:
+            self._mark(trainer)
+
+    def floors(self, steps: int, fixed: tuple[float, float] | None = None) -> list[dict[str, float]]:
+        """For the ``steps`` measured steps: the drive's rates around them, the bytes moved per step (the tier's
+        counters, or ``fixed``, bytes read and written per step) and the floor of a step, seconds: the lesser of the
+        reads then the writes at their own rates and all of them at the rate of reading and writing at once."""
+        floors = []
+        for before, after in zip(self.marks, self.marks[1:]):
+            read_bps, write_bps, mixed_bps = ((b + a) / 2 for b, a in zip(before[:3], after[:3], strict=True))
+            read, written = fixed or ((after[3] - before[3]) / steps, (after[4] - before[4]) / steps)
+            serial_s, overlapped_s = read / read_bps + written / write_bps, (read + written) / mixed_bps
+            floors.append(
+                {"read_bps": read_bps, "read_bps_around": (before[0], after[0]), "write_bps": write_bps,
+                 "mixed_bps": mixed_bps, "read_bytes": read, "written_bytes": written, "serial_floor_s": serial_s,
+                 "overlapped_floor_s": overlapped_s,
+                 "floor_s": min(serial_s, overlapped_s)}
+            )  # fmt: skip
+        return floors
+
+
+def _drive_of(system: str, params: int) -> tuple[str | None, int]:
+    """The directory an NVMe system keeps its state in, and the bytes to measure its drive with: as many as the
+    system moves each way per step (fp32 Adam state, 12 bytes per parameter, ours only past its host share), at least
+    64 MiB and at most 1 GiB, aligned for O_DIRECT. (None, 0) for a system that keeps no state on a drive."""
+    name = system.partition("@")[0]
+    if name.startswith("stock-nvme:"):
+        directory, state = name.split(":", 1)[1], 12 * params
+    elif name.startswith("nvme:"):
+        _, share, directory = name.split(":", 2)
+        state = int(12 * params * (1.0 - float(share)))
+    else:
+        return None, 0
+    return directory, min(1 << 30, max(64 << 20, -(-state // 4096) * 4096))
+
+
+def _measure_drive(directory: str, nbytes: int) -> Any:
+    """The drive's read and write bandwidth under ``directory`` (lightning_dos.host.disk.measure_disk: DeepSpeed's
+    async I/O op with the systems' :data:`AIO` settings)."""
+    from lightning_dos.host.disk import measure_disk
+
+    return measure_disk(
+        directory, nbytes, block_size=AIO["block_size"], queue_depth=AIO["queue_depth"],
+        threads=AIO["intra_op_parallelism"],
+    )  # fmt: skip
+
+
+def _drive_floor(result: Result, rows: list[dict[str, float]], steps: list[dict[str, float]]) -> None:
+    """Put the drive's floor into ``result.extra``: the floor of a step (the drive measured around the measured
+    steps), the median update over it, the drive's rates, bytes per step."""
+    floor_s = statistics.median(s["floor_s"] for s in steps)
+    result.extra.update(
+        disk_floor_s=floor_s,
+        update_over_floor=_median(rows, "dos/update_s") / floor_s if floor_s > 0 else None,
+        read_gbs=statistics.median(s["read_bps"] for s in steps) / GB,
+        write_gbs=statistics.median(s["write_bps"] for s in steps) / GB,
+        mixed_gbs=statistics.median(s["mixed_bps"] for s in steps) / GB,
+        read_gbs_around=tuple(bps / GB for bps in steps[0]["read_bps_around"]),
+        read_gb_per_step=statistics.median(s["read_bytes"] for s in steps) / GB,
+        written_gb_per_step=statistics.median(s["written_bytes"] for s in steps) / GB,
+        drive_steps=steps,
+    )
 
 
 def run_system(system: str, args: argparse.Namespace) -> Result:
@@ -166,7 +268,7 @@ def run_system(system: str, args: argparse.Namespace) -> Result:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[monitor],
+        callbacks=[drive := _DriveWatch(args.warmup, *_drive_of(system, params)), monitor],
     )
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -188,49 +290,30 @@ def run_system(system: str, args: argparse.Namespace) -> Result:
         predicted_update_s=_median(rows, "dos/update_predicted_s"),
     )
     if system.startswith("nvme:"):
-        # Ours: the file-backed sub-groups' master weights and moments read and written once per step (gradients
-        # stay in host memory), at the bandwidth measured on the same directory.
-        from lightning_dos.host.disk import measure_disk
-
+        # Ours: the bytes the tier really read and wrote in each measured step (the file-backed sub-groups' master
+        # weights and moments, less the reads the staging slabs saved; gradients stay in host memory).
         files = strategy.dos_engine.files
         in_files = 12 * sum(files.sub_groups[i].numel for i in files.indices) if files is not None else 0
-        directory = system.partition("@")[0].split(":", 2)[2]
-        drive = measure_disk(directory, min(1 << 30, max(64 << 20, -(-in_files // 4096) * 4096)))
-        result.extra.update(
-            disk_floor_s=in_files / drive.read_bps + in_files / drive.write_bps,
-            read_gbs=drive.read_bps / GB,
-            write_gbs=drive.write_bps / GB,
-            state_gb=in_files / GB,
-        )
-        if files is not None:
-            steps = max(1, strategy.dos_engine.steps_taken)
-            result.extra.update(
-                read_gb_per_step=files.read_bytes / steps / GB, written_gb_per_step=files.written_bytes / steps / GB
-            )
+        _drive_floor(result, rows, drive.floors(args.steps))
+        result.extra["state_gb"] = in_files / GB
     if system.startswith("stock-nvme:"):
         # The drive's floor for this update: every sub-group's master weights and Adam moments (12 bytes per element)
         # read and written once per step, and its gradient read back (DeepSpeed swaps it out during backward), at the
         # bandwidth measured on the same directory.
-        from lightning_dos.host.disk import measure_disk
-        from lightning_dos.model.nvme import stock_tiered_update_s
+        from lightning_dos.model.nvme import DiskRates, stock_tiered_update_s
         from lightning_dos.model.plan import split_into_sub_groups
         from lightning_dos.planning.calibrate import calibrate
 
         state = 12 * params  # master weights and Adam's moments, fp32; DeepSpeed reads the fp32 gradient back too
         grads = 4 * params
-        # As many bytes as a step moves each way (at least 64 MiB, at most 1 GiB), aligned for O_DIRECT.
-        drive = measure_disk(system.split(":", 1)[1], min(1 << 30, max(64 << 20, -(-state // 4096) * 4096)))
+        _drive_floor(result, rows, drive.floors(args.steps, fixed=(state + grads, state)))
+        measured = DiskRates(result.extra["read_gbs"] * GB, result.extra["write_gbs"] * GB)
         # The performance model's account of it (model/nvme.py), from this machine's calibrated host rates.
         sizes = [sg.numel for sg in split_into_sub_groups([params], [0], args.sub_group_size)]
         lp_bytes = 2 if "16" in args.precision else 4
-        predicted = stock_tiered_update_s(sizes, calibrate(torch.device("cpu")), drive, lp_bytes=lp_bytes)
+        predicted = stock_tiered_update_s(sizes, calibrate(torch.device("cpu")), measured, lp_bytes=lp_bytes)
         result.predicted_update_s = predicted.time_s
-        result.extra.update(
-            disk_floor_s=(state + grads) / drive.read_bps + state / drive.write_bps,
-            read_gbs=drive.read_bps / GB,
-            write_gbs=drive.write_bps / GB,
-            state_gb=state / GB,
-        )
+        result.extra["state_gb"] = state / GB
     norm = strategy.deepspeed_engine.get_global_grad_norm() if args.clip else None
     if norm is not None:
         # The last step's global gradient norm: clipping is active (the unscale factor is not 1) above the clip value.
@@ -257,6 +340,14 @@ def _ratio(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
 
 
+def _around(extra: dict[str, Any]) -> str:
+    before, after = extra["read_gbs_around"]
+    return (
+        f"{extra['mixed_gbs']:.2f} GB/s reading and writing at once; the drive measured right before the measured "
+        f"steps and right after, the mean of the two; reads {before:.2f} and {after:.2f} GB/s"
+    )
+
+
 def table(results: list[Result]) -> str:
     by_name = {r.system: r for r in results}
     stock = by_name.get("stock")
@@ -274,8 +365,8 @@ def table(results: list[Result]) -> str:
         vs_tf = best_tf.update_s / r.update_s if best_tf else None
         engine_s = r.extra.get("engine_update_s")
         over_floor = engine_s / floor_s if floor_s and engine_s else None
-        if "disk_floor_s" in r.extra:  # NVMe offload: the drive's floor, not the PCIe/CPU one
-            over_floor = r.update_s / r.extra["disk_floor_s"]
+        if "disk_floor_s" in r.extra:  # NVMe offload: each step over the drive's floor around it, the median
+            over_floor = r.extra["update_over_floor"]
         lines.append(
             f"| {r.system} | {_fmt(r.forward_s)} | {_fmt(r.backward_s)} | {_fmt(r.update_s)} | {_fmt(r.step_s)} "
             f"| {r.update_params_per_s / 1e6:.1f} | {_fmt(r.h2d_gbps, 2)} | {_fmt(r.d2h_gbps, 2)} "
@@ -284,6 +375,13 @@ def table(results: list[Result]) -> str:
         )
     if floor_s:
         lines.append(f"\nFloor T(r*) of the update phase from the calibrated rates: {floor_s:.4f} s.")
+    if any("disk_floor_s" in r.extra for r in results):
+        lines.append(
+            "\nNVMe systems' update / floor: the median update over the drive's floor for a step's bytes, the lesser "
+            "of (bytes read / read bandwidth) + (bytes written / write bandwidth) and (bytes read and written) / "
+            "(bandwidth reading and writing at once), the drive measured right before the measured steps and right "
+            "after (the mean of the two)."
+        )
     stock_nvme = next((r for r in results if r.system.startswith("stock-nvme:")), None)
     for r in results:
         if "disk_floor_s" in r.extra and r.system.startswith("nvme:"):
@@ -292,18 +390,16 @@ def table(results: list[Result]) -> str:
             if versus and not r.system.endswith("@off"):  # overlapped: the update column is what is left exposed
                 versus += " (its exposed update: the rest overlaps backward and the next forward; compare iterations)"
             lines.append(
-                f"Drive floor of {r.system}: {e['disk_floor_s']:.3f} s ({e['state_gb']:.3f} GB of file-backed "
-                f"optimizer state read and written per step at {e['read_gbs']:.2f} / {e['write_gbs']:.2f} GB/s, "
-                f"measured there after the run; the drive really moved {e.get('read_gb_per_step', 0):.3f} GB read and "
-                f"{e.get('written_gb_per_step', 0):.3f} GB written per step){versus}."
+                f"Drive floor of {r.system}: {e['disk_floor_s']:.3f} s (of {e['state_gb']:.3f} GB of file-backed "
+                f"optimizer state, {e['read_gb_per_step']:.3f} GB read and {e['written_gb_per_step']:.3f} GB written "
+                f"per measured step, at {e['read_gbs']:.2f} / {e['write_gbs']:.2f} GB/s, {_around(e)}){versus}."
             )
         elif "disk_floor_s" in r.extra:
             e = r.extra
             lines.append(
                 f"Drive floor of {r.system}: {e['disk_floor_s']:.3f} s ({e['state_gb']:.3f} GB of optimizer state read "
                 f"and written per step, the gradient read too, at {e['read_gbs']:.2f} / {e['write_gbs']:.2f} GB/s, "
-                "measured there after the "
-                f"run); the performance model predicted {r.predicted_update_s:.3f} s for its update."
+                f"{_around(e)}); the performance model predicted {r.predicted_update_s:.3f} s for its update."
             )
     if best_tf:
         lines.append(f"Best TwinFlow ratio here: {best_tf.system}.")

@@ -54,4 +54,10 @@ def test_stock_and_our_nvme_offload_run_and_are_set_beside_their_drive_floors(tm
     assert stock["update_s"] > 0 and stock["extra"]["disk_floor_s"] > 0 and stock["predicted_update_s"] > 0
     # Ours kept half of the state in host memory: the other half crossed the drive each step.
     assert 0 < mine["extra"]["state_gb"] < stock["extra"]["state_gb"] and mine["extra"]["read_gb_per_step"] > 0
+    # The drive measured right before the measured steps and right after: the floor at the rates around them.
+    for result in (stock, mine):
+        (window,) = result["extra"]["drive_steps"]
+        assert window["floor_s"] == min(window["serial_floor_s"], window["overlapped_floor_s"]) > 0
+        assert result["extra"]["update_over_floor"] == pytest.approx(result["update_s"] / window["floor_s"])
+    assert mine["extra"]["written_gb_per_step"] > 0
     assert list(mine_drive.iterdir()) == []  # ours removed its swap file (DeepSpeed leaves its own behind)

@@ -63,6 +63,11 @@ def test_the_drive_is_measured_through_deepspeeds_async_io(tmp_path: Path) -> No
     assert list(tmp_path.iterdir()) == []  # the measuring file is removed
     with pytest.raises(ValueError, match="multiple of 4096"):
         disk.measure_disk(tmp_path, 1000)
+    # Reading and writing at once (the rate of an update whose reads and writes overlap; bench/run.py's floor).
+    assert 1e7 < disk.measure_mixed(tmp_path, 8 << 20, repeats=1) < 1e12
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        disk.measure_mixed(tmp_path, 1000)
 
 
 def test_without_libaio_the_error_names_the_package_and_the_command(monkeypatch: pytest.MonkeyPatch) -> None:

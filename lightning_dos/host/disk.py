@@ -168,3 +168,48 @@ def _best_write_and_read(handle, buffer, target: Path, repeats: int) -> tuple[fl
         handle.wait()
         best_read = min(best_read, time.perf_counter() - start)
     return best_write, best_read
+
+
+def measure_mixed(
+    path: str | os.PathLike,
+    nbytes: int = 256 << 20,
+    *,
+    block_size: int = 1 << 20,
+    queue_depth: int = 32,
+    threads: int = 2,
+    repeats: int = 2,
+) -> float:
+    """Bytes per second the drive under ``path`` moves reading ``nbytes`` and writing ``nbytes`` at once (two handles
+    of DeepSpeed's async I/O op, one request each, from page-locked memory), the fastest of ``repeats``: the rate of
+    an update whose reads and writes overlap, as both ours and DeepSpeed's swapper run them. A drive serves the two
+    directions together faster than one after the other where its reads and writes do not share one queue."""
+    import torch
+
+    if nbytes <= 0 or nbytes % ALIGNMENT:
+        raise ValueError(f"nbytes must be a positive multiple of {ALIGNMENT}, got {nbytes}")
+    where = check_nvme_path(path, 2 * nbytes)
+    aio = load_aio()
+    handles = [aio.aio_handle(block_size, queue_depth, False, True, threads) for _ in range(2)]
+    buffers = [h.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8)) for h in handles]
+    stem = f".lightning-dos-measure-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    source, target = where / f"{stem}-read", where / f"{stem}-write"
+    best = float("inf")
+    try:
+        with quiet.log_line_dropped(*quiet.SSD_WEAR_NOTICE):
+            for buffer in buffers:
+                buffer.random_(0, 256)
+            handles[0].async_pwrite(buffers[0], str(source), 0)
+            handles[0].wait()
+            for _ in range(repeats):
+                start = time.perf_counter()
+                handles[0].async_pread(buffers[0], str(source), 0)
+                handles[1].async_pwrite(buffers[1], str(target), 0)
+                handles[0].wait()
+                handles[1].wait()
+                best = min(best, time.perf_counter() - start)
+    finally:
+        source.unlink(missing_ok=True)
+        target.unlink(missing_ok=True)
+        for handle, buffer in zip(handles, buffers):
+            handle.free_cpu_locked_tensor(buffer)
+    return 2 * nbytes / best
