@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_dos.model.nvme import (
+    ALTERNATE,
+    FORWARD,
     STAGING_SLOTS,
     DiskRates,
     choose_files_order,
@@ -27,7 +29,7 @@ from lightning_dos.model.plan import Plan
 from lightning_dos.model.update_rules import Footprint
 
 #: The order column's cells: the file-backed sub-groups alternating between iterations, or forwards in each.
-ORDER_CELL = {"alternate": "alt.", "forward": "fwd"}
+ORDER_CELL = {ALTERNATE: "alt.", FORWARD: "fwd"}
 #: ``--host-budget``'s default: no host memory for the state, a quarter of it, half.
 DEFAULT_HOST_BUDGETS = "0,0.25,0.5"
 

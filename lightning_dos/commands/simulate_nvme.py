@@ -6,8 +6,8 @@ lightning-dos simulate --params 70e9 --nvme-read-gbs 25 --nvme-write-gbs 10 --ho
 For each budget the engine runs at test size with the sub-groups past the budget on the simulated drive
 (:class:`~lightning_dos.sim.simdrive.SimSwapFile`: the staging slabs' requests race-checked and logged), and its
 third step (the file-backed sub-groups in the order the planner chooses: forwards, after a step that took them
-backwards when they alternate) is replayed with the drive's
-reads and writes on one queue at one rank's share of its rates. Stock is the performance model's
+backwards when they alternate) is replayed with the drive's reads and writes on one queue at one rank's share of
+its rates. Stock is the performance model's
 (:func:`~lightning_dos.model.nvme.stock_tiered_update_s`): DeepSpeed's swapper is not ours to replay.
 """
 

@@ -13,15 +13,14 @@ streaming, recovery, checkpoints through DeepSpeed's views) then reads and write
 sub-group, and a path that forgets to store a sub-group only costs memory until the step's end (:meth:`settle`),
 never correctness. The price is a copy between slab and span each way, an order of magnitude faster than the drive.
 
-Reads run ahead in the order the update takes the sub-groups (:meth:`FileTier.begin`), into slabs no request is
-using (or whose write-back, older than another in flight, it waits for) and whose record the update does not need
-again; a slab keeps the record it last moved, so a sub-group loaded
-again before its slab is reused (the order that alternates between iterations, MLP-Offload's) is copied from it
-without touching the drive. Two writes of one record are never in flight at once, and a record is never read from
-the drive while its write-back runs. This module's I/O waits are the host's own (``aio_handle.wait``); the staging
-slabs are host memory no device stream touches. On the simulator the race checker watches them
-(:mod:`lightning_dos.sim.simdrive`): a slab touched, or a second request issued on it, before its request's wait is
-a race.
+Reads run ahead in the order the update takes the sub-groups (:meth:`FileTier.begin`), into slabs no request is using
+(or whose write-back, older than another in flight, it waits for) and whose record the update does not need again; a
+slab keeps the record it last moved, so a sub-group loaded again before its slab is reused (the order that alternates
+between iterations, MLP-Offload's) is copied from it without touching the drive. Two writes of one record are never in
+flight at once, and a record is never read from the drive while its write-back runs. This module's I/O waits are the
+host's own (``aio_handle.wait``); the staging slabs are host memory no device stream touches. On the simulator the race
+checker watches them (:mod:`lightning_dos.sim.simdrive`): a slab touched, or a second request issued on it, before its
+request's wait is a race.
 """
 
 from __future__ import annotations
@@ -177,7 +176,7 @@ class FileTier:
                 continue  # loaded already, or a slab holds it (read in flight, or a copy from the last write)
             idle = [s for s in range(len(self._holds)) if self._busy[s] is None]
             if not idle:
-                idle = self._landed_write()
+                idle = self._older_write_slab()
             if not idle:
                 return
             # The idle slab whose record is needed last: never one the update still needs. A read ahead is worth less
@@ -188,7 +187,7 @@ class FileTier:
                 return
             self._start_read(slot, index)
 
-    def _landed_write(self) -> list[int]:
+    def _older_write_slab(self) -> list[int]:
         """The slab of the oldest write-back in flight, when a newer one is in flight too and the update does not
         need its record again: the drive has most likely done that write while the CPU updated the sub-groups since,
         so waiting for it is short (the caller does: :meth:`_start_read` empties the slab first), and a read ahead

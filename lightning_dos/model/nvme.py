@@ -399,12 +399,13 @@ def choose_files_order(
 ) -> OrderChoice:
     """The file-backed sub-groups' order the planner runs: :data:`ALTERNATE` skips the reads of the records the slabs
     still hold, but every other update takes the file-backed sub-groups backwards, so the first of them the next
-    forward needs lands last; :data:`FORWARD` reads more and lands them in the order the forward needs them. With the
-    update alone (``overlap`` off, or ``phases`` not measured yet) the shorter update wins, which is the alternating
-    one whenever a record is kept; when the next forward runs beside the update (``phases``: forward and backward
-    seconds), the shorter iteration (:func:`~lightning_dos.model.iteration.forward_beside_update_s`). The host
-    updates ``overlap="auto"`` runs during backward are left out of both: the file-backed sub-groups are not among
-    them, and the rest come first in either order."""
+    forward needs lands last; :data:`FORWARD` reads more (the records the slabs kept are the last it needs, and hold
+    their slabs till then) and lands them in the order the forward needs them. With the update alone (``overlap``
+    off, or ``phases`` not measured yet) the shorter update wins; when the next forward runs beside the update
+    (``phases``: forward and backward seconds), the shorter iteration
+    (:func:`~lightning_dos.model.iteration.forward_beside_update_s`). The host updates ``overlap="auto"`` runs during
+    backward are left out of both: the file-backed sub-groups are not among them, and the rest come first in either
+    order."""
     kwargs = {"lp_bytes": lp_bytes, "slots": slots, "footprint": footprint}
     steps = {
         ALTERNATE: [files_update(sizes, plan, rates, disk, on_nvme, backwards=b, **kwargs) for b in (True, False)],
