@@ -245,7 +245,8 @@ def test_the_library_is_built_once_and_found_again(tmp_path: Path) -> None:
     first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     path, mtime, seconds = first.stdout.split()
-    assert Path(path).is_relative_to(tmp_path) and float(seconds) < 60
+    # 27 s on this project's 2-core machine alone; more beside the other test worker's tests (scripts/test.sh).
+    assert Path(path).is_relative_to(tmp_path) and float(seconds) < 180
     assert second.stdout.split()[:2] == [path, mtime], "found, not rebuilt"
     assert not list(Path(path).parent.glob("*.tmp")), "no partial library left behind"
 

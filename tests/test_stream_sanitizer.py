@@ -585,9 +585,13 @@ def test_the_unmutated_engine_is_clean_under_both_deepspeed_models() -> None:
     assert races_of(loop_module.InterleavedUpdate, backward_sync=False) == []
 
 
-@pytest.mark.parametrize("case", ["adam-fp32", "lion-fp32", "adam-bf16-states"])
+@pytest.mark.parametrize("case", ["adam-fp32", "adam-bf16-states"])
 def test_removing_any_wait_host_wait_or_tail_event_is_reported_as_a_race(case: str) -> None:
     """Every synchronisation in the engine's source is needed: removing any one of them is a race.
+
+    Two cases: fp32, and 16-bit state, whose rounded copies the engine moves beside the masters. The rule does not
+    choose the synchronisations (Lion's one state and Adagrad's take the same waits as Adam's two; the unmutated
+    engine runs clean under every rule in the tests above).
 
     Each mutant runs under DeepSpeed's stock behaviour first. The step's host wait for the end-of-backward event
     (recorded on DeepSpeed's reduce stream, :meth:`InterleavedUpdate.backward_ended`) is redundant there (DeepSpeed's
