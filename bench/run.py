@@ -410,6 +410,34 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def rounds_table(rounds: list[list[Result]]) -> str:
+    """Each system's update over the rounds (median, least, most), and the median of its per-round ratios: against
+    stock offload or stock NVMe offload of the same round (the same stretch of a drifting drive), and against the
+    drive's floor where it has one."""
+    lines = [
+        "| system | update s (median) | least | most | vs stock, per round | vs stock (median) "
+        "| update / floor, per round | update / floor (median) |",
+        "|" + "---|" * 8,
+    ]
+    for k, system in enumerate(r.system for r in rounds[0]):
+        updates = [results[k].update_s for results in rounds]
+        ratios, floors = [], []
+        for results in rounds:
+            reference = next((r for r in results if r.system == "stock" or r.system.startswith("stock-nvme:")), None)
+            if reference is not None and reference is not results[k]:
+                ratios.append(reference.update_s / results[k].update_s)
+            if results[k].extra.get("update_over_floor") is not None:
+                floors.append(results[k].extra["update_over_floor"])
+        lines.append(
+            f"| {system} | {statistics.median(updates):.3f} | {min(updates):.3f} | {max(updates):.3f} "
+            f"| {' '.join(f'{x:.2f}x' for x in ratios) or 'n/a'} "
+            f"| {_ratio(statistics.median(ratios) if ratios else None)} "
+            f"| {' '.join(f'{x:.2f}' for x in floors) or 'n/a'} "
+            f"| {_fmt(statistics.median(floors) if floors else None, 2)} |"
+        )
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), help="model shape (default: sized for this machine)")
@@ -434,7 +462,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clip", type=float, help="gradient clipping by global norm (default: none)")
     parser.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus bytes to load")
     parser.add_argument("--out", type=Path, help="JSON output (default: bench/out/<time>.json)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the systems this many times, each round starting one system later (a shared drive's bandwidth "
+        "drifts from minute to minute: rounds put each system beside the others' in every stretch of it), and "
+        "print each round and their medians",
+    )
+    parser.add_argument(
+        "--aio",
+        metavar="BLOCK,DEPTH,THREADS",
+        help="DeepSpeed's async I/O settings for both NVMe systems and the drive's floor: block size in bytes, "
+        "requests in flight, threads per request (default: 1048576,32,2)",
+    )
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.aio:
+        try:
+            block, depth, threads = (int(v) for v in args.aio.split(","))
+        except ValueError:
+            parser.error(f"--aio takes BLOCK,DEPTH,THREADS as three integers, e.g. 1048576,32,2; got {args.aio!r}")
+        AIO.update(block_size=block, queue_depth=depth, intra_op_parallelism=threads)
     gpu = torch.cuda.is_available()
     preset = args.preset or ("1b" if gpu else "small")
     shape = list(PRESETS[preset])
@@ -458,16 +508,29 @@ def main(argv: list[str] | None = None) -> int:
         f"# {device}: GPT {layers}x{width} ({params / 1e6:.1f}M params), seq {seq}, batch {batch}, "
         f"{args.precision}, clip {args.clip}, sub_group_size {args.sub_group_size}, {args.warmup}+{args.steps} steps"
     )
-    results = [run_system(system.strip(), args) for system in args.systems.split(",") if system.strip()]
-    print(table(results))
+    systems = [system.strip() for system in args.systems.split(",") if system.strip()]
+    rounds: list[list[Result]] = []
+    for k in range(args.rounds):
+        order = systems[k % len(systems) :] + systems[: k % len(systems)]
+        by_name = {r.system: r for r in (run_system(system, args) for system in order)}
+        rounds.append([by_name[system] for system in systems])
+        if args.rounds > 1:
+            print(f"\n## Round {k + 1} of {args.rounds} (run in the order {', '.join(order)})\n")
+        print(table(rounds[-1]))
+    results = rounds[-1]
+    if args.rounds > 1:
+        print("\n## Over the rounds\n")
+        print(rounds_table(rounds))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "device": device,
         "shape": args.shape,
         "precision": args.precision,
         "clip": args.clip,
+        "aio": dict(AIO),
         "params": params,
         "results": [asdict(r) for r in results],
+        "rounds": [[asdict(r) for r in results] for results in rounds],
     }
     args.out.write_text(json.dumps(payload, indent=2))
     print(f"\nJSON: {args.out}")

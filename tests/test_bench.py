@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import bench.run
 from bench.run import DEFAULT_SYSTEMS, main, make_strategy
 from lightning_dos.host import disk
 
@@ -30,6 +31,37 @@ def test_bench_runs_each_kind_of_system_and_writes_a_table_and_json(tmp_path: Pa
         assert result["update_params_per_s"] > 0
     ours = [r for r in payload["results"] if r["system"].startswith(("stride:", "0.25"))]
     assert len(ours) == 2 and all(r["d2h_gbps"] > 0 and 0 < r["device_share"] < 1 for r in ours)
+
+
+def test_rounds_rotate_the_systems_and_set_each_rounds_ratios_beside_their_median(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    out = tmp_path / "bench.json"
+    argv = ["--preset", "tiny", "--steps", "1", "--warmup", "1", "--max-bytes", "100000", "--out", str(out)]
+    assert main([*argv, "--systems", "stock,0.25@off", "--rounds", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "## Round 1 of 2 (run in the order stock, 0.25@off)" in printed
+    assert "## Round 2 of 2 (run in the order 0.25@off, stock)" in printed
+    summary = printed.split("## Over the rounds")[1]
+    rounds = json.loads(out.read_text())["rounds"]
+    assert [[r["system"] for r in results] for results in rounds] == [["stock", "0.25@off"]] * 2
+    ratios = [results[0]["update_s"] / results[1]["update_s"] for results in rounds]
+    row = next(line for line in summary.splitlines() if line.startswith("| 0.25@off |"))
+    assert " ".join(f"{x:.2f}x" for x in ratios) in row  # each round's ratio, against that round's stock
+    with pytest.raises(SystemExit):
+        main([*argv, "--rounds", "0"])
+
+
+def test_aio_settings_reach_both_nvme_systems_and_the_json(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(bench.run, "AIO", dict(bench.run.AIO))
+    args = bench.run.parse_args(["--aio", "524288,16,1"])
+    assert args.aio == "524288,16,1"
+    assert bench.run.AIO["block_size"] == 524288 and bench.run.AIO["queue_depth"] == 16
+    stock, _ = make_strategy("stock-nvme:/tmp/x", 1000)
+    ours, _ = make_strategy("nvme:0.5:/tmp/x@off", 1000, 12_000)
+    for strategy in (stock, ours):
+        aio = strategy.config["aio"]
+        assert (aio["block_size"], aio["queue_depth"], aio["intra_op_parallelism"]) == (524288, 16, 1)
+    with pytest.raises(SystemExit):
+        bench.run.parse_args(["--aio", "1M,32"])
 
 
 def test_every_default_system_names_a_strategy() -> None:
