@@ -103,7 +103,21 @@ class StockGPT(GPT):
         return cpu_adam
 
 
-def stock_config(sub_group_size: int, ratio: float = 1.0, nvme_path: str | None = None) -> dict[str, Any]:
+#: Tensor buffers stock's pipelined swapper runs with (4 sub-groups' of Adam: master weights, two moments, gradient);
+#: ``stock-nvme:DIR:N`` runs it with N.
+STOCK_BUFFERS = 16
+
+
+def parse_stock_nvme(name: str) -> tuple[str, int]:
+    """``stock-nvme:DIR`` or ``stock-nvme:DIR:N``: the directory, and the swapper's buffer count."""
+    directory = name.split(":", 1)[1]
+    head, _, tail = directory.rpartition(":")
+    return (head, int(tail)) if head and tail.isdigit() else (directory, STOCK_BUFFERS)
+
+
+def stock_config(
+    sub_group_size: int, ratio: float = 1.0, nvme_path: str | None = None, buffers: int = STOCK_BUFFERS
+) -> dict[str, Any]:
     offload: dict[str, Any] = {"device": "cpu", "pin_memory": True}
     if ratio != 1.0:
         offload["ratio"] = ratio  # TwinFlow: the first (1 - ratio) share of sub-groups stays on the GPU
@@ -114,7 +128,9 @@ def stock_config(sub_group_size: int, ratio: float = 1.0, nvme_path: str | None 
     if nvme_path is not None:
         # ZeRO-Infinity: every sub-group's optimizer state in files, DeepSpeed's pipelined swapper reading the next
         # sub-groups ahead and writing the last ones back behind the CPU's update (its best settings).
-        offload.update(device="nvme", nvme_path=nvme_path, pipeline_read=True, pipeline_write=True, buffer_count=16)
+        offload.update(
+            device="nvme", nvme_path=nvme_path, pipeline_read=True, pipeline_write=True, buffer_count=buffers
+        )
         config["aio"] = dict(AIO)
     return config
 
@@ -126,8 +142,9 @@ def make_strategy(system: str, sub_group_size: int, state_bytes: int = 0) -> tup
     system, _, overlap = system.partition("@")
     if system == "stock":
         return DeepSpeedCPUStrategy(config=stock_config(sub_group_size)), False
-    if system.startswith("stock-nvme:"):  # stock-nvme:DIR, DeepSpeed's NVMe offload with its files under DIR
-        return DeepSpeedCPUStrategy(config=stock_config(sub_group_size, nvme_path=system.split(":", 1)[1])), False
+    if system.startswith("stock-nvme:"):  # stock-nvme:DIR[:N], DeepSpeed's NVMe offload with its files under DIR
+        directory, buffers = parse_stock_nvme(system)
+        return DeepSpeedCPUStrategy(config=stock_config(sub_group_size, nvme_path=directory, buffers=buffers)), False
     if system.startswith("nvme:"):  # nvme:SHARE:DIR, ours with SHARE of the fp32 Adam state in host memory
         _, share, directory = system.split(":", 2)
         offload = {"device": "nvme", "nvme_path": directory}
@@ -210,7 +227,7 @@ def _drive_of(system: str, params: int) -> tuple[str | None, int]:
     64 MiB and at most 1 GiB, aligned for O_DIRECT. (None, 0) for a system that keeps no state on a drive."""
     name = system.partition("@")[0]
     if name.startswith("stock-nvme:"):
-        directory, state = name.split(":", 1)[1], 12 * params
+        directory, state = parse_stock_nvme(name)[0], 12 * params
     elif name.startswith("nvme:"):
         _, share, directory = name.split(":", 2)
         state = int(12 * params * (1.0 - float(share)))
@@ -452,7 +469,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--systems",
         default=DEFAULT_SYSTEMS,
-        help="comma-separated: stock, stock-nvme:DIR, twinflow:R, stride:K, a fraction, auto; ours take @off, @forward "
+        help="comma-separated: stock, stock-nvme:DIR (stock-nvme:DIR:N: its swapper with N tensor buffers, default "
+        "16), twinflow:R, stride:K, a fraction, auto; ours take @off, @forward "
         "or @auto "
         "(overlap; default auto), e.g. auto@off",
     )

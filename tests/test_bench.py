@@ -62,6 +62,10 @@ def test_aio_settings_reach_both_nvme_systems_and_the_json(monkeypatch) -> None:
         assert (aio["block_size"], aio["queue_depth"], aio["intra_op_parallelism"]) == (524288, 16, 1)
     with pytest.raises(SystemExit):
         bench.run.parse_args(["--aio", "1M,32"])
+    deeper, _ = make_strategy("stock-nvme:/tmp/x:32", 1000)  # stock's swapper with 32 tensor buffers
+    offload = deeper.config["zero_optimization"]["offload_optimizer"]
+    assert (offload["nvme_path"], offload["buffer_count"]) == ("/tmp/x", 32)
+    assert stock.config["zero_optimization"]["offload_optimizer"]["buffer_count"] == bench.run.STOCK_BUFFERS
 
 
 def test_every_default_system_names_a_strategy() -> None:
