@@ -18,6 +18,7 @@ from lightning_dos.model.nvme import (
     nvme_sub_groups,
     predict_tiered,
     slab_hits,
+    staging_slots,
     stock_tiered_update_s,
     tiered_plan,
     tiered_update,
@@ -143,6 +144,18 @@ def test_the_slabs_hits_follow_the_engines_slab_rule() -> None:
     assert slab_hits([], [1, 2], 4) == []
     with pytest.raises(ValueError, match="slabs"):
         slab_hits([1, 2, 3], [1], 2)
+
+
+def test_small_records_get_more_staging_slabs_up_to_half_of_them() -> None:
+    """Enough slabs for 128 MiB in flight (small records), at least 4, at most 16, and above 4 never more than half
+    the file-backed records (a slab keeps its record: with one per record, none would cross the drive)."""
+    record = 12 * 1_592_640  # 19.1 MB: the bench's medium GPT's sub-groups
+    assert staging_slots(record) == 8 and staging_slots(record, 16) == 8 and staging_slots(record, 10) == 5
+    assert staging_slots(record, 2) == 4  # the fewest, whatever the records
+    assert staging_slots(12 * int(1e9)) == 4 == staging_slots(32 << 20, 100)  # large records: 4, as before
+    assert staging_slots(8400) == 16 and staging_slots(8400, 20) == 10
+    with pytest.raises(ValueError, match="record_bytes"):
+        staging_slots(0)
 
 
 def test_bad_figures_are_refused_with_the_setting_named() -> None:

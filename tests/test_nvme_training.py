@@ -18,6 +18,7 @@ from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.errors import DOSConfigError
 from lightning_dos.host import disk
 from lightning_dos.integration.cpu_strategy import DeepSpeedCPUStrategy
+from lightning_dos.model.nvme import staging_slots
 from lightning_dos.model.perfmodel import predict
 from tests.helpers import (
     FP32_RTOL,
@@ -41,7 +42,7 @@ STEPS = 6
 
 class StateAtEnd(L.Callback):
     """The engine's master weights and optimizer state when training ends (before teardown removes the swap file),
-    and whether its swap file existed then."""
+    whether its swap file existed then, and its staging slabs."""
 
     def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
         self.trainer, engine = trainer, trainer.strategy.dos_engine
@@ -50,6 +51,7 @@ class StateAtEnd(L.Callback):
         engine.release_file_copies()
         self.files = engine.files
         self.swap_existed = engine.files is not None and engine.files.swap.path.exists()
+        self.slabs = len(engine.files.swap.slabs) if engine.files is not None else 0
 
 
 def _fit(  # noqa: ANN202
@@ -91,6 +93,11 @@ def test_any_host_budget_gives_the_all_host_engines_bits(tmp_path: Path, precisi
         in_files = sum(files.sub_groups[i].numel for i in files.indices)
         assert (in_files == sum(strategy.dos_engine.sizes)) == (budget == 0) and in_files > 0
         assert files.read_bytes > 0 and files.written_bytes > 0
+        # Tiny records: more staging slabs than 4 where there are records enough (model.nvme.staging_slots), never
+        # more than the pre-flight counted.
+        assert got.slabs == staging_slots(12 * SUB_GROUP, len(files.indices))
+        assert (got.slabs > 4) == (budget == 0)  # 15 records in files: 7 slabs; 9: the fewest, 4
+        assert dict(strategy.dos_host_figure.items)["NVMe staging slabs"] >= files.staging_bytes
         for a, b in zip(got.state, want.state, strict=True):
             assert torch.equal(a, b)
         for name, value in full_parameters(reference).items():

@@ -17,11 +17,11 @@ from typing import Any
 from lightning_dos.model.nvme import (
     ALTERNATE,
     FORWARD,
-    STAGING_SLOTS,
     DiskRates,
     choose_files_order,
     files_update,
     nvme_sub_groups,
+    staging_slots,
     stock_tiered_update_s,
 )
 from lightning_dos.model.perfmodel import HardwareRates
@@ -93,16 +93,19 @@ def nvme_rows(
     state = sum(sizes) * footprint.optimizer_state
     stock = stock_tiered_update_s(sizes, rates, per_rank, lp_bytes=lp_bytes, footprint=footprint)
     rows = []
+    slots = staging_slots(max(sizes) * footprint.optimizer_state)  # the most, for the table's title
     for budget in budgets:
         held = budget * state if budget <= 1 else budget / ranks
         on_nvme = nvme_sub_groups(sizes, held, footprint)
-        kwargs = {"lp_bytes": lp_bytes, "slots": STAGING_SLOTS, "footprint": footprint}
+        row_slots = staging_slots(max(sizes) * footprint.optimizer_state, len(on_nvme))  # as the adapter opens them
+        kwargs = {"lp_bytes": lp_bytes, "slots": row_slots, "footprint": footprint}
         order = choose_files_order(sizes, plan, rates, per_rank, on_nvme, **kwargs).order
         ours = files_update(sizes, plan, rates, per_rank, on_nvme, order=order, backwards=False, **kwargs)
         rows.append(
             {
                 "host_budget": budget,
                 "order": order,
+                "slots": row_slots,
                 "host_state_bytes": min(held, state),
                 "host_state_gb": min(held, state) / 1e9,
                 "file_share": ours.write_bytes / state if state else 0.0,
@@ -115,16 +118,17 @@ def nvme_rows(
                 "ours_vs_stock": stock.time_s / ours.time_s,
             }
         )
-    return nvme_result(disk, ranks, state, rows)
+    return nvme_result(disk, ranks, state, rows, slots)
 
 
-def nvme_result(disk: DiskRates, ranks: int, state: float, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The NVMe rows with what they were computed for: the drive, the ranks sharing it, the state per rank."""
+def nvme_result(disk: DiskRates, ranks: int, state: float, rows: list[dict[str, Any]], slots: int) -> dict[str, Any]:
+    """The NVMe rows with what they were computed for: the drive, the ranks sharing it, the state per rank, the
+    staging slabs."""
     return {
         "read_gbs": disk.read_bps / 1e9,
         "write_gbs": disk.write_bps / 1e9,
         "ranks": ranks,
-        "slots": STAGING_SLOTS,
+        "slots": slots,
         "state_gb_per_rank": state / 1e9,
         "rows": rows,
     }
@@ -145,7 +149,7 @@ def print_nvme(result: dict[str, Any], console: Any) -> None:  # noqa: ANN401 - 
     table = Table(
         title=nvme_title(result),
         caption="predicted (performance model); lightning-dos simulate replays ours. floor: the drive's time for the "
-        f"bytes read and written; {result['slots']} host staging slabs for each.",
+        f"bytes read and written; at most {result['slots']} host staging slabs for each.",
     )
     table.add_column("host\nbudget", justify="right")
     for column in ("in\nfiles", "order", "ours\ns", "x\nfloor", "stock\ns", "x\nfloor", "ours vs\nstock"):

@@ -102,8 +102,8 @@ def print_nvme_simulation(result: dict[str, Any], console: Any) -> None:  # noqa
     table = Table(
         title=nvme_title(result),
         caption="ours: the engine's schedule replayed (SIMULATED), beside the model; stock: the model of "
-        f"DeepSpeed's pipelined swapper. floor: the drive's time for the bytes; {result['slots']} staging slabs; "
-        f"stream races found: {races}.",
+        "DeepSpeed's pipelined swapper. floor: the drive's time for the bytes; "
+        f"at most {result['slots']} staging slabs; stream races found: {races}.",
     )
     columns = ("host\nbudget", "in\nfiles", "order", "ours\ns", "model\ns", "replay/\nmodel", "x\nfloor", "stock\ns")
     for column in columns:

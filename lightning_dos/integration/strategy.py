@@ -69,7 +69,7 @@ from lightning_dos.integration.zero3 import (
     ZeRO3Adapter,
     load_zero3_weights_for_evaluation,
 )
-from lightning_dos.model.nvme import STAGING_SLOTS
+from lightning_dos.model.nvme import staging_slots
 from lightning_dos.model.perfmodel import HardwareRates
 from lightning_dos.model.plan import ALIGN_ELEMENTS, FractionSpec, auto_sub_group_size, coarse_share_warning
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
@@ -372,8 +372,10 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         tier = self.dos_nvme
         state = footprint.optimizer_state * per_rank
         size = self.engine_sub_group_size
-        largest = min(per_rank, auto_sub_group_size(per_rank) if size == "auto" else int(size)) + ALIGN_ELEMENTS
-        staging = STAGING_SLOTS * footprint.optimizer_state * largest
+        sub_group = min(per_rank, auto_sub_group_size(per_rank) if size == "auto" else int(size))
+        largest = sub_group + ALIGN_ELEMENTS
+        # The most slabs the adapter opens for this sub-group size (staging_slots), each up to the largest record.
+        staging = staging_slots(footprint.optimizer_state * sub_group) * footprint.optimizer_state * largest
         startup_share = footprint.master / footprint.optimizer_state  # DeepSpeed's masters of the part in files
         budget = tier.host_bytes = resolve_host_budget(
             tier, state, figure.total - state + staging, host_memory(), local_ranks, startup_share

@@ -37,9 +37,28 @@ STOCK_SLOTS = 4
 #: The orders the file-backed host sub-groups can be taken in, iteration after iteration (:func:`files_update`).
 ALTERNATE, FORWARD = "alternate", "forward"
 ORDERS = (ALTERNATE, FORWARD)
-#: Staging slabs ours moves file-backed records through (each the size of the largest sub-group's state): one being
-#: updated in, the next read ahead, the last written back, one spare for the alternating order.
+#: The fewest staging slabs ours moves file-backed records through (each the size of the largest sub-group's
+#: state): one being updated in, the next read ahead, the last written back, one spare for the alternating order.
 STAGING_SLOTS = 4
+#: Bytes of records the tier keeps its slabs' worth of, at least: a drive moves bytes in flight / latency, so small
+#: records need more slabs to keep it busy. On this project's CPU machine's disk (bench/RESULTS.md, 2026-11-27),
+#: reading and writing 16 records of 19 MB through 4 slabs moved 1.3-1.5 GB/s, through 8 (153 MB) 2.1-2.4 GB/s, and
+#: 38 or 76 MB records with 153 MB in flight the same 2.2-2.5: the bytes in flight, not the request size, set it.
+IN_FLIGHT_BYTES = 128 << 20
+#: The most staging slabs: past this the slabs' host memory buys the drive nothing more.
+MAX_STAGING_SLOTS = 16
+
+
+def staging_slots(record_bytes: int, records: int | None = None) -> int:
+    """How many staging slabs of ``record_bytes`` each the NVMe tier moves its ``records`` file-backed records
+    through: enough to hold :data:`IN_FLIGHT_BYTES`, from :data:`STAGING_SLOTS` to :data:`MAX_STAGING_SLOTS` (4 for
+    any record of 32 MiB or more: a sub-group of 2.8M fp32 Adam elements), and above 4 no more than half the records,
+    so that the slabs never become a second host tier (a slab keeps its record: with as many slabs as records,
+    none would cross the drive). ``records`` None: the most it can be, for any number of records."""
+    if record_bytes <= 0:
+        raise ValueError(f"record_bytes must be positive, got {record_bytes}")
+    wanted = min(MAX_STAGING_SLOTS, -(-IN_FLIGHT_BYTES // record_bytes))
+    return max(STAGING_SLOTS, wanted if records is None else min(wanted, records // 2))
 
 
 @dataclass(frozen=True)

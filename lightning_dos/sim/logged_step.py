@@ -12,7 +12,7 @@ import torch
 
 from lightning_dos.engine.kernels import Hyper
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
-from lightning_dos.model.nvme import ALTERNATE, STAGING_SLOTS
+from lightning_dos.model.nvme import ALTERNATE, staging_slots
 from lightning_dos.model.overlap import begins_in_backward, overlaps_forward
 from lightning_dos.model.plan import Plan
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
@@ -110,10 +110,10 @@ def steady_step(
     to ``footprint``'s bytes. The engine keeps its 16-bit parameters on the (simulated) device. ``clipped`` (under
     ``auto``): the updates begun during backward are speculative, and each step turns out clipped (True: they are
     redone) or not (False: committed). ``files_from``: sub-groups from this one on keep their state on the
-    simulated drive (:class:`~lightning_dos.sim.simdrive.SimSwapFile`, 4 staging slabs, as the strategy runs the
-    NVMe tier), taken in ``files_order`` (``model.nvme.ORDERS``); the engine then steps three times and the third
-    is logged: it takes the file-backed sub-groups forwards, after a step that took them backwards (alternating)
-    or forwards too."""
+    simulated drive (:class:`~lightning_dos.sim.simdrive.SimSwapFile`, as many staging slabs as the strategy
+    opens for ``sizes``: ``model.nvme.staging_slots``), taken in ``files_order`` (``model.nvme.ORDERS``); the engine
+    then steps three times and the third is logged: it takes the file-backed sub-groups forwards, after a step that
+    took them backwards (alternating) or forwards too."""
     small = sizes_at_test_scale(sizes, scale)
     engine = InterleavedUpdate(
         small,
@@ -130,7 +130,9 @@ def steady_step(
     if files_from is not None:
 
         def open_swap(records: list[int], master: torch.dtype, state: torch.dtype, states: int) -> SimSwapFile:
-            return SimSwapFile(checker, files_from, records, master, state, states, slots=STAGING_SLOTS)
+            # For the real sizes, not the test's, and the records in files, as the adapter opens them.
+            slots = staging_slots(max(sizes) * footprint.optimizer_state, len(records))
+            return SimSwapFile(checker, files_from, records, master, state, states, slots=slots)
 
         engine.keep_records_in(files_from, open_swap)
         engine.files_order = files_order

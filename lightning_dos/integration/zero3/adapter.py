@@ -36,7 +36,7 @@ from lightning_dos.integration.zero3.compat import (
 )
 from lightning_dos.integration.zero3.gathers import ForwardGathers
 from lightning_dos.integration.zero3.state_access import TRIM_EVERY_BYTES, StateAccess
-from lightning_dos.model.nvme import STAGING_SLOTS
+from lightning_dos.model.nvme import staging_slots
 from lightning_dos.model.overlap import OFF, Overlap, check_overlap, overlaps_forward
 from lightning_dos.model.plan import Plan, auto_sub_group_size
 from lightning_dos.model.step_report import StepReport
@@ -185,8 +185,11 @@ class ZeRO3Adapter(ForwardGathers, BackwardHooks, StateAccess):
         # "auto" is resolved by the strategy's pre-flight; unresolved (an adapter built by hand), nothing goes to files.
         budget = nvme.host_bytes if nvme.host_bytes is not None else nvme.host_budget
         first = self.engine.first_file_backed(budget) if isinstance(budget, int) else len(self.engine.sub_groups)
+        # Slabs for the sub-group size, at most as many as the strategy's pre-flight counts (the largest may be less).
+        sub_group = min(sum(self.engine.sizes), self.sub_group_size)
+        slots = staging_slots(self.engine.footprint.optimizer_state * sub_group, len(self.engine.sub_groups) - first)
         return self.engine.keep_in_files(
-            first, nvme.path, rank, load_aio(), slots=STAGING_SLOTS, write=False, block_size=nvme.block_size,
+            first, nvme.path, rank, load_aio(), slots=slots, write=False, block_size=nvme.block_size,
             queue_depth=nvme.queue_depth, threads=nvme.threads,
         )  # fmt: skip
 
