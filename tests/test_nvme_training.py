@@ -241,7 +241,8 @@ def test_bad_nvme_settings_are_refused_before_any_step(tmp_path: Path, monkeypat
 @needs_aio
 def test_two_ranks_keep_one_swap_file_each_and_train_as_in_host_memory(tmp_path: Path) -> None:
     """Two processes on one directory: each rank's state in its own file while training, none left after, and the
-    same parameters and optimizer state, bit for bit, as two ranks with the state in host memory."""
+    same parameters and optimizer state, bit for bit, as two ranks with the state in host memory; the drive measured
+    by both at once, the same rates agreed."""
     job = Path(__file__).parent / "jobs" / "nvme_ranks.py"
     swap = tmp_path / "swap"
     swap.mkdir()
@@ -250,8 +251,10 @@ def test_two_ranks_keep_one_swap_file_each_and_train_as_in_host_memory(tmp_path:
             [sys.executable, str(job), nvme, str(out)], env=clean_env(), capture_output=True, text=True, timeout=600
         )
         assert done.returncode == 0, done.stderr[-3000:]
+    drives = []
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"nvme.pt.rank{rank}.json").read_text())
+        drives.append(seen["drive"])
         assert seen["files"] == ["lightning-dos-rank0.swap", "lightning-dos-rank1.swap"]
         assert seen["in_files"] == seen["sub_groups"] > 0
         got = torch.load(tmp_path / f"nvme.pt.rank{rank}.state.pt")
@@ -266,6 +269,10 @@ def test_two_ranks_keep_one_swap_file_each_and_train_as_in_host_memory(tmp_path:
     got, want = torch.load(tmp_path / "nvme.pt"), torch.load(tmp_path / "cpu.pt")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert list(swap.iterdir()) == []
+    # The two ranks measured their shared drive at once (each its share, as in the update) and agreed on the rates.
+    (start0, end0, *rates0), (start1, end1, *rates1) = drives
+    assert max(start0, start1) < min(end0, end1), "the ranks measured the drive one after the other"
+    assert rates0 == rates1 and min(rates0) > 0
 
 
 @needs_aio

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_dos.host.ranks import calibrate_together, reduce_min_over_ranks
+from lightning_dos.host.ranks import calibrate_together, measure_drive_together, reduce_min_over_ranks
+from lightning_dos.model.nvme import DiskRates
 from lightning_dos.model.perfmodel import HardwareRates
 from lightning_dos.planning.agree import agreed_plan_inputs
 from lightning_dos.planning.calibrate import MIN_HOST_NUMEL, calibrate
@@ -108,3 +109,21 @@ def test_ranks_enter_the_same_collectives_in_the_same_order_none_from_backward_o
         assert {c.group for c in ours} == {info["dp_group"]}, f"rank {rank}: not on DeepSpeed's group: {ours}"
         off_thread = [c for c in mine if c.thread != "MainThread"]
         assert off_thread == [], f"rank {rank}: collectives issued off the training thread: {off_thread}"
+
+
+def test_one_process_measures_the_drive_alone_and_a_rank_with_nothing_to_measure_gets_none() -> None:
+    drive = DiskRates(2e9, 1e9)
+    alone = measure_drive_together(lambda: drive, None)
+    assert alone is not None and alone.agreed == drive and alone.started <= alone.ended
+    assert measure_drive_together(None, None) is None
+    # With ranks, one whose state all fits its budget still enters both collectives, with nothing to lower the rates.
+    entered: list[list[float]] = []
+
+    def least_with_another_rank(values: list[float]) -> list[float]:
+        entered.append(values)
+        return [min(v, 1.5e9) for v in values]  # the other rank measured 1.5 GB/s each way
+
+    assert measure_drive_together(None, least_with_another_rank) is None
+    assert entered == [[0.0], [float("inf"), float("inf")]]
+    agreed = measure_drive_together(lambda: drive, least_with_another_rank)
+    assert agreed is not None and agreed.agreed == DiskRates(1.5e9, 1e9)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_dos.model.nvme import DiskRates
 from lightning_dos.model.perfmodel import HardwareRates
 from lightning_dos.planning.agree import ReduceMin, min_rates
 
@@ -117,3 +118,41 @@ def calibrate_together(measure: Callable[[], HardwareRates], reduce_min: ReduceM
     ended = time.time()
     agreed = min_rates(measured, reduce_min) if reduce_min is not None else measured
     return Calibration(started, ended, measured, agreed)
+
+
+@dataclass(frozen=True)
+class DriveMeasurement:
+    """One rank's measurement of the drive under ``nvme_path``.
+
+    Attributes:
+        started: wall-clock time (``time.time()``) the measurement began on this rank, after every rank was ready.
+        ended: wall-clock time it ended.
+        agreed: the rates every rank that measured uses: each the minimum over those ranks.
+    """
+
+    started: float
+    ended: float
+    agreed: DiskRates
+
+
+def measure_drive_together(
+    measure: Callable[[], DiskRates] | None, reduce_min: ReduceMin | None
+) -> DriveMeasurement | None:
+    """Run ``measure`` on every rank at once and agree on the slowest rates: the node's ranks share its drive during
+    the update, so each measures its share, as it will see the drive then (one rank measuring an idle drive would
+    overstate it as many times as there are ranks). A rank with nothing to measure (``measure`` None: its state all
+    fits its host budget, which ``"auto"`` resolves rank by rank) still takes part in both collectives, and gets None.
+
+    Args:
+        measure: this rank's measurement, or None.
+        reduce_min: the ranks' element-wise minimum (:func:`reduce_min_over_ranks`); None for one process.
+    """
+    if reduce_min is not None:
+        reduce_min([0.0])  # the barrier before measuring
+    started = time.time()
+    measured = measure() if measure is not None else None
+    ended = time.time()
+    rates = [measured.read_bps, measured.write_bps] if measured is not None else [float("inf")] * 2
+    if reduce_min is not None:
+        rates = reduce_min(rates)
+    return DriveMeasurement(started, ended, DiskRates(*rates)) if measured is not None else None

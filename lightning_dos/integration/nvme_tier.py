@@ -9,6 +9,7 @@ from typing import Any
 
 from lightning_dos.errors import DOSConfigError
 from lightning_dos.host.hostmem import HostMemory
+from lightning_dos.host.ranks import DriveMeasurement
 from lightning_dos.model.nvme import DiskRates
 
 #: Share of the host memory found spare that ``host_memory_budget="auto"`` gives the optimizer state.
@@ -31,7 +32,9 @@ class NvmeTier:
             DeepSpeed configs).
         host_bytes: ``host_budget`` resolved by this fit's pre-flight (None before it).
         drive: the drive's read and write bandwidth, measured on ``path`` by this fit's pre-flight when state goes to
-            files (None otherwise): the ratio scheduler predicts each update with it.
+            files (None otherwise), every rank at once, the slowest over them: the ratio scheduler predicts each
+            update with it.
+        measurement: that measurement, with when it began and ended on this rank (None when none was taken).
     """
 
     path: str
@@ -41,6 +44,7 @@ class NvmeTier:
     threads: int = 1
     host_bytes: int | None = None
     drive: DiskRates | None = None
+    measurement: DriveMeasurement | None = None
 
 
 def check_host_budget(value: Any) -> None:

@@ -32,7 +32,7 @@ from lightning_dos.host.cores import HostPlacement
 from lightning_dos.host.disk import check_nvme_path, load_aio, measure_disk
 from lightning_dos.host.host_threads import apply_host_threads
 from lightning_dos.host.hostmem import LIMIT_ENV, check_host_memory, host_memory
-from lightning_dos.host.ranks import Calibration, calibrate_together, reduce_min_over_ranks
+from lightning_dos.host.ranks import Calibration, calibrate_together, measure_drive_together, reduce_min_over_ranks
 from lightning_dos.integration.cpu_strategy import DeepSpeedCPUStrategy
 from lightning_dos.integration.held_signals import DeliverHeldSignals
 from lightning_dos.integration.nvme_tier import (
@@ -392,8 +392,15 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             # the file are held until each partition is adopted and written there, at start-up (its peak).
             masters = footprint.master * ((state - budget) // footprint.optimizer_state)
             figure.items.append(("DeepSpeed masters of the NVMe part, until start-up ends", masters))
-            # The drive as this rank sees it now (every local rank measures at start-up: each sees its share).
-            tier.drive = measure_disk(tier.path, CALIBRATION_BYTES, wear_notice=True)  # the run writes there on
+        # Every rank measures the drive at once (its share of it, as in the update; the run writes there on, hence the
+        # wear notice) and all use the slowest rates; a rank whose state all fits its budget takes part all the same.
+        path = tier.path
+        tier.measurement = measure_drive_together(
+            (lambda: measure_disk(path, CALIBRATION_BYTES, wear_notice=True)) if budget < state else None,
+            reduce_min_over_ranks(self.root_device),
+        )
+        tier.drive = tier.measurement.agreed if tier.measurement is not None else None
+        if tier.drive is not None:
             measured = f" (measured {tier.drive.read_bps / 1e9:.2f} GB/s read, {tier.drive.write_bps / 1e9:.2f} write)"
         rank_zero_info(
             f"lightning-dos: the NVMe tier keeps {_size(budget)} of each rank's {_size(state)} of optimizer state in "

@@ -2,7 +2,8 @@
 
 Run by tests/test_nvme_training.py as a script (Lightning launches the second rank by re-running the command line).
 Usage: python tests/jobs/nvme_ranks.py NVME_PATH|cpu OUT.pt
-Every rank writes OUT.rank<R>.json: the swap files in NVME_PATH while it trained, and its optimizer state's sizes;
+Every rank writes OUT.rank<R>.json: the swap files in NVME_PATH while it trained, its optimizer state's sizes and its
+measurement of the drive;
 rank 0 saves the gathered parameters and every rank's master weights and moments to OUT.pt.
 """
 
@@ -38,8 +39,12 @@ class Record(L.Callback):
         torch.save(state, f"{self.out}.rank{rank}.state.pt")
         files = sorted(p.name for p in Path(self.nvme).iterdir()) if self.nvme != "cpu" else []
         in_files = len(engine.files.indices) if engine.files is not None else 0
+        seen = {"files": files, "in_files": in_files, "sub_groups": len(engine.sub_groups)}
+        measured = getattr(trainer.strategy.dos_nvme, "measurement", None)
+        if measured is not None:  # when this rank measured the drive, and the rates every rank agreed on
+            seen["drive"] = [measured.started, measured.ended, measured.agreed.read_bps, measured.agreed.write_bps]
         with open(f"{self.out}.rank{rank}.json", "w") as f:
-            json.dump({"files": files, "in_files": in_files, "sub_groups": len(engine.sub_groups)}, f)
+            json.dump(seen, f)
 
 
 def main(nvme: str, out: str) -> None:
