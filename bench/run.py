@@ -103,8 +103,8 @@ class StockGPT(GPT):
         return cpu_adam
 
 
-#: Tensor buffers stock's pipelined swapper runs with (4 sub-groups' of Adam: master weights, two moments, gradient);
-#: ``stock-nvme:DIR:N`` runs it with N.
+#: Tensor buffers stock's pipelined swapper runs with (4 sub-groups' worth for Adam: master weights, two moments,
+#: gradient); ``stock-nvme:DIR:N`` runs it with N.
 STOCK_BUFFERS = 16
 
 

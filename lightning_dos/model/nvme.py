@@ -40,10 +40,11 @@ ORDERS = (ALTERNATE, FORWARD)
 #: The fewest staging slabs ours moves file-backed records through (each the size of the largest sub-group's
 #: state): one being updated in, the next read ahead, the last written back, one spare for the alternating order.
 STAGING_SLOTS = 4
-#: Bytes of records the tier keeps its slabs' worth of, at least: a drive moves bytes in flight / latency, so small
-#: records need more slabs to keep it busy. On this project's CPU machine's disk (bench/RESULTS.md, 2026-11-27),
-#: reading and writing 16 records of 19 MB through 4 slabs moved 1.3-1.5 GB/s, through 8 (153 MB) 2.1-2.4 GB/s, and
-#: 38 or 76 MB records with 153 MB in flight the same 2.2-2.5: the bytes in flight, not the request size, set it.
+#: Bytes the staging slabs hold together, at least (as many slabs as that takes): a drive moves its bytes in flight
+#: per latency, so small records need more slabs to keep it busy. On this project's CPU machine's disk
+#: (bench/RESULTS.md, 2026-11-27), reading and writing 16 records of 19 MB through 4 slabs moved 1.3-1.5 GB/s, through
+#: 8 (153 MB) 2.1-2.4 GB/s, and 38 or 76 MB records with 153 MB in flight the same 2.2-2.5: the bytes in flight, not
+#: the request size, set it.
 IN_FLIGHT_BYTES = 128 << 20
 #: The most staging slabs: past this the slabs' host memory buys the drive nothing more.
 MAX_STAGING_SLOTS = 16
