@@ -173,3 +173,21 @@ def test_every_other_step_goes_backwards_so_the_slabs_still_hold_its_first_recor
         skipped.append(engine.files.reads_skipped - before)
     assert skipped == [1, 2, 2]
     engine.close_files()
+
+
+def test_the_host_updates_what_it_holds_before_it_waits_for_a_write_back(tmp_path: Path, aio) -> None:  # noqa: ANN001
+    """Four file-backed sub-groups after five in host slabs, two staging slabs. The second step (backwards) begins
+    with the two records the first one left in the slabs, then updates the five host-slab sub-groups while the drive
+    writes those two back: the host waits for no write-back before all seven are updated (it used to wait for the
+    older one at once, to read the next record ahead, and then update the host-slab ones with the drive idle)."""
+    engine, _ = _engine(5, tmp_path, aio, sim=False, slots=2)
+    inputs, events = Inputs(), []
+    engine.step(Plan((H,) * 9), inputs(1))
+    assert engine.files.held == {7, 8}
+    engine.on_point = lambda point, index: events.append(("updated", index)) if point == "updated" else None
+    engine.files.on_request = lambda lane, index, *times: events.append((lane.split(",")[0], index))
+    engine.step(Plan((H,) * 9), inputs(2))
+    first_wait = next(k for k, (what, _) in enumerate(events) if what == "nvme write")
+    assert events[:first_wait] == [("updated", i) for i in (8, 7, 0, 1, 2, 3, 4)]
+    assert sorted(i for what, i in events if what == "updated") == list(range(9))
+    engine.close_files()

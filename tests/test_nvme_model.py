@@ -80,6 +80,11 @@ def test_a_host_budget_keeps_the_first_sub_groups_and_a_resident_one_in_files_is
     all_host = Plan(tuple(Place.HOST for _ in range(5)))
     assert host_order(all_host, [2, 3, 4], backwards=True) == [0, 1, 4, 3, 2]
     assert host_order(all_host, [2, 3, 4], backwards=False) == [0, 1, 2, 3, 4]
+    # The file-backed ones the slabs hold that the order takes first go before the host-slab ones; held ones it
+    # takes later (forward order after a forward step) stay where they are.
+    assert host_order(all_host, [2, 3, 4], backwards=True, held=[4, 3]) == [4, 3, 0, 1, 2]
+    assert host_order(all_host, [2, 3, 4], backwards=True, held=[3]) == [0, 1, 4, 3, 2]
+    assert host_order(all_host, [2, 3, 4], backwards=False, held=[3, 4]) == [0, 1, 2, 3, 4]
 
 
 def test_ours_against_stocks_pipelined_swapper_at_70b_on_the_papers_node() -> None:

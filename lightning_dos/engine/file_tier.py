@@ -14,7 +14,8 @@ sub-group, and a path that forgets to store a sub-group only costs memory until 
 never correctness. The price is a copy between slab and span each way, an order of magnitude faster than the drive.
 
 Reads run ahead in the order the update takes the sub-groups (:meth:`FileTier.begin`), into slabs no request is using
-(or whose write-back, older than another in flight, it waits for) and whose record the update does not need again; a
+(or, while the update waits for a read anyway, whose write-back, older than another in flight, it waits for) and whose
+record the update does not need again; a
 slab keeps the record it last moved, so a sub-group loaded again before its slab is reused (the order that alternates
 between iterations, MLP-Offload's) is copied from it without touching the drive. Two writes of one record are never in
 flight at once, and a record is never read from the drive while its write-back runs. This module's I/O waits are the
@@ -97,6 +98,11 @@ class FileTier:
     def indices(self) -> list[int]:
         return list(self.sub_groups)
 
+    @property
+    def held(self) -> set[int]:
+        """The records the staging slabs hold a current copy of (read, or written back) now."""
+        return {index for index in self._holds if index is not None}
+
     # -- slabs --------------------------------------------------------------------------------------
 
     def _slab_of(self, index: int) -> int | None:
@@ -170,12 +176,16 @@ class FileTier:
         self._ahead = [i for i in order if i in self.sub_groups and i not in self.loaded]
         self._read_ahead()
 
-    def _read_ahead(self) -> None:
+    def _read_ahead(self, patient: bool = False) -> None:
+        """Start the reads of the next records the update needs into idle slabs; ``patient``: the caller is about to
+        wait for a read, so a read ahead may wait for an older write-back to land first (:meth:`_older_write_slab`).
+        Otherwise the host does not wait here: it has updates to run (records the slabs still hold, host-slab
+        sub-groups) while the drive works through the writes already queued."""
         for index in list(self._ahead):
             if index in self.loaded or self._slab_of(index) is not None:
                 continue  # loaded already, or a slab holds it (read in flight, or a copy from the last write)
             idle = [s for s in range(len(self._holds)) if self._busy[s] is None]
-            if not idle:
+            if not idle and patient:
                 idle = self._older_write_slab()
             if not idle:
                 return
@@ -189,10 +199,10 @@ class FileTier:
 
     def _older_write_slab(self) -> list[int]:
         """The slab of the oldest write-back in flight, when a newer one is in flight too and the update does not
-        need its record again: the drive has most likely done that write while the CPU updated the sub-groups since,
-        so waiting for it is short (the caller does: :meth:`_start_read` empties the slab first), and a read ahead
-        queued now keeps the drive busy instead of waiting for the update's next load to ask for it. The newest write
-        keeps running. Empty when there is none."""
+        need its record again: it was queued on the drive before the read the update is about to wait for, so waiting
+        for it first costs the host little (the caller does: :meth:`_start_read` empties the slab first), and a read
+        ahead queued now keeps the drive busy instead of waiting for the update's next load to ask for it. The newest
+        write keeps running. Empty when there is none."""
         writing = [s for s in range(len(self._busy)) if self._busy[s] == "write"]
         writing.sort(key=self._last_used.__getitem__)
         if len(writing) < 2 or self._needed_after(writing[0]) <= len(self._ahead):
@@ -224,6 +234,7 @@ class FileTier:
         elif self._busy[slot] != "read":  # not a read ahead: the record's current copy (its write-back may still run)
             self.reads_skipped += 1
         if self._busy[slot] == "read":
+            self._read_ahead(patient=True)  # the host waits for the drive now: queue the next reads first
             self._wait(slot)
         self._touch(slot)
         homes = sum(busy == "home" for busy in self._busy)

@@ -204,14 +204,14 @@ class HostSubGroups:
         return self._upload_staged(index, lp, staging, slot, report)
 
     def _run_host_side(
-        self, plan: Plan, inputs: StepInputs, streams: Streams, report: StepReport, skip: set[int]
+        self, order: list[int], inputs: StepInputs, streams: Streams, report: StepReport, skip: set[int]
     ) -> list:
-        """The update on the CPU for every host sub-group not in ``skip`` (updated during backward already), each
-        followed by an asynchronous 16-bit upload; return the last upload (backward's phase's included: they all
-        share the ``lp_h2d`` stream)."""
+        """The update on the CPU for every host sub-group in ``order`` not in ``skip`` (updated during backward
+        already), each followed by an asynchronous 16-bit upload; return the last upload (backward's phase's included:
+        they all share the ``lp_h2d`` stream)."""
         step_tensors: dict[int, torch.Tensor] = {}
         last_upload = self._early_tail if skip else None
-        for index in self._host_order(plan):
+        for index in order:
             if index not in skip:
                 landed = self._update_host_sub_group(index, inputs, report, step_tensors)
                 self._land(index, landed)

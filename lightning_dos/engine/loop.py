@@ -372,12 +372,15 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         return self.files_order == ALTERNATE and step % 2 == 0
 
     def _host_order(self, plan: Plan) -> list[int]:
-        """The order host sub-groups are updated in: the plan's, except that file-backed ones come last (they hold
-        the end of the partition, which the next forward needs last), backwards every other step in the alternating
-        :attr:`files_order`, so that the step begins with those the staging slabs still hold from the last one
-        (MLP-Offload's cache-friendly order: their reads are skipped)."""
-        in_files = self.files.indices if self.files is not None else ()
-        return host_order(plan, in_files, backwards=self.files_backwards(self.steps_taken))  # this step's number
+        """The order this step updates host sub-groups in (asked once, before any read is issued): the plan's,
+        except that file-backed ones come last (they hold the end of the partition, which the next forward needs
+        last), backwards every other step in the alternating :attr:`files_order`, so that the step begins with those
+        the staging slabs still hold from the last one (MLP-Offload's cache-friendly order: their reads are skipped);
+        and those come before the host-slab ones (:func:`host_order`)."""
+        if self.files is None:
+            return plan.host_indices
+        backwards = self.files_backwards(self.steps_taken)  # this step's number
+        return host_order(plan, self.files.indices, backwards=backwards, held=self.files.held)
 
     def _settle_files(self) -> None:
         """The update is over: the streamed file-backed sub-groups are written back, and every write has landed (the
@@ -505,10 +508,11 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
             buffers = []
         plan = self._make_resident(plan, streams)
         progress.places = plan.places
+        order = self._host_order(plan)  # before the reads ahead change what the slabs hold
         if self.files is not None:
             # Read ahead in the order the update takes them: streamed ones are launched first.
             done_early = set(self.updated_early) if early is not None else set()
-            self.files.begin(plan.streamed_indices + [i for i in self._host_order(plan) if i not in done_early])
+            self.files.begin(plan.streamed_indices + [i for i in order if i not in done_early])
         report = self._new_report(plan, inputs)
         if early is not None:  # what backward's phase did counts in this step's report
             report.host_elements, report.h2d_bytes = early.host_elements, early.h2d_bytes
@@ -526,7 +530,7 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         # back to the caching allocator now, not with the host side's end, so the next forward has that memory.
         self._release_staging(buffers)
         skip = set(self.updated_early) if early is not None else set()
-        tails += self._run_host_side(plan, inputs, streams, report, skip)
+        tails += self._run_host_side(order, inputs, streams, report, skip)
         # Resident sub-groups end on the compute stream (their cast); with parameter offload their 16-bit
         # downloads are among the tails already.
         tails.append(streams.record(streams.compute))

@@ -133,13 +133,23 @@ def tiered_plan(plan: Plan, on_nvme: Collection[int]) -> Plan:
     return replace(plan, places=places)
 
 
-def host_order(plan: Plan, on_nvme: Collection[int], backwards: bool) -> list[int]:
-    """The order the engine's CPU takes ``plan``'s host sub-groups in: those in host slabs first, in the plan's
-    order, then the file-backed ones, ``backwards`` every other step (MLP-Offload's cache-friendly order)."""
+def host_order(plan: Plan, on_nvme: Collection[int], backwards: bool, held: Collection[int] = ()) -> list[int]:
+    """The order the engine's CPU takes ``plan``'s host sub-groups in: those in host slabs in the plan's order, and
+    the file-backed ones after them, ``backwards`` every other step (MLP-Offload's cache-friendly order).
+
+    ``held``: records the staging slabs hold when the update starts. The file-backed ones this order takes first and
+    finds ``held`` go before the host-slab ones: they wait for no read, and their write-backs free the slabs the next
+    reads land in, so the drive works while the CPU updates the host-slab ones instead of waiting for them (in the
+    order that alternates, the step begins with those; in forward order they are the last needed, and nothing
+    moves)."""
     files = set(on_nvme)
     kept = [i for i in plan.host_indices if i not in files]
     filed = [i for i in plan.host_indices if i in files]
-    return kept + (filed[::-1] if backwards else filed)
+    filed = filed[::-1] if backwards else filed
+    ready = 0
+    while ready < len(filed) and filed[ready] in held:
+        ready += 1
+    return filed[:ready] + kept + filed[ready:]
 
 
 def predict_tiered(
@@ -367,12 +377,12 @@ def files_update(
     backwards = backwards and order == ALTERNATE
     previously_backwards = order == ALTERNATE and not backwards
     plan = tiered_plan(plan, on_nvme)
-    taken = host_order(plan, on_nvme, backwards=backwards)
     files = set(on_nvme)
     streamed = [i for i in plan.streamed_indices if i in files]
     # The previous iteration wrote its file-backed host sub-groups back in its own order and the streamed ones last,
     # at its end: the last records it wrote are still in the slabs.
     before = [i for i in host_order(plan, on_nvme, backwards=previously_backwards) if i in files] + streamed
+    taken = host_order(plan, on_nvme, backwards=backwards, held=before[-slots:])
     cached = slab_hits(before[-slots:], streamed + [i for i in taken if i in files], slots)
     return predict_tiered(
         sizes,
