@@ -17,11 +17,10 @@ Reads run ahead in the order the update takes the sub-groups (:meth:`FileTier.be
 (or, while the update waits for a read anyway, whose write-back, older than another in flight, it waits for) and whose
 record the update does not need again; a slab keeps the record it last moved, so a sub-group loaded again before its
 slab is reused (the order that alternates between iterations, MLP-Offload's) is copied from it without touching the
-drive. Two writes of one record are never in
-flight at once, and a record is never read from the drive while its write-back runs. This module's I/O waits are the
-host's own (``aio_handle.wait``); the staging slabs are host memory no device stream touches. On the simulator the race
-checker watches them (:mod:`lightning_dos.sim.simdrive`): a slab touched, or a second request issued on it, before its
-request's wait is a race.
+drive. Two writes of one record are never in flight at once, and a record is never read from the drive while its
+write-back runs. This module's I/O waits are the host's own (``aio_handle.wait``); the staging slabs are host memory no
+device stream touches. On the simulator the race checker watches them (:mod:`lightning_dos.sim.simdrive`): a slab
+touched, or a second request issued on it, before its request's wait is a race.
 """
 
 from __future__ import annotations
