@@ -168,17 +168,18 @@ def _median(rows: list[dict[str, float]], key: str) -> float | None:
 
 
 class _DriveWatch(L.Callback):
-    """The drive of an NVMe system measured right before its measured steps and right after, and the tier's byte
-    counters there.
+    """The drive of an NVMe system measured right before its measured steps and right after (``each_step``: before
+    every measured step too), and the tier's byte counters there.
 
     A shared or virtual drive's bandwidth drifts from minute to minute (this project's CPU machine: 0.5 to 2.3 GB/s
-    within the hour, bench/RESULTS.md), so the floor is taken at the mean of the rates measured right around the
-    steps, not at a figure from elsewhere. Not between the steps: each measurement writes and reads a few hundred MB,
-    which would flush whatever caches the drive's records sit in between two steps. Listed before the monitor, so
-    the first measurement falls outside the first measured step's timed phases."""
+    within the hour, bench/RESULTS.md; 1.4 before a system's steps and 2.9 GB/s after them, a minute later), so a
+    step's floor is taken at the mean of the rates measured right around it, not at a figure from elsewhere. Around
+    the whole run by default; ``each_step`` measures between the steps too, each step then set beside the drive of
+    its own second, at the cost of the few hundred MB each measurement writes and reads between two steps. Listed
+    before the monitor, so each measurement falls outside the timed phases of the step after it."""
 
-    def __init__(self, warmup: int, directory: str | None, nbytes: int) -> None:
-        self.warmup, self.directory, self.nbytes = warmup, directory, nbytes
+    def __init__(self, warmup: int, directory: str | None, nbytes: int, each_step: bool = False) -> None:
+        self.warmup, self.directory, self.nbytes, self.each_step = warmup, directory, nbytes, each_step
         #: (read B/s, write B/s, B/s reading and writing at once, bytes the tier had read, bytes it had written) at
         #: the first measured step's start, and at the end of the last.
         self.marks: list[tuple[float, float, float, int, int]] = []
@@ -196,7 +197,9 @@ class _DriveWatch(L.Callback):
         self.marks.append((rates.read_bps, rates.write_bps, mixed, *counters))
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if self.directory is not None and trainer.global_step == self.warmup and not self.marks:
+        if self.directory is None or trainer.global_step < self.warmup:
+            return
+        if self.each_step or not self.marks:
             self._mark(trainer)
 
     def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
@@ -204,13 +207,15 @@ class _DriveWatch(L.Callback):
             self._mark(trainer)
 
     def floors(self, steps: int, fixed: tuple[float, float] | None = None) -> list[dict[str, float]]:
-        """For the ``steps`` measured steps: the drive's rates around them, the bytes moved per step (the tier's
-        counters, or ``fixed``, bytes read and written per step) and the floor of a step, seconds: the lesser of the
-        reads then the writes at their own rates and all of them at the rate of reading and writing at once."""
+        """For each window between two measurements of the drive (the ``steps`` measured steps, or each of them): the
+        drive's rates around it, the bytes moved per step (the tier's counters, or ``fixed``, bytes read and written
+        per step) and the floor of a step, seconds: the lesser of the reads then the writes at their own rates and all
+        of them at the rate of reading and writing at once."""
         floors = []
+        per_window = steps / max(1, len(self.marks) - 1)
         for before, after in zip(self.marks, self.marks[1:]):
             read_bps, write_bps, mixed_bps = ((b + a) / 2 for b, a in zip(before[:3], after[:3], strict=True))
-            read, written = fixed or ((after[3] - before[3]) / steps, (after[4] - before[4]) / steps)
+            read, written = fixed or ((after[3] - before[3]) / per_window, (after[4] - before[4]) / per_window)
             serial_s, overlapped_s = read / read_bps + written / write_bps, (read + written) / mixed_bps
             floors.append(
                 {"read_bps": read_bps, "read_bps_around": (before[0], after[0]), "write_bps": write_bps,
@@ -249,11 +254,18 @@ def _measure_drive(directory: str, nbytes: int) -> Any:
 
 def _drive_floor(result: Result, rows: list[dict[str, float]], steps: list[dict[str, float]]) -> None:
     """Put the drive's floor into ``result.extra``: the floor of a step (the drive measured around the measured
-    steps), the median update over it, the drive's rates, bytes per step."""
+    steps, or around each), the update over it (each step over its own floor, the median, where the drive was
+    measured around each step), the drive's rates, bytes per step."""
     floor_s = statistics.median(s["floor_s"] for s in steps)
+    updates = [row["dos/update_s"] for row in rows if "dos/update_s" in row]
+    if len(steps) == len(updates) > 1:  # each step beside the drive of its own second
+        over = statistics.median(u / s["floor_s"] for u, s in zip(updates, steps, strict=True) if s["floor_s"] > 0)
+    else:
+        over = statistics.median(updates) / floor_s if floor_s > 0 else None
     result.extra.update(
         disk_floor_s=floor_s,
-        update_over_floor=_median(rows, "dos/update_s") / floor_s if floor_s > 0 else None,
+        update_over_floor=over,
+        step_updates_s=updates,
         read_gbs=statistics.median(s["read_bps"] for s in steps) / GB,
         write_gbs=statistics.median(s["write_bps"] for s in steps) / GB,
         mixed_gbs=statistics.median(s["mixed_bps"] for s in steps) / GB,
@@ -285,7 +297,7 @@ def run_system(system: str, args: argparse.Namespace) -> Result:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[drive := _DriveWatch(args.warmup, *_drive_of(system, params)), monitor],
+        callbacks=[drive := _DriveWatch(args.warmup, *_drive_of(system, params), args.drive_each_step), monitor],
     )
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -358,6 +370,14 @@ def _ratio(value: float | None) -> str:
 
 
 def _around(extra: dict[str, Any]) -> str:
+    windows = extra["drive_steps"]
+    if len(windows) > 1:
+        reads = [bps / GB for w in windows for bps in w["read_bps_around"]]
+        return (
+            f"{extra['mixed_gbs']:.2f} GB/s reading and writing at once, medians; the drive measured before each "
+            f"measured step and after the last, each step's floor at the mean of the two around it; reads from "
+            f"{min(reads):.2f} to {max(reads):.2f} GB/s"
+        )
     before, after = extra["read_gbs_around"]
     return (
         f"{extra['mixed_gbs']:.2f} GB/s reading and writing at once; the drive measured right before the measured "
@@ -397,7 +417,7 @@ def table(results: list[Result]) -> str:
             "\nNVMe systems' update / floor: the median update over the drive's floor for a step's bytes, the lesser "
             "of (bytes read / read bandwidth) + (bytes written / write bandwidth) and (bytes read and written) / "
             "(bandwidth reading and writing at once), the drive measured right before the measured steps and right "
-            "after (the mean of the two)."
+            "after (the mean of the two; with --drive-each-step, around each step, each step over its own floor)."
         )
     stock_nvme = next((r for r in results if r.system.startswith("stock-nvme:")), None)
     for r in results:
@@ -493,6 +513,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="BLOCK,DEPTH,THREADS",
         help="DeepSpeed's async I/O settings for both NVMe systems and the drive's floor: block size in bytes, "
         "requests in flight, threads per request (default: 1048576,32,2)",
+    )
+    parser.add_argument(
+        "--drive-each-step",
+        action="store_true",
+        help="measure the drive of an NVMe system before every measured step, not only around them all, and set "
+        "each step's update beside the floor of its own second (a shared drive drifts within a minute; this writes "
+        "and reads a few hundred MB between two steps)",
     )
     args = parser.parse_args(argv)
     if args.rounds < 1:
