@@ -15,6 +15,7 @@ from lightning_dos.model.nvme import (
     choose_files_order,
     files_update,
     host_order,
+    kept_unwritten,
     nvme_sub_groups,
     predict_tiered,
     slab_hits,
@@ -112,8 +113,23 @@ def test_the_alternating_order_skips_the_reads_of_what_the_slabs_still_hold() ->
     state = sum(SIZES) * ADAM_FP32.optimizer_state
     assert alternating.read_bytes == state - sum(SIZES[-4:]) * ADAM_FP32.optimizer_state
     assert forward.read_bytes == state - sum(SIZES[-4:-1]) * ADAM_FP32.optimizer_state
-    assert alternating.write_bytes == forward.write_bytes
+    # Every record is written back taken forwards; taken backwards, the last three (one fewer than the slabs: the
+    # first three of the partition) stay in their slabs unwritten, for the next update, which takes them first.
+    assert forward.write_bytes == state
+    assert alternating.write_bytes == state - sum(SIZES[:3]) * ADAM_FP32.optimizer_state
     assert alternating.time_s < forward.time_s
+
+
+def test_the_alternating_order_keeps_the_last_records_unwritten_one_fewer_than_the_slabs() -> None:
+    order = [0, 1, 7, 6, 5, 4, 3]  # host-slab sub-groups 0 and 1, then the file-backed ones backwards
+    assert kept_unwritten(order, range(3, 8), slots=4, order=ALTERNATE) == [5, 4, 3]
+    assert kept_unwritten(order, range(3, 8), slots=4, order=FORWARD) == []
+    assert kept_unwritten(order, range(3, 8), slots=1, order=ALTERNATE) == []  # the one slab stays free
+    assert kept_unwritten(order, [6], slots=4, order=ALTERNATE) == [6]
+    # A file-backed sub-group streamed to the device: the next update reads it first, through the slabs; one that
+    # keeps its state in host memory does not count.
+    assert kept_unwritten(order, range(3, 9), slots=4, order=ALTERNATE, streamed=[2, 8]) == []
+    assert kept_unwritten(order, range(3, 8), slots=4, order=ALTERNATE, streamed=[2]) == [5, 4, 3]
 
 
 def test_the_planner_alternates_unless_the_model_finds_forwards_faster() -> None:

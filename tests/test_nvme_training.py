@@ -18,7 +18,7 @@ from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.errors import DOSConfigError
 from lightning_dos.host import disk
 from lightning_dos.integration.cpu_strategy import DeepSpeedCPUStrategy
-from lightning_dos.model.nvme import staging_slots
+from lightning_dos.model.nvme import files_update, staging_slots
 from lightning_dos.model.perfmodel import predict
 from tests.helpers import (
     FP32_RTOL,
@@ -154,7 +154,13 @@ def test_ours_on_nvme_is_within_stocks_own_deviation_of_stock_nvme_offload(tmp_p
     assert scheduler.drive is strategy.dos_nvme.drive is not None
     report = engine.last_report
     in_memory = predict(engine.sizes, report.plan, scheduler.rates, engine.lp_bytes, footprint=scheduler.footprint)
-    assert report.predicted_s > in_memory.time_s
+    files = engine.files
+    kwargs = {"lp_bytes": engine.lp_bytes, "slots": files.slots, "footprint": scheduler.footprint}
+    backwards = engine.files_backwards(report.step)
+    args = (engine.sizes, report.plan, scheduler.rates, scheduler.drive, files.indices)
+    tiered = files_update(*args, order=engine.files_order, backwards=backwards, **kwargs)
+    assert report.predicted_s == pytest.approx(tiered.time_s) and tiered.disk_s > 0
+    assert report.predicted_s >= in_memory.time_s
     # The order of the file-backed sub-groups is the one the model chose (no phases on CPU: the shorter update).
     choice = scheduler.files_order
     assert engine.files_order == choice.order == ("alternate" if choice.alternate_s <= choice.forward_s else "forward")

@@ -108,7 +108,7 @@ def nvme_rows(
                 "slots": row_slots,
                 "host_state_bytes": min(held, state),
                 "host_state_gb": min(held, state) / 1e9,
-                "file_share": ours.write_bytes / state if state else 0.0,
+                "file_share": sum(sizes[i] for i in on_nvme) * footprint.optimizer_state / state if state else 0.0,
                 "ours_s": ours.time_s,
                 "ours_disk_floor_s": ours.disk_s,
                 "ours_read_gb": ours.read_bytes / 1e9,

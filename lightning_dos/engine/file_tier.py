@@ -6,7 +6,7 @@ their pages are given back to the kernel (``MADV_DONTNEED``) and the state is in
 (:mod:`lightning_dos.engine.swap_files`). A file-backed sub-group is *loaded* (its record read through a staging
 slab and copied into its span) when the update or a reader first needs it, and *stored* (copied into a staging slab,
 written back, its pages given back) as soon as the update is done with it. While loaded, the span is the state of
-record; otherwise the file is.
+record; otherwise the file is, or the slab that keeps it unwritten (below).
 
 Why spans and not the staging slabs themselves as the state's home: every other part of the engine (host update,
 streaming, recovery, checkpoints through DeepSpeed's views) then reads and writes the same places as for a host
@@ -17,16 +17,20 @@ Reads run ahead in the order the update takes the sub-groups (:meth:`FileTier.be
 (or, while the update waits for a read anyway, whose write-back, older than another in flight, it waits for) and whose
 record the update does not need again; a slab keeps the record it last moved, so a sub-group loaded again before its
 slab is reused (the order that alternates between iterations, MLP-Offload's) is copied from it without touching the
-drive. Two writes of one record are never in flight at once, and a record is never read from the drive while its
-write-back runs. This module's I/O waits are the host's own (``aio_handle.wait``); the staging slabs are host memory no
-device stream touches. On the simulator the race checker watches them (:mod:`lightning_dos.sim.simdrive`): a slab
-touched, or a second request issued on it, before its request's wait is a race.
+drive. The last few records an update takes in the alternating order are not written back at its end at all: the next
+update takes them first, updates them in their slabs again and writes them back once (:meth:`FileTier.begin`'s
+``keep``), a write saved per record and update; a slab so kept is written back before any other use of it, and a
+reader (a checkpoint) copies the record from it. Two writes of one record are never in flight at once, and a record is
+never read from the drive while its write-back runs. This module's I/O waits are the host's own (``aio_handle.wait``);
+the staging slabs are host memory no device stream touches. On the simulator the race checker watches them
+(:mod:`lightning_dos.sim.simdrive`): a slab touched, or a second request issued on it, before its request's wait is a
+race.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import torch
 
@@ -66,11 +70,18 @@ class FileTier:
         #: The record each slab holds a current copy of (None: nothing usable), and its request in flight.
         self._holds: list[int | None] = [None] * slots
         self._busy: list[str | None] = [None] * slots  # "read", "write", "home" (a loaded one's) or None
+        #: Slabs holding a newer copy of their record than the file: its write-back is put off (:meth:`begin`'s
+        #: ``keep``) until the slab is needed for another record (:meth:`_take` writes it first) or the record is
+        #: updated again, at the next update's start, and written back then, once for two updates.
+        self._unwritten = [False] * slots
         self._last_used = [0] * slots
         self._clock = 0
         self._ahead: list[int] = []
-        #: Bytes moved by the drive and copies skipped because a slab still held the record (for reports and tests).
-        self.read_bytes = self.written_bytes = self.reads_skipped = 0
+        #: The update's last file-backed records whose write-back their slab keeps (:meth:`begin`'s ``keep``).
+        self._kept_tail: set[int] = set()
+        #: Bytes moved by the drive, copies skipped because a slab still held the record, and write-backs put off for
+        #: the next update (for reports and tests).
+        self.read_bytes = self.written_bytes = self.reads_skipped = self.writes_kept = 0
         #: Host bytes of the staging slabs (page-locked by DeepSpeed's op).
         self.staging_bytes = sum(slab.numel() * slab.element_size() for slab in swap.slabs)
         #: Told of each request once the host has waited for it: ``(lane, sub-group, issued, seen done, bytes)``, times
@@ -98,9 +109,19 @@ class FileTier:
         return list(self.sub_groups)
 
     @property
+    def slots(self) -> int:
+        """The staging slabs records move through."""
+        return len(self._holds)
+
+    @property
     def held(self) -> set[int]:
-        """The records the staging slabs hold a current copy of (read, or written back) now."""
+        """The records the staging slabs hold a current copy of (read, written back, or kept unwritten) now."""
         return {index for index in self._holds if index is not None}
+
+    @property
+    def unwritten(self) -> set[int]:
+        """The records whose newest copy is in a staging slab, not yet in the file."""
+        return {index for slot, index in enumerate(self._holds) if self._unwritten[slot]}
 
     # -- slabs --------------------------------------------------------------------------------------
 
@@ -117,15 +138,18 @@ class FileTier:
     def _free_slab(self) -> int:
         """A slab to move a record through now: of the slabs not being written from, the one whose record the update
         needs last, if it needs it no more; else the one with the oldest write in flight; else that slab anyway (a
-        copy, or a read ahead, of what is needed furthest ahead: Belady's choice). The caller empties it
-        (:meth:`_take`: its request waited for)."""
+        copy, or a read ahead, of what is needed furthest ahead: Belady's choice); a slab keeping a record unwritten
+        last of all (it costs a write first). The caller empties it (:meth:`_take`: its request waited for)."""
         slabs = [s for s in range(len(self._holds)) if self._busy[s] != "home"]
-        best = max((s for s in slabs if self._busy[s] != "write"), key=self._needed_after, default=None)
+        idle = [s for s in slabs if self._busy[s] != "write" and not self._unwritten[s]]
+        best = max(idle, key=self._needed_after, default=None)
         if best is not None and self._needed_after(best) > len(self._ahead):
             return best
         writing = [s for s in slabs if self._busy[s] == "write"]
         if writing:
             best = min(writing, key=self._last_used.__getitem__)
+        if best is None:
+            best = max((s for s in slabs if self._unwritten[s]), key=self._needed_after, default=None)
         if best is None:
             raise RuntimeError("every staging slab is some loaded sub-group's home")
         return best
@@ -153,12 +177,17 @@ class FileTier:
         else:
             self.swap.write(slot, self._record[index])
             self.written_bytes += nbytes
+            self._unwritten[slot] = False
         self._issued[slot] = (kind, index, time.perf_counter(), nbytes)
         self._busy[slot] = kind
         self._touch(slot)
 
-    def _take(self, slot: int) -> None:
-        """Empty ``slot`` for a new record (its request, if any, finished)."""
+    def _take(self, slot: int, stale: bool = False) -> None:
+        """Empty ``slot`` for a new record (its request, if any, finished). A record kept unwritten there is written
+        back first, unless ``stale``: a newer copy of it is about to be written."""
+        if self._unwritten[slot] and not stale:
+            self._issue(slot, "write", self._holds[slot])
+        self._unwritten[slot] = False
         self._wait(slot)
         self._holds[slot] = None
 
@@ -170,10 +199,27 @@ class FileTier:
 
     # -- the update's order ---------------------------------------------------------------------------
 
-    def begin(self, order: Iterable[int]) -> None:
-        """The update will take these sub-groups in this order: start reading the first ones into idle slabs."""
+    def begin(self, order: Iterable[int], keep: Collection[int] = ()) -> None:
+        """The update will take these sub-groups in this order: start reading the first ones into idle slabs.
+
+        ``keep``: file-backed sub-groups (fewer than the slabs: the last ones the update takes) whose write-backs are
+        put off: their records stay in their slabs, newer than the file, for an update that takes them first (the
+        alternating order), which updates them again and writes them back once. Any other use of their slabs writes
+        them first; :meth:`settle` ends the update without writing them."""
         self._ahead = [i for i in order if i in self.sub_groups and i not in self.loaded]
+        if len(keep) >= len(self._holds):
+            raise ValueError(f"{len(keep)} records kept unwritten in {len(self._holds)} staging slabs: keep fewer")
+        self._kept_tail = {i for i in keep if i in self.sub_groups}
         self._read_ahead()
+
+    def _write_back(self, slot: int, index: int) -> None:
+        """The record ``index``, changed, is in ``slot``: write it back, or keep it there unwritten (:meth:`begin`)."""
+        if index in self._kept_tail:
+            self._kept_tail.discard(index)
+            self._unwritten[slot] = True
+            self.writes_kept += 1
+            return
+        self._issue(slot, "write", index)
 
     def _read_ahead(self, patient: bool = False) -> None:
         """Start the reads of the next records the update needs into idle slabs; ``patient``: the caller is about to
@@ -183,7 +229,8 @@ class FileTier:
         for index in list(self._ahead):
             if index in self.loaded or self._slab_of(index) is not None:
                 continue  # loaded already, or a slab holds it (read in flight, or a copy from the last write)
-            idle = [s for s in range(len(self._holds)) if self._busy[s] is None]
+            # Not a slab keeping a record unwritten: a read ahead never costs a write.
+            idle = [s for s in range(len(self._holds)) if self._busy[s] is None and not self._unwritten[s]]
             if not idle and patient:
                 idle = self._older_write_slab()
             if not idle:
@@ -263,13 +310,13 @@ class FileTier:
         if slot is not None:  # updated in its slab: written back from there, the span never touched
             self._busy[slot] = None
             if dirty:
-                self._issue(slot, "write", index)
+                self._write_back(slot, index)
             self._read_ahead()
             return
         if dirty:
             previous = self._slab_of(index)
             if previous is not None:  # an older copy: its write must land before this one is issued, then it is stale
-                self._take(previous)
+                self._take(previous, stale=True)
             slot = self._free_slab()
             self._take(slot)
             master, states = self.swap.views(slot, self._record[index])
@@ -278,7 +325,7 @@ class FileTier:
             for into, home in zip(states, home_states, strict=True):
                 into.copy_(home)
             self._holds[slot] = index
-            self._issue(slot, "write", index)
+            self._write_back(slot, index)
         self._give_back_span(sg)
         self._read_ahead()
 
@@ -299,13 +346,14 @@ class FileTier:
 
     def settle(self) -> None:
         """Store every loaded sub-group and wait for every write: the file is then the state of record for all of
-        them (the end of each update, and before the file is closed), and the next update may update a record the
-        slabs still hold in place."""
+        them but those a slab keeps unwritten (:meth:`begin`), which are read from there (the end of each update, and
+        before the file is closed), and the next update may update a record the slabs still hold in place."""
         self._ahead = []
         for index in list(self.loaded):
             self.store(index)
         for slot in range(len(self._busy)):
             self._wait(slot)  # a read ahead nobody took leaves a current copy behind, like a write
+        self._kept_tail = set()
 
     def drop_clean(self) -> None:
         """Give back the pages of the loaded sub-groups nobody wrote (copies read for a checkpoint or an accessor)."""

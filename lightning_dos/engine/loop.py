@@ -55,7 +55,7 @@ from lightning_dos.engine.streamed import StreamedSubGroups
 from lightning_dos.engine.streams import Streams, make_streams
 from lightning_dos.engine.swap_files import SwapFile
 from lightning_dos.model.budget_fit import fit_to_budget, plan_device_bytes
-from lightning_dos.model.nvme import ALTERNATE, host_order, nvme_sub_groups, tiered_plan
+from lightning_dos.model.nvme import ALTERNATE, host_order, kept_unwritten, nvme_sub_groups, tiered_plan
 from lightning_dos.model.perfmodel import FREE_MEMORY_MARGIN
 from lightning_dos.model.plan import Place, Plan, SubGroup, split_into_sub_groups
 from lightning_dos.model.step_report import StepReport
@@ -382,6 +382,14 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         backwards = self.files_backwards(self.steps_taken)  # this step's number
         return host_order(plan, self.files.indices, backwards=backwards, held=self.files.held)
 
+    def _kept_unwritten(self, plan: Plan, order: Sequence[int]) -> list[int]:
+        """The file-backed sub-groups whose write-backs this step puts off (:meth:`FileTier.begin`): in the
+        alternating order with none of them streamed, the last ones it takes, one fewer than the staging slabs, since
+        the next step takes them first and writes them back then (:func:`~lightning_dos.model.nvme.kept_unwritten`,
+        which the model counts with)."""
+        files = self.files
+        return kept_unwritten(order, files.indices, files.slots, self.files_order, plan.streamed_indices)
+
     def _settle_files(self) -> None:
         """The update is over: the streamed file-backed sub-groups are written back, and every write has landed (the
         file is the state of record between updates). Their downloads home have landed: the step waited for every
@@ -512,7 +520,10 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         if self.files is not None:
             # Read ahead in the order the update takes them: streamed ones are launched first.
             done_early = set(self.updated_early) if early is not None else set()
-            self.files.begin(plan.streamed_indices + [i for i in order if i not in done_early])
+            self.files.begin(
+                plan.streamed_indices + [i for i in order if i not in done_early],
+                keep=self._kept_unwritten(plan, order),
+            )
         report = self._new_report(plan, inputs)
         if early is not None:  # what backward's phase did counts in this step's report
             report.host_elements, report.h2d_bytes = early.host_elements, early.h2d_bytes

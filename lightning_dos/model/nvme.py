@@ -152,6 +152,22 @@ def host_order(plan: Plan, on_nvme: Collection[int], backwards: bool, held: Coll
     return filed[:ready] + kept + filed[ready:]
 
 
+def kept_unwritten(
+    host_order: Sequence[int], on_nvme: Collection[int], slots: int, order: str, streamed: Collection[int] = ()
+) -> list[int]:
+    """The file-backed host sub-groups whose write-backs an update in ``order`` puts off, as the engine does
+    (``FileTier.begin``'s ``keep``): in :data:`ALTERNATE`, the last ones of ``host_order`` it takes, one fewer than
+    the ``slots`` staging slabs (one stays free for a record moved otherwise: a reader's); they stay in their slabs,
+    and the next update, which takes them first, updates them again and writes them back once. None in
+    :data:`FORWARD` (the next update needs them last, and their slabs before), nor when file-backed sub-groups are
+    ``streamed`` to the device: the next update reads those first and needs the slabs for it (the simulated 70B node
+    streamed its first ones a slab at a time behind three kept records, 1% slower)."""
+    if order != ALTERNATE or slots < 2 or any(i in on_nvme for i in streamed):
+        return []
+    files = [i for i in host_order if i in on_nvme]
+    return files[max(0, len(files) - (slots - 1)) :]
+
+
 def predict_tiered(
     sizes: Sequence[int],
     plan: Plan,
@@ -167,6 +183,7 @@ def predict_tiered(
     serial_upload: bool = False,
     host_order: Sequence[int] | None = None,
     gradient_in_files: bool = False,
+    unwritten: Collection[int] = (),
 ) -> TieredPrediction:
     """Predict the update of ``plan`` when the sub-groups ``on_nvme`` keep their state in files on ``disk``
     (one rank's share), through ``slots`` host staging slabs.
@@ -179,7 +196,8 @@ def predict_tiered(
     ``serial_upload``: each host sub-group's 16-bit upload blocks the CPU (stock's swapper); ``host_order``: the
     order the CPU takes its sub-groups in (default: the plan's); ``gradient_in_files``: a file-backed sub-group's
     gradient is read from its file too (``footprint.master`` bytes per element more; stock writes it there during
-    backward).
+    backward); ``unwritten``: file-backed host sub-groups whose write-back is put off to the next update
+    (:func:`kept_unwritten`), their slabs held to the end.
     """
     if slots < 1:
         raise ValueError(f"slots must be at least 1, got {slots}")
@@ -265,7 +283,7 @@ def predict_tiered(
             land[i] = cpu_free = cpu_free + upload
         elif not rates.shared_cpu:
             land[i] = link_free = max(link_free, cpu_free) + upload
-        if slot >= 0:
+        if slot >= 0 and i not in unwritten:
             writes.append((cpu_free, sizes[i] * state, slot))
     for pending in sorted(writes):
         write(*pending)
@@ -384,6 +402,8 @@ def files_update(
     before = [i for i in host_order(plan, on_nvme, backwards=previously_backwards) if i in files] + streamed
     taken = host_order(plan, on_nvme, backwards=backwards, held=before[-slots:])
     cached = slab_hits(before[-slots:], streamed + [i for i in taken if i in files], slots)
+    # In the alternating order the last records taken stay in their slabs unwritten: the next update writes them.
+    unwritten = kept_unwritten(taken, files, slots, order, streamed)
     return predict_tiered(
         sizes,
         plan,
@@ -395,6 +415,7 @@ def files_update(
         cached=cached,
         footprint=footprint,
         host_order=taken,
+        unwritten=unwritten,
     )
 
 
