@@ -392,9 +392,9 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
 
     def _settle_files(self) -> None:
         """The update is over: the streamed file-backed sub-groups are written back, and every write has landed (the
-        file is the state of record between updates). Their downloads home have landed: the step waited for every
-        tail event before it got here, and an interrupted one synchronised the device (the race checker's mutation
-        test finds a wait here redundant)."""
+        file is the state of record between updates, or the slab that keeps a record unwritten for the next step).
+        Their downloads home have landed: the step waited for every tail event before it got here, and an interrupted
+        one synchronised the device (the race checker's mutation test finds a wait here redundant)."""
         if self.files is None:
             return
         streamed, self._stored_after_download = self._stored_after_download, []
