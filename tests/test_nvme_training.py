@@ -160,7 +160,7 @@ def test_ours_on_nvme_is_within_stocks_own_deviation_of_stock_nvme_offload(tmp_p
     args = (engine.sizes, report.plan, scheduler.rates, scheduler.drive, files.indices)
     tiered = files_update(*args, order=engine.files_order, backwards=backwards, **kwargs)
     assert report.predicted_s == pytest.approx(tiered.time_s) and tiered.disk_s > 0
-    assert report.predicted_s >= in_memory.time_s
+    assert report.predicted_s >= in_memory.time_s * (1 - 1e-9)  # never less: the same host work, plus the drive's
     # The order of the file-backed sub-groups is the one the model chose (no phases on CPU: the shorter update).
     choice = scheduler.files_order
     assert engine.files_order == choice.order == ("alternate" if choice.alternate_s <= choice.forward_s else "forward")
