@@ -4,7 +4,11 @@
 #   bash scripts/gpu-check.sh                      # every step, in order
 #   bash scripts/gpu-check.sh cuda-tests memory    # or any of the steps below, by name
 # Steps:
-#   cuda-tests   the CUDA pass (tests/test_gpu.py), the delayed-stream test under TORCH_CUDA_SANITIZER=1 included
+#   cuda-tests   the CUDA pass (tests/test_gpu.py), the delayed-stream test under TORCH_CUDA_SANITIZER=1 included,
+#                the mutation test left to the next three steps (about 6 minutes here, on an H200)
+#   mutations-1, mutations-2, mutations-3  the mutation test of tests/test_gpu.py in three parts (each removal of a
+#                synchronisation must make a delayed-stream run differ; 15 to 120 s each on an H200), one line
+#                per removal as it is caught or missed
 #   cpu-tests-1  the CPU pass, Trainer-heavy files (equivalence, behaviour, atomic training, stream sanitizer)
 #   cpu-tests-2  the CPU pass, the other Trainer files (monitor, reliability, CLI, evaluation, recipes, ...)
 #   cpu-tests-3  the CPU pass, every other test file (units, kernels, planner, simulate, ...)
@@ -33,6 +37,12 @@ if [ -d .whl ] && ! $py -c "import deepspeed" 2>/dev/null; then
   $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# libaio for the NVMe tier's CUDA test (DeepSpeed's async I/O op): a bare GPU machine lacks it and reaches no
+# package registry; scripts/gpu-wheels.sh ships the .deb files, unpacked here (as root) when the header is missing.
+if [ ! -f /usr/include/libaio.h ] && compgen -G ".whl/*.deb" >/dev/null && [ "$(id -u)" = 0 ]; then
+  for deb in .whl/*.deb; do dpkg -x "$deb" /; done
+  ldconfig
+fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # A step cut off by a lease's deadline keeps what it printed: output unbuffered, each test's outcome as it ends,
 # each failure's report at once (tests/conftest.py).
@@ -49,8 +59,8 @@ if [ -n "$missing" ]; then
   exit 2
 fi
 
-all_steps=(cuda-tests cpu-tests-1 cpu-tests-2 cpu-tests-3 calibrate bench-1b bench-3b memory startup-memory threads
-           forward-peak)
+all_steps=(cuda-tests mutations-1 mutations-2 mutations-3 cpu-tests-1 cpu-tests-2 cpu-tests-3 calibrate bench-1b
+           bench-3b memory startup-memory threads forward-peak)
 # The CPU pass in three parts of a few minutes each on 16 cores; part 3 is every file not named in 1 or 2.
 cpu_part1=(test_equivalence test_engine_behaviour test_atomic_training test_stream_sanitizer)
 cpu_part2=(test_monitor test_reliability test_cli test_evaluation test_recipes test_device_memory test_resources
@@ -95,9 +105,16 @@ for step in "${steps[@]}"; do
   echo "== gpu-check: $step"
   case $step in
     cuda-tests)
-      run_logged "$out/cuda-tests.txt" $py -m pytest -v --tb=short -rs -p no:cacheprovider --accelerator cuda tests/test_gpu.py
+      run_logged "$out/cuda-tests.txt" $py -m pytest -v --tb=short -rs -p no:cacheprovider --accelerator cuda \
+        tests/test_gpu.py -k "not removing_any"
       tail -n 3 "$out/cuda-tests.txt" > "$out/cuda-tests-summary.txt"
       section "CUDA tests (tests/test_gpu.py)" "$out/cuda-tests-summary.txt" ;;
+    mutations-[123])
+      part=${step#mutations-}
+      run_logged "$out/$step.txt" env DS_ACCELERATOR=cuda $py -m tests.delayed_streams --mutate all --part "$part/3"
+      grep -E 'caught|MISSED|mutations:' "$out/$step.txt" > "$out/$step-summary.txt"
+      section "each synchronisation removed, part $part of 3 (python -m tests.delayed_streams --mutate all)" \
+        "$out/$step-summary.txt" ;;
     cpu-tests-[123])
       part=${step#cpu-tests-}
       mapfile -t files < <(cpu_files "$part")

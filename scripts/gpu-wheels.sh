@@ -14,4 +14,9 @@ python3 -m pip download -q --no-deps "${plat[@]}" -d "$dir" \
   hjson==3.1.0 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types typing-inspection "typing-extensions>=4.16" \
   pytest pluggy iniconfig hypothesis sortedcontainers "jsonargparse[signatures]" docstring-parser typeshed-client \
   pyyaml
+# libaio for the NVMe tier's CUDA test (best effort: apt-get here; gpu-check.sh unpacks them there as root).
+if command -v apt-get >/dev/null; then
+  (cd "$dir" && apt-get download -qq libaio1 libaio-dev 2>/dev/null || apt-get download -qq libaio1t64 libaio-dev \
+    2>/dev/null) || echo "gpu-wheels: could not fetch libaio's .deb files: the NVMe tier's CUDA test will skip" >&2
+fi
 ls -1 "$dir"

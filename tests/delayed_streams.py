@@ -196,8 +196,9 @@ def run(
     return Outcome(delayed, lp_on_host, errors)
 
 
-def check(engine_class: type = InterleavedUpdate, stop_at_first: bool = False) -> list[Outcome]:
-    """Every delayed stream, with the 16-bit parameters on the GPU and on the host; the runs that differed."""
+def check(engine_class: type = InterleavedUpdate, stop_at_first: bool = False, verbose: bool = False) -> list[Outcome]:
+    """Every delayed stream, with the 16-bit parameters on the GPU and on the host; the runs that differed.
+    ``verbose`` prints each run's outcome as it ends (a run cut off by a deadline keeps what it printed)."""
     failed = []
     for lp_on_host in (False, True):
         for delayed in DELAYED:
@@ -207,6 +208,9 @@ def check(engine_class: type = InterleavedUpdate, stop_at_first: bool = False) -
                 outcome = run(engine_class, delayed, lp_on_host)
             except Exception as error:  # noqa: BLE001 - a race may surface as an error (torch's sanitizer raises)
                 outcome = Outcome(delayed, lp_on_host, [f"{type(error).__name__}: {error}"])
+            if verbose:
+                where = "host" if lp_on_host else "GPU"
+                print(f"  {delayed} delayed, 16-bit on the {where}: {'; '.join(outcome.errors) or 'equal'}", flush=True)
             gc.collect()  # the run's engine unpins its 1.4 GB of host slabs when it is collected
             if outcome.errors:
                 failed.append(outcome)
@@ -218,21 +222,49 @@ def check(engine_class: type = InterleavedUpdate, stop_at_first: bool = False) -
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.delayed_streams", description=__doc__)
     parser.add_argument(
-        "--mutate", help="remove the synchronisation at FILE:LINE of the engine (e.g. streamed.py:52; LINE: loop.py)"
+        "--mutate",
+        help="remove the synchronisation at FILE:LINE of the engine (e.g. streamed.py:52; LINE: loop.py); 'all': each "
+        "in turn, one line per mutation as it is caught or missed (tests/test_gpu.py's mutation test, as it goes)",
+    )
+    parser.add_argument(
+        "--part", default="1/1", help="with --mutate all: K/N runs the K-th of N equal slices of the mutations"
     )
     args = parser.parse_args(argv)
+    if args.mutate == "all":
+        part, _, parts = args.part.partition("/")
+        return _every_mutation(int(part), int(parts or 1))
     engine_class = InterleavedUpdate
     if args.mutate is not None:
         from tests.test_stream_sanitizer import mutant_engine
 
         where, _, line = args.mutate.rpartition(":")
         engine_class = mutant_engine(int(line), where or "loop.py")
-    failed = check(engine_class, stop_at_first=args.mutate is not None)
+    failed = check(engine_class, stop_at_first=args.mutate is not None, verbose=True)
     for outcome in failed:
         where = "host" if outcome.lp_on_host else "GPU"
         print(f"{outcome.delayed or 'nothing'} delayed, 16-bit parameters on the {where}: {'; '.join(outcome.errors)}")
     print("delayed-streams:", "DIFFERS" if failed else "equal to AdamW(fused=True) in every run")
     return 1 if failed else 0
+
+
+def _every_mutation(part: int = 1, parts: int = 1) -> int:
+    """Each synchronisation removed in turn (the ``part``-th of ``parts`` slices of them: on an H200 one takes 15 to
+    120 s, so all of them outlast one 10-minute command); exit status 0 when every removal made a run differ."""
+    import time
+
+    from tests.test_stream_sanitizer import all_mutations, mutant_engine
+
+    mutations = all_mutations()
+    size = -(-len(mutations) // parts)
+    missed = 0
+    for module, line, what in mutations[(part - 1) * size : part * size]:
+        began = time.perf_counter()
+        caught = check(mutant_engine(line, module), stop_at_first=True)
+        missed += not caught
+        found = f"caught ({caught[0].delayed} delayed)" if caught else "MISSED"
+        print(f"{what} (line {line}): {found} in {time.perf_counter() - began:.1f} s", flush=True)
+    print("mutations:", f"{missed} missed" if missed else "every removal caught")
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":

@@ -110,3 +110,29 @@ def test_calibrate_refuses_a_bad_nvme_path_before_measuring_anything(tmp_path: P
     assert "--nvme-path=" in capsys.readouterr().err and not out.exists()
     assert main(["calibrate", "--out", str(out), "--nvme-path", str(tmp_path), "--nvme-bytes", "1000"]) == 2
     assert "--nvme-bytes 1000: give a positive multiple of 4096" in capsys.readouterr().err and not out.exists()
+
+
+def test_an_arch_specific_cuda_target_does_not_stop_the_async_io_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU node's TORCH_CUDA_ARCH_LIST="9.0a" stopped the NVMe tier on an H200 (2026-11-28): DeepSpeed's JIT
+    builder reads each entry as two integers. Its own parser, run here as a CUDA build would run it, refuses the
+    list as given and takes it once load_aio's context has made it readable; the user's value comes back after."""
+    from deepspeed.ops.op_builder.async_io import AsyncIOBuilder  # the CUDA accelerator's builder, on any machine
+
+    def deepspeed_reads_the_list() -> None:
+        builder = AsyncIOBuilder()
+        builder.jit_mode, builder._jit_arch_list = True, None  # as in AsyncIOBuilder.jit_load, before nvcc's flags
+        builder.compute_capability_args()
+
+    assert disk.deepspeed_arch_list("9.0a") == "9.0"
+    assert disk.deepspeed_arch_list("8.0 9.0a;9.0 10.0f+PTX") == "8.0;9.0;10.0+PTX"
+    assert disk.deepspeed_arch_list("sm_90") is None
+    for value in ("9.0a", "8.0;9.0a+PTX", "sm_90"):
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", value)
+        with pytest.raises(ValueError, match="invalid literal for int"):
+            deepspeed_reads_the_list()
+        with disk.arch_list_deepspeed_parses():
+            if value == "sm_90":
+                assert "TORCH_CUDA_ARCH_LIST" not in os.environ  # DeepSpeed reads the visible GPUs instead
+            else:
+                deepspeed_reads_the_list()
+        assert os.environ["TORCH_CUDA_ARCH_LIST"] == value

@@ -178,6 +178,29 @@ def test_resuming_with_another_placement_on_cuda_agrees_to_float_precision(tmp_p
     assert max_relative_error(resumed, straight) < CUDA_RTOL
 
 
+@pytest.mark.parametrize(("precision", "overlap"), [("32-true", "off"), ("bf16-mixed", "auto")])
+def test_nvme_tier_on_cuda_gives_the_all_host_engines_bits(tmp_path, precision: str, overlap: str) -> None:  # noqa: ANN001
+    """The NVMe tier's CUDA path: a random plan each step (host, streamed, resident sub-groups), all of the state in
+    the swap file or half of it, against the same plans with everything in host memory. Records streamed to the GPU
+    go file -> staging slab -> device and back, so the bits must match (tests/test_nvme_training.py on CPU)."""
+    from tests.test_nvme_training import AIO_MISSING, _fit
+
+    if AIO_MISSING is not None:
+        pytest.skip(f"the NVMe tier needs libaio: {AIO_MISSING}")
+    reference, want, _ = _fit(None, None, precision, overlap=overlap, accelerator="cuda")
+    state_bytes = 12 * sum(getattr(p, "ds_numel", p.numel()) for p in reference.parameters())
+    for budget in (0, state_bytes // 2):
+        directory = tmp_path / str(budget)
+        directory.mkdir()
+        model, got, strategy = _fit(directory, budget, precision, overlap=overlap, accelerator="cuda")
+        assert strategy.dos_engine.device.type == "cuda" and got.files is not None and got.files.read_bytes > 0
+        for a, b in zip(got.state, want.state, strict=True):
+            assert torch.equal(a, b)
+        for name, value in full_parameters(reference).items():
+            assert torch.equal(full_parameters(model)[name], value), name
+        assert list(directory.iterdir()) == [], "the swap file outlived teardown"
+
+
 # -- a missing wait must fail on a real GPU -----------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ import contextlib
 import errno
 import mmap
 import os
+import re
 import shutil
 import sys
 import time
@@ -114,8 +115,45 @@ def load_aio(setting: str = "offload_optimizer.device='nvme'"):  # noqa: ANN201 
         raise DOSConfigError(f"{setting}: {reason}")
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    with quiet.known_prints_dropped():  # "DeepSpeed async_io built successfully"
+    with quiet.known_prints_dropped(), arch_list_deepspeed_parses():  # "DeepSpeed async_io built successfully"
         return AsyncIOBuilder().load(verbose=False)
+
+
+def deepspeed_arch_list(value: str) -> str | None:
+    """``TORCH_CUDA_ARCH_LIST`` as DeepSpeed's JIT builder can read it: "X.Y" or "X.Y+PTX" entries, ';'-separated.
+
+    Its builder splits each entry at the dot and reads both parts as integers, so an arch-specific target that torch
+    and nvcc accept ("9.0a", Hopper's wgmma target; "10.0f") stops every CUDA op build with "invalid literal for
+    int()". Such an entry becomes its plain "X.Y"; anything else unreadable is dropped; None when nothing is left."""
+    entries: list[str] = []
+    for entry in value.replace(";", " ").split():
+        parsed = re.fullmatch(r"(\d+)\.(\d+)[A-Za-z]*(\+PTX)?", entry)
+        if parsed is not None:
+            token = f"{parsed[1]}.{parsed[2]}{parsed[3] or ''}"
+            if token not in entries:
+                entries.append(token)
+    return ";".join(entries) or None
+
+
+@contextlib.contextmanager
+def arch_list_deepspeed_parses():  # noqa: ANN201 - a context manager
+    """``TORCH_CUDA_ARCH_LIST`` in the form DeepSpeed reads (:func:`deepspeed_arch_list`) while an op builds, then
+    the user's value again. On a GPU node whose environment names "9.0a" (an H200, 2026-11-28) the async I/O op
+    would not build otherwise; it has no CUDA kernels, so the targets it is built for change nothing."""
+    name = "TORCH_CUDA_ARCH_LIST"
+    value = os.environ.get(name)
+    readable = None if value is None else deepspeed_arch_list(value)
+    if value is None or readable == value.strip():
+        yield
+        return
+    if readable is None:
+        del os.environ[name]  # DeepSpeed then reads the visible GPUs' capabilities
+    else:
+        os.environ[name] = readable
+    try:
+        yield
+    finally:
+        os.environ[name] = value
 
 
 def measure_disk(
