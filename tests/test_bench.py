@@ -63,6 +63,8 @@ def test_aio_settings_reach_both_nvme_systems_and_the_json(monkeypatch) -> None:
         assert (aio["block_size"], aio["queue_depth"], aio["intra_op_parallelism"]) == (524288, 16, 1)
     with pytest.raises(SystemExit):
         bench.run.parse_args(["--aio", "1M,32"])
+    with pytest.raises(SystemExit):
+        bench.run.parse_args(["--drive-warmup", "-1"])
     deeper, _ = make_strategy("stock-nvme:/tmp/x:32", 1000)  # stock's swapper with 32 tensor buffers
     offload = deeper.config["zero_optimization"]["offload_optimizer"]
     assert (offload["nvme_path"], offload["buffer_count"]) == ("/tmp/x", 32)
@@ -83,9 +85,10 @@ def test_stock_and_our_nvme_offload_run_and_are_set_beside_their_drive_floors(tm
     mine_drive.mkdir()
     system, ours = f"stock-nvme:{drive}", f"nvme:0.5:{mine_drive}@off"
     argv = ["--preset", "tiny", "--steps", "2", "--warmup", "1", "--max-bytes", "100000", "--out", str(out)]
-    argv.append("--drive-each-step")
+    argv += ["--drive-each-step", "--drive-warmup", "0.1"]
     assert main([*argv, "--systems", f"{system},{ours}"]) == 0
     printed = capfd.readouterr().out
+    assert "# drives warmed for" in printed and "(each read and written 1x)" in printed
     assert f"Drive floor of {system}:" in printed and f"Drive floor of {ours}:" in printed
     assert "x stock NVMe's update" in printed
     stock, mine = json.loads(out.read_text())["results"]
