@@ -182,7 +182,9 @@ def test_resuming_with_another_placement_on_cuda_agrees_to_float_precision(tmp_p
 def test_nvme_tier_on_cuda_gives_the_all_host_engines_bits(tmp_path, precision: str, overlap: str) -> None:  # noqa: ANN001
     """The NVMe tier's CUDA path: a random plan each step (host, streamed, resident sub-groups), all of the state in
     the swap file or half of it, against the same plans with everything in host memory. Records streamed to the GPU
-    go file -> staging slab -> device and back, so the bits must match (tests/test_nvme_training.py on CPU)."""
+    go file -> staging slab -> device and back. On CPU the bits match (tests/test_nvme_training.py); two fits on a
+    GPU need not compute the same gradients bit for bit (atomic additions in backward kernels), so here the tier is
+    held to CUDA_RTOL of the all-host run: a record read stale or written back late is off by about lr."""
     from tests.test_nvme_training import AIO_MISSING, _fit
 
     if AIO_MISSING is not None:
@@ -194,10 +196,8 @@ def test_nvme_tier_on_cuda_gives_the_all_host_engines_bits(tmp_path, precision: 
         directory.mkdir()
         model, got, strategy = _fit(directory, budget, precision, overlap=overlap, accelerator="cuda")
         assert strategy.dos_engine.device.type == "cuda" and got.files is not None and got.files.read_bytes > 0
-        for a, b in zip(got.state, want.state, strict=True):
-            assert torch.equal(a, b)
-        for name, value in full_parameters(reference).items():
-            assert torch.equal(full_parameters(model)[name], value), name
+        assert max_relative_error(dict(enumerate(got.state)), dict(enumerate(want.state))) < CUDA_RTOL
+        assert max_relative_error(full_parameters(model), full_parameters(reference)) < CUDA_RTOL
         assert list(directory.iterdir()) == [], "the swap file outlived teardown"
 
 
