@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -325,7 +326,13 @@ def run_system(system: str, args: argparse.Namespace) -> Result:
     )
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    # DeepSpeed never removes its swap files, and names them by parameter ids that a process keeps counting from model
+    # to model: 0.4 GB more per medium run here. The bench removes the folder it made it create (never one it found).
+    swap_folder = Path(parse_stock_nvme(system)[0]) / "zero_stage_3" if system.startswith("stock-nvme:") else None
+    stale_swap = swap_folder is not None and swap_folder.exists()
     trainer.fit(model, datamodule=data)
+    if swap_folder is not None and not stale_swap:
+        shutil.rmtree(swap_folder, ignore_errors=True)
     rows = list(monitor.history)[args.warmup :]
     update_s = _median(rows, "dos/update_s") or float("nan")
     result = Result(
@@ -590,6 +597,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.precision}, clip {args.clip}, sub_group_size {args.sub_group_size}, {args.warmup}+{args.steps} steps"
     )
     systems = [system.strip() for system in args.systems.split(",") if system.strip()]
+    if args.rounds < len(systems) and any(_drive_of(system, params)[0] for system in systems):
+        print(
+            f"# --rounds {args.rounds} for {len(systems)} systems: not every system runs first in a round, and on a "
+            f"shared drive the first can run faster (bench/RESULTS.md, 2026-11-28); --rounds {len(systems)} gives "
+            "each the first slot once"
+        )
     warm_drives(systems, params, args.drive_warmup)
     rounds: list[list[Result]] = []
     for k in range(args.rounds):
