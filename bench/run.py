@@ -186,16 +186,9 @@ class _DriveWatch(L.Callback):
         self.marks: list[tuple[float, float, float, int, int]] = []
 
     def _mark(self, trainer: L.Trainer) -> None:
-        from lightning_dos.host.disk import measure_mixed
-
         files = getattr(getattr(trainer.strategy, "dos_engine", None), "files", None)
-        rates = _measure_drive(self.directory, self.nbytes)
-        mixed = measure_mixed(
-            self.directory, self.nbytes, block_size=AIO["block_size"], queue_depth=AIO["queue_depth"],
-            threads=AIO["intra_op_parallelism"],
-        )  # fmt: skip
         counters = (files.read_bytes, files.written_bytes) if files is not None else (0, 0)
-        self.marks.append((rates.read_bps, rates.write_bps, mixed, *counters))
+        self.marks.append((*drive_rates(self.directory, self.nbytes), *counters))
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if self.directory is None or trainer.global_step < self.warmup:
@@ -212,19 +205,40 @@ class _DriveWatch(L.Callback):
         drive's rates around it, the bytes moved per step (the tier's counters, or ``fixed``, bytes read and written
         per step) and the floor of a step, seconds: the lesser of the reads then the writes at their own rates and all
         of them at the rate of reading and writing at once."""
-        floors = []
         per_window = steps / max(1, len(self.marks) - 1)
-        for before, after in zip(self.marks, self.marks[1:]):
-            read_bps, write_bps, mixed_bps = ((b + a) / 2 for b, a in zip(before[:3], after[:3], strict=True))
-            read, written = fixed or ((after[3] - before[3]) / per_window, (after[4] - before[4]) / per_window)
-            serial_s, overlapped_s = read / read_bps + written / write_bps, (read + written) / mixed_bps
-            floors.append(
-                {"read_bps": read_bps, "read_bps_around": (before[0], after[0]), "write_bps": write_bps,
-                 "mixed_bps": mixed_bps, "read_bytes": read, "written_bytes": written, "serial_floor_s": serial_s,
-                 "overlapped_floor_s": overlapped_s,
-                 "floor_s": min(serial_s, overlapped_s)}
-            )  # fmt: skip
-        return floors
+        return [
+            drive_floor(before[:3], after[:3], *(fixed or ((after[3] - before[3]) / per_window,
+                                                        (after[4] - before[4]) / per_window)))
+            for before, after in zip(self.marks, self.marks[1:])
+        ]  # fmt: skip
+
+
+def drive_rates(directory: str, nbytes: int) -> tuple[float, float, float]:
+    """The drive under ``directory`` now, B/s: reading, writing, and reading and writing at once (``nbytes`` each,
+    DeepSpeed's async I/O op with the systems' :data:`AIO` settings)."""
+    from lightning_dos.host.disk import measure_mixed
+
+    rates = _measure_drive(directory, nbytes)
+    mixed = measure_mixed(
+        directory, nbytes, block_size=AIO["block_size"], queue_depth=AIO["queue_depth"],
+        threads=AIO["intra_op_parallelism"],
+    )  # fmt: skip
+    return rates.read_bps, rates.write_bps, mixed
+
+
+def drive_floor(
+    before: tuple[float, float, float], after: tuple[float, float, float], read: float, written: float
+) -> dict[str, Any]:
+    """The drive's floor for moving ``read`` and ``written`` bytes between two measurements of it
+    (:func:`drive_rates`), at the mean of the two: the lesser of the reads then the writes at their own rates and
+    all of them at the rate of reading and writing at once, seconds (``floor_s``), with the rates and bytes."""
+    read_bps, write_bps, mixed_bps = ((b + a) / 2 for b, a in zip(before, after, strict=True))
+    serial_s, overlapped_s = read / read_bps + written / write_bps, (read + written) / mixed_bps
+    return {
+        "read_bps": read_bps, "read_bps_around": (before[0], after[0]), "write_bps": write_bps,
+        "mixed_bps": mixed_bps, "read_bytes": read, "written_bytes": written, "serial_floor_s": serial_s,
+        "overlapped_floor_s": overlapped_s, "floor_s": min(serial_s, overlapped_s),
+    }  # fmt: skip
 
 
 def _drive_of(system: str, params: int) -> tuple[str | None, int]:

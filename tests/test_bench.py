@@ -110,3 +110,36 @@ def test_stock_and_our_nvme_offload_run_and_are_set_beside_their_drive_floors(tm
     assert mine["extra"]["written_gb_per_step"] > 0
     assert list(mine_drive.iterdir()) == []  # ours removed its swap file
     assert list(drive.iterdir()) == []  # the bench removed the swap folder DeepSpeed made and left behind
+
+
+@pytest.mark.skipif(disk.aio_unavailable() is not None, reason="libaio-dev is not installed: no NVMe offload here")
+def test_the_tiers_requests_alone_are_set_beside_the_drive_floor_for_each_slab_count(tmp_path: Path, capfd) -> None:  # noqa: ANN001
+    """bench/drive_pattern.py: every record read into a slab and written back from it, each slab count's passes
+    beside the floor the drive measured around each of them; nothing left in the directory."""
+    from bench import drive_pattern
+
+    drive, out = tmp_path / "drive", tmp_path / "pattern.json"
+    drive.mkdir()
+    argv = ["--path", str(drive), "--records", "3", "--record-elements", "5000", "--slabs", "1,2", "--passes", "2"]
+    assert drive_pattern.main([*argv, "--out", str(out)]) == 0
+    printed = capfd.readouterr().out
+    assert "# 3 records of 0.1 MB read and written back per pass" in printed
+    assert "\n| 1 | 0 |" in printed and "\n| 2 | 0 |" in printed
+    passes = json.loads(out.read_text())["passes"]
+    assert set(passes) == {"1", "2"}
+    record = 3 * 20480  # the master weights and two moments, each padded to 4 KiB
+    for rows in passes.values():
+        assert len(rows) == 2
+        for row in rows:
+            assert row["read_bytes"] == row["written_bytes"] == 3 * record
+            assert row["floor_s"] == min(row["serial_floor_s"], row["overlapped_floor_s"]) > 0
+            assert row["over_floor"] == pytest.approx(row["pass_s"] / row["floor_s"])
+    assert list(drive.iterdir()) == []
+
+
+def test_drive_pattern_refuses_a_slab_count_below_one(capsys) -> None:  # noqa: ANN001
+    from bench import drive_pattern
+
+    with pytest.raises(SystemExit):
+        drive_pattern.parse_args(["--path", ".", "--slabs", "4,0"])
+    assert "--slabs must each be at least 1, got [4, 0]" in capsys.readouterr().err
