@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 import os
 import random
 import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning as L
@@ -269,3 +273,36 @@ def remember_build(compiler: str, flags: list[str], library: Path) -> None:
     """Let :func:`built_once` reuse ``library``, built by ``compiler`` with ``flags`` and options that do not change
     the code generated (GCC's ``-fopt-info`` remarks)."""
     _BUILT.setdefault(_build_key(compiler, flags), library)
+
+
+@contextlib.contextmanager
+def block_4k_filesystem(scratch: Path, size_mb: int = 96) -> Iterator[Path | None]:
+    """A directory on an ext4 filesystem whose drive has 4096-byte logical blocks (a loop device made with
+    ``losetup --sector-size 4096`` over a file in ``scratch``), removed after; None where this machine cannot make
+    one (not root, no loop devices, no losetup or mkfs.ext4), for the caller to skip by name. Many NVMe drives are
+    formatted so, and O_DIRECT there refuses any offset or length that is not whole 4096-byte blocks, where this
+    machine's own disk (512-byte blocks) takes them."""
+    tools = [shutil.which(tool) for tool in ("losetup", "mkfs.ext4", "mount", "umount")]
+    if os.geteuid() != 0 or None in tools or not os.path.exists("/dev/loop-control"):
+        yield None
+        return
+    image, mount = scratch / "block-4k.img", scratch / "block-4k"
+    mount.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(size_mb << 20)
+    run = functools.partial(subprocess.run, capture_output=True, text=True, check=False)
+    made = run(["losetup", "--find", "--show", "--sector-size", "4096", str(image)])
+    device = made.stdout.strip()
+    if made.returncode != 0 or not device:
+        yield None
+        return
+    try:
+        if run(["mkfs.ext4", "-q", "-b", "4096", device]).returncode or run(["mount", device, str(mount)]).returncode:
+            yield None
+            return
+        try:
+            yield mount
+        finally:
+            run(["umount", str(mount)])
+    finally:
+        run(["losetup", "-d", device])

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_dos.engine.swap_files import SwapFile
+from lightning_dos.engine.swap_files import SwapFile, logical_block_size
 from lightning_dos.errors import DOSConfigError
 from lightning_dos.host import disk
+from tests.helpers import block_4k_filesystem
 
 AIO_MISSING = disk.aio_unavailable()
 pytestmark = pytest.mark.skipif(
@@ -23,6 +24,15 @@ RECORDS = [1, 1000, 1024, 70_001]
 @pytest.fixture(scope="module")
 def aio():  # noqa: ANN201
     return disk.load_aio()
+
+
+@pytest.fixture(scope="module")
+def blocks_4k(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """A directory on a drive with 4096-byte logical blocks (a loop device), or a skip naming why there is none."""
+    with block_4k_filesystem(tmp_path_factory.mktemp("drive")) as directory:
+        if directory is None:
+            pytest.skip("no 4096-byte-block drive: making one needs root, losetup, mkfs.ext4 and a loop device")
+        yield directory
 
 
 @pytest.mark.parametrize(
@@ -127,3 +137,59 @@ def test_a_slab_that_cannot_be_allocated_leaves_nothing_behind(tmp_path: Path, a
         SwapFile(tmp_path, 0, RECORDS, torch.float32, torch.float32, 2, 2, SecondSlabFails())
     assert list(tmp_path.iterdir()) == []
     SwapFile(tmp_path, 0, RECORDS, torch.float32, torch.float32, 2, 1, aio).close()  # the lock was released
+
+
+#: Adam fp32 records of an odd number of pages: 1 page per part (3), 3 per part (9), 1 element (3), 18 per part (54).
+ODD_PAGES = [1024, 3077, 1, 18_000]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+def test_records_of_odd_page_counts_survive_any_io_thread_count_on_4096_byte_blocks(
+    blocks_4k: Path, aio, threads: int
+) -> None:  # noqa: ANN001
+    """DeepSpeed's op splits a request evenly over its threads: each share must be whole 4096-byte blocks there, or
+    O_DIRECT refuses it and the op says nothing (before the fix, 2 threads left records unread: silent corruption)."""
+    assert logical_block_size(blocks_4k) == 4096
+    gen = torch.Generator().manual_seed(threads)
+    written = [
+        (torch.randn(n, generator=gen), (torch.randn(n, generator=gen), torch.randn(n, generator=gen)))
+        for n in ODD_PAGES
+    ]
+    swap = SwapFile(blocks_4k, 0, ODD_PAGES, torch.float32, torch.float32, 2, slots=2, aio=aio, threads=threads)
+    try:
+        for record in range(len(ODD_PAGES)):
+            nbytes = swap.record_bytes(ODD_PAGES[record])
+            assert swap.offsets[record] % 4096 == 0 and nbytes % (4096 * threads) == 0, "a share is not aligned"
+        for record, (m, s) in enumerate(written):
+            swap.store(record, m, s, slot=record % 2)
+        for record, (m, s) in enumerate(written):
+            swap.slabs[1].fill_(255)
+            got_master, got_states = swap.load(record, slot=1)
+            assert torch.equal(got_master, m) and all(torch.equal(a, b) for a, b in zip(got_states, s, strict=True))
+    finally:
+        swap.close()
+
+
+def test_a_request_the_drive_refuses_is_an_error_never_silence(blocks_4k: Path, aio) -> None:  # noqa: ANN001
+    """Records laid out for 512-byte blocks on a 4096-byte-block drive: O_DIRECT refuses their requests (EINVAL),
+    which DeepSpeed's op does not report. The swap file's start-up check finds the refused write; made without it,
+    a read's canaries find the refused read, as an error naming the record and the file."""
+    with pytest.raises(DOSConfigError, match="its drive refused the swap file's writes"):  # found at start-up
+        SwapFile(blocks_4k, 0, [1, 1000], torch.float32, torch.float32, 2, slots=1, aio=aio, align=512)
+    assert list(blocks_4k.iterdir()) == [blocks_4k / "lost+found"]
+    swap = SwapFile(blocks_4k, 0, [1, 1000], torch.float32, torch.float32, 2, 1, aio, align=512, verify=False)
+    try:
+        assert swap.offsets[1] % 4096 != 0
+        # Blocks written once (a drive answers a read of blocks never written with zeros, aligned or not).
+        swap.path.write_bytes(b"\x07" * swap.nbytes)
+        swap.store(1, torch.ones(1000), (torch.zeros(1000), torch.zeros(1000)))  # refused, and nothing says so
+        with pytest.raises(OSError, match=r"reading record 1 of .*lightning-dos-rank0.swap failed"):
+            swap.load(1)
+    finally:
+        swap.close()
+
+
+def test_a_block_size_that_is_not_whole_drive_blocks_is_refused(tmp_path: Path, aio) -> None:  # noqa: ANN001
+    with pytest.raises(DOSConfigError, match=r"aio.block_size=6144 is not valid .* multiple of its drive's 4096-byte"):
+        SwapFile(tmp_path, 0, RECORDS, torch.float32, torch.float32, 2, 1, aio, block_size=6144)
+    assert list(tmp_path.iterdir()) == []

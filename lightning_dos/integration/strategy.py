@@ -374,14 +374,16 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         size = self.engine_sub_group_size
         sub_group = min(per_rank, auto_sub_group_size(per_rank) if size == "auto" else int(size))
         largest = sub_group + ALIGN_ELEMENTS
+        # A record pads each tensor to a page and the whole to a page per I/O thread (engine/swap_files.py): at most
+        # this much more than its elements, counted generously.
+        padding = 4096 * (1 + len(footprint.rule.states) + tier.threads)
         # The most slabs the adapter opens for this sub-group size (staging_slots), each up to the largest record.
-        staging = staging_slots(footprint.optimizer_state * sub_group) * footprint.optimizer_state * largest
+        staging = staging_slots(footprint.optimizer_state * sub_group) * (footprint.optimizer_state * largest + padding)
         startup_share = footprint.master / footprint.optimizer_state  # DeepSpeed's masters of the part in files
         budget = tier.host_bytes = resolve_host_budget(
             tier, state, figure.total - state + staging, host_memory(), local_ranks, startup_share
         )
-        # Records are padded to 4096 bytes per tensor: a page per tensor per sub-group at most, counted generously.
-        in_files = state - budget + 4096 * (1 + len(footprint.rule.states)) * max(1, -(-per_rank // largest) + 1)
+        in_files = state - budget + padding * max(1, -(-per_rank // largest) + 1)
         check_nvme_path(tier.path, local_ranks * in_files if budget < state else 0)
         load_aio("offload_optimizer.device='nvme'")  # libaio missing: named, with the command, before any work
         figure.items = [(what, n - (state - budget) if what == "engine slabs" else n) for what, n in figure.items]
