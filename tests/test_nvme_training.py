@@ -363,6 +363,33 @@ trainer(strategy, steps=4, precision="bf16-mixed", clip=1.0).fit(TinyLM(), loade
 
 
 @needs_aio
+def test_auto_reserves_spare_slots_only_for_the_sub_groups_not_on_nvme(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under the defaults (bf16-mixed, overlap="auto", clipping): sub-groups in files are read only after backward,
+    never speculated on. All of the state on NVMe: no spare slot, "auto" runs as "forward" and says why, and the
+    host figure is forward's; half of it: a slot for each sub-group in host memory, and the line counts those."""
+    state_bytes = 12 * sum(p.numel() for p in TinyLM().parameters())
+    runs = {}
+    for name, budget, overlap in (("forward", 0, "forward"), ("all", 0, "auto"), ("half", state_bytes // 2, "auto")):
+        (tmp_path / name).mkdir()
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            _, end, strategy = _fit(tmp_path / name, budget, "bf16-mixed", steps=2, overlap=overlap, placement=False)
+        said = [r.getMessage() for r in caplog.records if "overlap='auto'" in r.getMessage()]
+        runs[name] = strategy, end.files, said
+    in_files, _, said = runs["all"]
+    assert in_files.dos_adapter.overlap == "forward" and in_files.dos_engine.spare.slots == 0
+    assert len(said) == 1 and "runs as 'forward'" in said[0] and "every sub-group's state is on NVMe" in said[0]
+    assert in_files.dos_host_figure.total <= runs["forward"][0].dos_host_figure.total
+    strategy, files, said = runs["half"]
+    on_host = len(strategy.dos_engine.sub_groups) - len(files.indices)
+    assert 0 < on_host < len(strategy.dos_engine.sub_groups)
+    assert strategy.dos_adapter.speculative and strategy.dos_engine.spare.slots == on_host
+    assert len(said) == 1 and f"({on_host} of the {on_host} sub-groups not on NVMe," in said[0], said
+
+
+@needs_aio
 def test_two_io_threads_on_a_4096_byte_block_drive_give_the_all_host_engines_bits(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:

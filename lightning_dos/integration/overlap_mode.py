@@ -11,6 +11,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_dos.engine import native
+from lightning_dos.engine.loop import InterleavedUpdate
 from lightning_dos.host.hostmem import host_memory
 from lightning_dos.integration.zero3 import ZeRO3Adapter, backward_overlap_blocker, needs_global_norm
 from lightning_dos.model.iteration import speculation_of
@@ -58,20 +59,27 @@ def resolve_overlap(asked: str, ds_optimizer: Any, speculation_bytes: int, specu
 
 
 def reserve_speculation(adapter: ZeRO3Adapter, ds_optimizer: Any, speculation_bytes: int) -> int:
-    """Under "auto": reserve the engine's spare slots where updates begun during backward are speculative (or run
-    as "forward" when not one fits in ``speculation_bytes``), and say what runs; return the host bytes reserved."""
+    """Under "auto": reserve the engine's spare slots where updates begun during backward are speculative, one at
+    most per sub-group such an update may take (:func:`updatable_during_backward`), or run as "forward" when not
+    one fits in ``speculation_bytes`` or no sub-group may be taken during backward; say what runs; return the host
+    bytes reserved."""
     if adapter.overlap != AUTO:
         return 0
+    engine = adapter.engine
     reason = needs_global_norm(ds_optimizer)
+    early = updatable_during_backward(engine)
+    if early == 0:  # all of the state in files: nothing to begin during backward, speculatively or not
+        adapter.overlap = FORWARD
+        _say_forward("every sub-group's state is on NVMe, read only once backward is over")
+        return 0
     if reason is None:
         rank_zero_info(
             "lightning-dos: overlap='auto': host sub-groups are updated during backward\n"
             "as their gradients become final; the rest overlaps the next forward"
         )
         return 0
-    engine = adapter.engine
     slot = engine.speculation_slot_bytes()
-    slots = min(len(engine.sub_groups), speculation_bytes // max(1, slot))
+    slots = min(early, speculation_bytes // max(1, slot))
     if slots == 0:
         adapter.overlap = FORWARD
         _say_forward(
@@ -87,9 +95,20 @@ def reserve_speculation(adapter: ZeRO3Adapter, ds_optimizer: Any, speculation_by
         "as their gradients become final, speculatively, as\n"
         f"{reason}:\n"
         "each update is kept if the step is not clipped, else redone after it\n"
-        f"({slots} of {len(engine.sub_groups)} sub-groups, {_size(held)} of host memory)"
+        f"({slots} of {_sub_groups(engine, early)}, {_size(held)} of host memory)"
     )
     return held
+
+
+def updatable_during_backward(engine: InterleavedUpdate) -> int:
+    """How many of ``engine``'s sub-groups an update begun during backward may take: all but those the NVMe tier
+    keeps in files (read only once backward is over, never speculated on); they are the first ones."""
+    return len(engine.sub_groups) - (len(engine.files.indices) if engine.files is not None else 0)
+
+
+def _sub_groups(engine: InterleavedUpdate, early: int) -> str:
+    """``early`` sub-groups, said as those not on NVMe where the tier keeps some in files."""
+    return f"{early} sub-groups" if early == len(engine.sub_groups) else f"the {early} sub-groups not on NVMe"
 
 
 def plan_for_speculation(scheduler: PlacementScheduler, adapter: ZeRO3Adapter) -> None:
