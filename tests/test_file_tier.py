@@ -226,3 +226,32 @@ def test_the_last_records_stay_unwritten_in_their_slabs_for_the_next_step(
     # before among them, once each, when their slabs were needed) and keeps none.
     assert written == [4, 4, 6, 4]
     engine.close_files()
+
+
+@pytest.mark.parametrize("slots", [2, 4])
+def test_streamed_file_backed_sub_groups_move_through_their_staging_slabs_never_their_spans(
+    tmp_path: Path, aio, slots: int
+) -> None:  # noqa: ANN001
+    """All of the state in the file (budget 0) and most of it streamed to the simulated accelerator: each streamed
+    sub-group is read into a staging slab, uploaded from it, downloaded into it and written back from it, so no
+    file-backed state is ever in host memory beyond the slabs (the pre-flight's figure); the race checker finds no
+    write-back issued before its download landed; the bits are the all-host engine's."""
+    plans = [Plan(tuple(D if k % 4 else H for k in range(9)), 2), Plan(tuple(H if k % 3 else D for k in range(9)), 2)]
+    reference, _ = _engine(None, tmp_path, aio, sim=True)
+    inputs = Inputs()
+    for plan in plans * 2:
+        reference.step(plan, inputs(reference.steps_taken + 1))
+    engine, checker = _engine(0, tmp_path, aio, sim=True, slots=slots)
+    files, inputs = engine.files, Inputs()
+    assert len(files.indices) == len(engine.sub_groups) == 9
+    registered = engine.register_file_staging(engine.streams.host_registrar())
+    assert registered == (engine.streams.host_registrar() is not None)
+    for plan in plans * 2:
+        files.reset_span_peak()
+        report = engine.step(plan, inputs(engine.steps_taken + 1))
+        assert report.device_elements > 0
+        assert files.peak_span_bytes == 0, "a streamed file-backed sub-group was paged back into its span"
+    for a, b in zip(_state(engine), _state(reference), strict=True):
+        assert torch.equal(a, b)
+    checker.check()
+    engine.close_files()

@@ -34,6 +34,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 
 import torch
 
+from lightning_dos.engine.hostslab import Registrar
 from lightning_dos.engine.swap_files import SwapFile
 from lightning_dos.model.plan import SubGroup
 
@@ -82,6 +83,10 @@ class FileTier:
         #: Bytes moved by the drive, copies skipped because a slab still held the record, and write-backs put off for
         #: the next update (for reports and tests).
         self.read_bytes = self.written_bytes = self.reads_skipped = self.writes_kept = 0
+        #: Host bytes of file-backed state loaded into spans now (beyond the staging slabs), and the most since
+        #: :meth:`reset_span_peak`: the update keeps this at 0 (host and streamed sub-groups use their slab).
+        self.span_bytes = self.peak_span_bytes = 0
+        self._in_span: dict[int, int] = {}  # sub-groups loaded into their spans, and the bytes each holds there
         #: Host bytes of the staging slabs (page-locked by DeepSpeed's op).
         self.staging_bytes = sum(slab.numel() * slab.element_size() for slab in swap.slabs)
         #: Told of each request once the host has waited for it: ``(lane, sub-group, issued, seen done, bytes)``, times
@@ -89,6 +94,7 @@ class FileTier:
         #: lane's requests never overlap. "Seen done" is when the wait returned: aio tells no earlier.
         self.on_request: Callable[[str, int, float, float, int], None] | None = None
         self._issued: list[tuple[str, int, float, int] | None] = [None] * slots
+        self._registered: list[tuple[Registrar, int]] = []  # slabs registered with the accelerator (:meth:`register`)
 
     def _give_back_span(self, sg: SubGroup) -> None:
         """Give back the pages of ``sg``'s span, and the pages it shares with a neighbour that is file-backed and not
@@ -100,6 +106,26 @@ class FileTier:
         if after is not None and after.index not in self.loaded:
             end = after.slab_offset + after.numel
         self._give_back(start, end - start)
+
+    def register(self, registrar: Registrar) -> bool:
+        """Register every staging slab with the accelerator (``registrar``): a streamed file-backed sub-group is
+        uploaded from and downloaded into its slab. Return whether all are registered (on a refusal, none is)."""
+        for slab in self.swap.slabs:
+            if registrar.register(slab.data_ptr(), slab.numel() * slab.element_size()) != 0:
+                self.unregister()
+                return False
+            self._registered.append((registrar, slab.data_ptr()))
+        return True
+
+    def unregister(self) -> None:
+        """Undo :meth:`register` (before the slabs are freed)."""
+        for registrar, address in self._registered:
+            registrar.unregister(address)
+        self._registered = []
+
+    def free_slots(self) -> int:
+        """Staging slabs that are no loaded sub-group's home: those records can still move through."""
+        return sum(busy != "home" for busy in self._busy)
 
     def __contains__(self, index: object) -> bool:
         return index in self.sub_groups
@@ -294,6 +320,9 @@ class FileTier:
             param.copy_(master)
             for home, state in zip(home_states, states, strict=True):
                 home.copy_(state)
+            self._in_span[index] = self._state_bytes(param, home_states)
+            self.span_bytes += self._in_span[index]
+            self.peak_span_bytes = max(self.peak_span_bytes, self.span_bytes)
         self.loaded[index] = dirty
         if index in self._ahead:
             self._ahead.remove(index)
@@ -326,8 +355,17 @@ class FileTier:
                 into.copy_(home)
             self._holds[slot] = index
             self._write_back(slot, index)
+        self.span_bytes -= self._in_span.pop(index, 0)
         self._give_back_span(sg)
         self._read_ahead()
+
+    @staticmethod
+    def _state_bytes(param: torch.Tensor, states: Sequence[torch.Tensor]) -> int:
+        return sum(t.numel() * t.element_size() for t in (param, *states))
+
+    def reset_span_peak(self) -> None:
+        """Start a new window for :attr:`peak_span_bytes`."""
+        self.peak_span_bytes = self.span_bytes
 
     def views(self, index: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The master weights and state tensors of loaded sub-group ``index`` where they are now: its staging slab
@@ -381,4 +419,5 @@ class FileTier:
         gone with it."""
         for slot in range(len(self._busy)):
             self._wait(slot)
+        self.unregister()
         self.swap.close()

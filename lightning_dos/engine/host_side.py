@@ -225,7 +225,9 @@ class HostSubGroups:
         streams = self.streams
         sg = self.sub_groups[index]
         if self._file_backed(index):  # updated in the staging slab it is read into, and written back from there
-            self.files.load(index, in_slab=True)
+            self._load_file_backed(index)
+        elif self.files is not None:  # streamed file-backed sub-groups whose download landed go back to their file
+            self._store_landed_downloads()
         param, states, grad, lp = self._slices(sg, inputs)
         if sg.ds_group not in step_tensors:
             step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], torch.device("cpu"))

@@ -70,3 +70,49 @@ class KeptGradients:
         if buf is None or kept is None or kept[0] is not buf or kept[1] != numel:
             return None
         return buf.grad[:numel]
+
+
+class GradientHandoff:
+    """Backward's hand-over of gradients to the engine (a part of :class:`~lightning_dos.engine.loop.InterleavedUpdate`,
+    which holds ``kept``, ``resident``, ``sub_groups`` and ``_backward_ends``)."""
+
+    kept: KeptGradients
+    resident: dict[int, DeviceBuffer]
+    sub_groups: list[SubGroup]
+    _backward_ends: list[object]
+
+    def keep_gradient(self, flat: int, offset: int, grad: torch.Tensor) -> None:
+        """Backward made ``grad`` final: the gradient of elements ``[offset, offset + grad.numel())`` of flat
+        partition ``flat``, on the device (DeepSpeed's reduced partition at the accumulation boundary). Copy the
+        part each resident sub-group holds into that sub-group's device gradient slot, on the caller's current
+        stream, so that the step reads it there and does not upload the host copy (which DeepSpeed still makes:
+        a sub-group the step moves home, or finishes on the host after a failure, reads that one).
+
+        A sub-group uses its kept gradient only if this backward wrote every one of its elements into the buffer
+        it still has at the step (padding or a parameter without a gradient leave it to the host copy); the
+        end-of-backward event on that stream (:meth:`backward_ended`) orders these copies before the update reads
+        them."""
+        self.kept.keep(flat, offset, grad, self.resident)
+
+    def backward_ended(self, event: object) -> None:
+        """Backward has issued its last gradient copy (into the host buffers, or a kept gradient into a resident
+        sub-group's device slot, :meth:`keep_gradient`), and ``event`` was recorded after it on the stream it was
+        issued on (DeepSpeed's reduce stream): the next step waits for ``event`` before it reads any gradient, and
+        for nothing else queued on the device. None: the copies are complete already (a synchronous device). Called
+        after every backward; the step waits for every event handed over since the last step."""
+        if event is not None:
+            self._backward_ends.append(event)
+
+    def discard_kept_gradients(self) -> None:
+        """Forget the gradients kept so far (a new backward begins, or a step was skipped)."""
+        self.kept.forget()
+
+    @property
+    def kept_gradient_slots(self) -> list[torch.Tensor]:
+        """The device gradient slots :meth:`keep_gradient` wrote since the last step (a race checker models those
+        writes on the framework's stream)."""
+        return self.kept.slots(self.resident)
+
+    def sub_groups_of(self, flat: int, offset: int, numel: int) -> list[int]:
+        """Indices of the sub-groups overlapping elements ``[offset, offset + numel)`` of flat partition ``flat``."""
+        return sub_groups_of(self.sub_groups, flat, offset, numel)

@@ -24,8 +24,8 @@ tensors.
 
 The engine's jobs are classes of their own, which :class:`InterleavedUpdate` is made of: the hand-off to a
 background thread and to each sub-group's readers (``in_flight.py``), streamed sub-groups (``streamed.py``),
-resident ones (``resident.py``) and host ones (``host_side.py``); this module holds the state they share and the
-step that runs them in order.
+resident ones (``resident.py``), host ones (``host_side.py``) and the NVMe tier's file-backed ones
+(``file_backed.py``); this module holds the state they share and the step that runs them in order.
 """
 
 from __future__ import annotations
@@ -41,11 +41,12 @@ import torch
 from lightning_dos.engine import native
 from lightning_dos.engine.arrivals import GradientArrivals
 from lightning_dos.engine.atomic import TornStateError, UpdateGuard, UpdateProgress
+from lightning_dos.engine.file_backed import FileBackedSubGroups
 from lightning_dos.engine.file_tier import FileTier
 from lightning_dos.engine.host_side import HostSubGroups
 from lightning_dos.engine.in_flight import InFlightHandoff
 from lightning_dos.engine.inputs import StepInputs
-from lightning_dos.engine.kept_gradients import KeptGradients, sub_groups_of
+from lightning_dos.engine.kept_gradients import GradientHandoff, KeptGradients
 from lightning_dos.engine.kernels import apply_update, host_update
 from lightning_dos.engine.pool import BufferPool, DeviceBuffer
 from lightning_dos.engine.recovery import settle_interrupted_update
@@ -53,16 +54,17 @@ from lightning_dos.engine.resident import ResidentSubGroups
 from lightning_dos.engine.speculation import SpareSlabs
 from lightning_dos.engine.streamed import StreamedSubGroups
 from lightning_dos.engine.streams import Streams, make_streams
-from lightning_dos.engine.swap_files import SwapFile
 from lightning_dos.model.budget_fit import fit_to_budget, plan_device_bytes
-from lightning_dos.model.nvme import ALTERNATE, host_order, kept_unwritten, nvme_sub_groups, tiered_plan
+from lightning_dos.model.nvme import ALTERNATE, tiered_plan
 from lightning_dos.model.perfmodel import FREE_MEMORY_MARGIN
 from lightning_dos.model.plan import Place, Plan, SubGroup, split_into_sub_groups
 from lightning_dos.model.step_report import StepReport
 from lightning_dos.model.update_rules import ADAM, Footprint, UpdateRule
 
 
-class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, HostSubGroups):
+class InterleavedUpdate(
+    InFlightHandoff, ResidentSubGroups, StreamedSubGroups, HostSubGroups, FileBackedSubGroups, GradientHandoff
+):
     """Runs the optimizer over the rank's master partition, sub-group by sub-group, on host and device at once.
 
     Args:
@@ -206,8 +208,8 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         #: The order the file-backed host sub-groups are taken in (``model.nvme.ORDERS``): ``"alternate"`` (reversed
         #: every other step) until the ratio scheduler chooses from the model (``model.nvme.choose_files_order``).
         self.files_order = ALTERNATE
-        #: Streamed file-backed sub-groups of the update in flight: written back once their download home landed.
-        self._stored_after_download: list[int] = []
+        #: Streamed file-backed sub-groups of the update in flight whose download home was issued, with its event.
+        self._downloads_to_store: list[tuple[int, object]] = []
 
     @property
     def last_report(self) -> StepReport | None:
@@ -290,117 +292,6 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         """Host bytes one spare slot holds (:meth:`reserve_speculation`)."""
         states = tuple(state.dtype for state in self.pool.states)
         return SpareSlabs.slot_bytes(max(self.sizes, default=0), self.pool.param.dtype, states, self.lp_dtype)
-
-    def keep_in_files(
-        self, first: int, directory: str, rank: int, aio: object, slots: int = 4, *, write: bool = True, **io: int
-    ) -> FileTier | None:
-        """Keep sub-groups ``first`` onwards (the slabs' tail) in a swap file under ``directory`` between updates:
-        their spans' current contents are written to it and their pages given back (the NVMe tier, see
-        :mod:`lightning_dos.engine.file_tier`). Call before the slabs are registered (:meth:`BufferPool.register_host`):
-        those spans are never pinned. ``aio`` is DeepSpeed's async I/O op; ``slots`` staging slabs move the records;
-        ``io`` is passed to :class:`~lightning_dos.engine.swap_files.SwapFile` (``block_size``, ``queue_depth``,
-        ``threads``).
-        ``write=False``: the spans do not hold the state yet; the caller writes each one as it fills it
-        (:meth:`FileTier.write_spans`, then :meth:`FileTier.settle`), so that start-up never holds all of it at once.
-        Return the tier (None when ``first`` leaves nothing to keep in files)."""
-
-        def open_swap(records: list[int], master: torch.dtype, state: torch.dtype, states: int) -> SwapFile:
-            return SwapFile(directory, rank, records, master, state, states, slots, aio, **io)
-
-        return self.keep_records_in(first, open_swap, write=write)
-
-    def keep_records_in(
-        self,
-        first: int,
-        open_swap: Callable[[list[int], torch.dtype, torch.dtype, int], SwapFile],
-        *,
-        write: bool = True,
-    ) -> FileTier | None:
-        """:meth:`keep_in_files` with the swap file made by ``open_swap(records, master_dtype, state_dtype,
-        states)`` (the simulated drive's, :class:`~lightning_dos.sim.simdrive.SimSwapFile`, on the simulator)."""
-        if self.files is not None:
-            raise RuntimeError("the engine keeps sub-groups in files already")
-        if self.pool.pinned:
-            raise RuntimeError("keep_in_files must come before the host slabs are registered")
-        tail = self.sub_groups[first:]
-        if not tail:
-            return None
-        swap = open_swap([sg.numel for sg in tail], self.pool.param.dtype, self.pool.state_dtype, len(self.rule.states))
-        self.pool.file_backed_from = tail[0].slab_offset
-        self.files = FileTier(swap, tail, self._span, self.pool.give_back)
-        self.files.on_request = self.streams.host_span  # the drive's requests in the step's timeline
-        if write:
-            self.files.store_all()
-        return self.files
-
-    def first_file_backed(self, host_budget: int) -> int:
-        """The first sub-group past what ``host_budget`` bytes of master weights and state hold (counted from the
-        first; every one when they all fit): where the NVMe tier begins, as the performance model counts it
-        (:func:`~lightning_dos.model.nvme.nvme_sub_groups`)."""
-        in_files = nvme_sub_groups(self.sizes, host_budget, self.footprint)
-        return in_files[0] if in_files else len(self.sub_groups)
-
-    def close_files(self) -> None:
-        """Remove the swap file (teardown). Its sub-groups' state is gone with it: the slabs hold zeros there."""
-        if self.files is not None:
-            self.files.close()
-
-    def materialize_files(self, indices: Sequence[int] | None = None) -> None:
-        """Load these file-backed sub-groups (None: all) into their spans, for a reader of the slabs (a checkpoint,
-        an accessor); :meth:`release_file_copies` gives the pages back, a write marks them to be written back
-        (:meth:`drop_resident`)."""
-        if self.files is not None:
-            for index in self.files.indices if indices is None else indices:
-                self.files.load(index, dirty=False)
-
-    def release_file_copies(self) -> None:
-        """Give back the pages of file-backed sub-groups loaded only to be read (:meth:`materialize_files`)."""
-        if self.files is not None:
-            self.files.drop_clean()
-
-    def _file_backed(self, index: int) -> bool:
-        return self.files is not None and index in self.files
-
-    def _done_with(self, index: int) -> None:
-        """The update is done with sub-group ``index``'s state: a file-backed one is written back."""
-        if self._file_backed(index):
-            self.files.store(index)
-
-    def files_backwards(self, step: int) -> bool:
-        """Whether step ``step`` (counted from 1) takes the file-backed host sub-groups backwards: every even one, in
-        the alternating :attr:`files_order`."""
-        return self.files_order == ALTERNATE and step % 2 == 0
-
-    def _host_order(self, plan: Plan) -> list[int]:
-        """The order this step updates host sub-groups in (asked once, before any read is issued): the plan's,
-        except that file-backed ones come last (they hold the end of the partition, which the next forward needs
-        last), backwards every other step in the alternating :attr:`files_order`, so that the step begins with those
-        the staging slabs still hold from the last one (MLP-Offload's cache-friendly order: their reads are skipped);
-        and those come before the host-slab ones (:func:`host_order`)."""
-        if self.files is None:
-            return plan.host_indices
-        backwards = self.files_backwards(self.steps_taken)  # this step's number
-        return host_order(plan, self.files.indices, backwards=backwards, held=self.files.held)
-
-    def _kept_unwritten(self, plan: Plan, order: Sequence[int]) -> list[int]:
-        """The file-backed sub-groups whose write-backs this step puts off (:meth:`FileTier.begin`): in the
-        alternating order with none of them streamed, the last ones it takes, one fewer than the staging slabs, since
-        the next step takes them first and writes them back then (:func:`~lightning_dos.model.nvme.kept_unwritten`,
-        which the model counts with)."""
-        files = self.files
-        return kept_unwritten(order, files.indices, files.slots, self.files_order, plan.streamed_indices)
-
-    def _settle_files(self) -> None:
-        """The update is over: the streamed file-backed sub-groups are written back, and every write has landed (the
-        file is the state of record between updates, or the slab that keeps a record unwritten for the next step).
-        Their downloads home have landed: the step waited for every tail event before it got here, and an interrupted
-        one synchronised the device (the race checker's mutation test finds a wait here redundant)."""
-        if self.files is None:
-            return
-        streamed, self._stored_after_download = self._stored_after_download, []
-        for index in streamed:
-            self.files.store(index)
-        self.files.settle()
 
     def skip(self, plan: Plan) -> StepReport:
         """Record a skipped step (fp16 overflow): nothing is touched."""
@@ -581,44 +472,6 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
             )
             self._warned_fallback = True
 
-    # -- gradients backward keeps on the device for resident sub-groups ---------------------------
-
-    def keep_gradient(self, flat: int, offset: int, grad: torch.Tensor) -> None:
-        """Backward made ``grad`` final: the gradient of elements ``[offset, offset + grad.numel())`` of flat
-        partition ``flat``, on the device (DeepSpeed's reduced partition at the accumulation boundary). Copy the
-        part each resident sub-group holds into that sub-group's device gradient slot, on the caller's current
-        stream, so that the step reads it there and does not upload the host copy (which DeepSpeed still makes:
-        a sub-group the step moves home, or finishes on the host after a failure, reads that one).
-
-        A sub-group uses its kept gradient only if this backward wrote every one of its elements into the buffer
-        it still has at the step (padding or a parameter without a gradient leave it to the host copy); the
-        end-of-backward event on that stream (:meth:`backward_ended`) orders these copies before the update reads
-        them."""
-        self.kept.keep(flat, offset, grad, self.resident)
-
-    def backward_ended(self, event: object) -> None:
-        """Backward has issued its last gradient copy (into the host buffers, or a kept gradient into a resident
-        sub-group's device slot, :meth:`keep_gradient`), and ``event`` was recorded after it on the stream it was
-        issued on (DeepSpeed's reduce stream): the next step waits for ``event`` before it reads any gradient, and
-        for nothing else queued on the device. None: the copies are complete already (a synchronous device). Called
-        after every backward; the step waits for every event handed over since the last step."""
-        if event is not None:
-            self._backward_ends.append(event)
-
-    def discard_kept_gradients(self) -> None:
-        """Forget the gradients kept so far (a new backward begins, or a step was skipped)."""
-        self.kept.forget()
-
-    @property
-    def kept_gradient_slots(self) -> list[torch.Tensor]:
-        """The device gradient slots :meth:`keep_gradient` wrote since the last step (a race checker models those
-        writes on the framework's stream)."""
-        return self.kept.slots(self.resident)
-
-    def sub_groups_of(self, flat: int, offset: int, numel: int) -> list[int]:
-        """Indices of the sub-groups overlapping elements ``[offset, offset + numel)`` of flat partition ``flat``."""
-        return sub_groups_of(self.sub_groups, flat, offset, numel)
-
     def _slices(
         self, sg: SubGroup, inputs: StepInputs
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
@@ -627,16 +480,3 @@ class InterleavedUpdate(InFlightHandoff, ResidentSubGroups, StreamedSubGroups, H
         local = slice(sg.ds_offset, sg.ds_offset + sg.numel)
         param, states = self.spare.current(sg.index, *self._home(sg))
         return param, states, inputs.grads[sg.ds_group][local], inputs.lp_targets[sg.ds_group][local]
-
-    def _home(self, sg: SubGroup) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """A sub-group's master weights and states: its span of the slabs (what DeepSpeed's views see), or for a
-        file-backed one, loaded first (the update, or its recovery, is about to use it), wherever it was loaded:
-        its span, or the staging slab a host update runs in."""
-        if self._file_backed(sg.index):
-            self.files.load(sg.index)
-            return self.files.views(sg.index)
-        return self._span(sg)
-
-    def _span(self, sg: SubGroup) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        span = slice(sg.slab_offset, sg.slab_offset + sg.numel)
-        return self.pool.param[span], tuple(state[span] for state in self.pool.states)

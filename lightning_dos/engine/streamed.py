@@ -48,6 +48,8 @@ class StreamedSubGroups:
             sg = self.sub_groups[index]
             n, slot = sg.numel, j % len(buffers)
             buf = buffers[slot]
+            if self._file_backed(index):  # its staging slab is its home, uploaded from and downloaded into
+                self._load_file_backed(index)
             param, states, grad, lp = self._slices(sg, inputs)
             d_param, d_grad = buf.param[:n], buf.grad[:n]
             d_states = tuple(t[:n] for t in buf.states)
@@ -86,8 +88,8 @@ class StreamedSubGroups:
                     dst.copy_(src, non_blocking=True)
                 self._reached("done", index)
             slot_free[slot] = streams.record(streams.d2h)
-            if self._file_backed(index):  # written back to its file once its state is home (the step's end)
-                self._stored_after_download.append(index)
+            if self._file_backed(index):  # written back from its slab once its state is home
+                self._download_issued(index, slot_free[slot])
             # The next forward reads only the 16-bit result: cast on the device, it is there once the compute stream
             # has run the cast; the state's download home (which the next backward and checkpoints wait for, with
             # the whole update) need not hold the forward back. Cast into the buffer, it is there once downloaded.

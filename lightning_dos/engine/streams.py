@@ -129,6 +129,11 @@ class Streams:
     def host_wait(self, event: Any) -> None:
         """Block the host until ``event`` has completed."""
 
+    def done(self, event: Any) -> bool:
+        """Whether ``event`` has completed, without blocking; True orders what follows after it, as
+        :meth:`host_wait` does (CUDA's ``Event.query``). Synchronous work is always done."""
+        return True
+
     def device_synchronize(self) -> None:
         """Wait for all work on the device, DeepSpeed's side streams included."""
 
@@ -250,6 +255,9 @@ class CudaStreams(Streams):
     def host_wait(self, event: torch.cuda.Event | None) -> None:
         if event is not None:
             event.synchronize()
+
+    def done(self, event: torch.cuda.Event | None) -> bool:
+        return event is None or event.query()
 
     def device_synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

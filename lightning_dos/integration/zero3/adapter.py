@@ -135,7 +135,9 @@ class ZeRO3Adapter(ForwardGathers, BackwardHooks, StateAccess):
         # Registering faults in and pins every page of the slabs: done before, beside DeepSpeed's fp32 master
         # partitions, it made start-up 4 B/param above the pre-flight figure (issue 32, point 5).
         if pin:
-            self.engine.pool.register_host(self.engine.streams.host_registrar())
+            registrar = self.engine.streams.host_registrar()
+            self.engine.pool.register_host(registrar)
+            self.engine.register_file_staging(registrar)  # streamed file-backed sub-groups move through those slabs
         #: Chooses each step's plan; the strategy installs the scheduler here.
         self.planner: Planner | None = None
         #: Optimizer steps called so far (the engine counts its own on the thread an overlapped update runs on).
