@@ -240,6 +240,44 @@ def test_report_draws_a_png(half: Run, tmp_path: Path, capsys: pytest.CaptureFix
     assert report_cli.main([str(half.root)]) == 0 and (half.root / "dos-report.png").is_file()
 
 
+def test_report_draws_the_newest_run_with_dos_metrics_and_names_it(
+    half: Run, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The fit's log, then a real `validate` into the same folder: a newer version with val/loss and no dos/.
+    fit_log = tmp_path / "csv" / "version_0" / "metrics.csv"
+    fit_log.parent.mkdir(parents=True)
+    fit_log.write_bytes(report_cli.find_metrics(half.root).read_bytes())
+    L.Trainer(
+        accelerator="cpu", logger=CSVLogger(tmp_path, name="csv"), enable_progress_bar=False, limit_val_batches=2
+    ).validate(TinyLM(), loader(), verbose=False)
+    assert report_cli.find_metrics(tmp_path).parent.name == "version_1"
+    capsys.readouterr()
+    assert report_cli.main([str(tmp_path), "--out", str(tmp_path / "r.png")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "lightning-dos report: drawing csv/version_0 (newest with dos/ metrics; skipped csv/version_1)"
+    # Only a log without dos/ metrics: the advice names the training run.
+    fit_log.unlink()
+    assert report_cli.main([str(tmp_path)]) == 1
+    assert "has dos/ metrics; add the DOSMonitor callback to the training run" in capsys.readouterr().err
+
+
+def test_report_medians_leave_out_the_rows_the_console_leaves_out(half: Run, none_on_device: Run) -> None:
+    def labels(run: Run) -> set[str]:
+        return {
+            row[:24].strip()
+            for row in report_cli.median_rows(report_cli.read_metrics(report_cli.find_metrics(run.root)))
+        }
+
+    def console(run: Run) -> set[str]:
+        return set(summary_table(run.monitor.history, on_accelerator=False).columns[0].cells)
+
+    # No device share and no bus on CPU with nothing on the device: the console shows neither row, nor the report.
+    assert {"device share", "host to device"}.isdisjoint(labels(none_on_device) | console(none_on_device))
+    assert "update" in labels(none_on_device)
+    # Half the update on the simulated device: both show them.
+    assert {"device share", "host to device"} <= labels(half) & console(half)
+
+
 def test_report_without_matplotlib_names_the_extra(
     half: Run, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,6 +1,8 @@
 """``lightning-dos report RUN_DIR [--out PNG]``: one PNG of a run's ``DOSMonitor`` metrics.
 
-It finds the newest CSVLogger ``metrics.csv`` under ``RUN_DIR`` and draws, step by step: the loss (train
+It finds the newest CSVLogger ``metrics.csv`` under ``RUN_DIR`` that holds ``dos/`` metrics (a later
+``validate`` or ``test`` writes a newer log without them, which is passed over and named), says which it
+drew, and draws, step by step: the loss (train
 and validation), the learning rate of each param group, the forward/backward/update split of each step,
 the update time against the performance model's prediction, memory per phase, PCIe throughput and bytes
 per direction, the share of the update done on the device, and the run's medians. A panel whose metrics
@@ -18,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_dos.integration.metrics import MEDIANS
+from lightning_dos.integration.metrics import MEDIANS, PREFIX
 
 INSTALL_HINT = "pip install 'lightning-dos[plot]'"
 PHASES = ("forward", "backward", "update")
@@ -30,11 +32,34 @@ Series = dict[str, tuple[list[int], list[float]]]
 
 def find_metrics(run_dir: Path) -> Path | None:
     """The newest ``metrics.csv`` anywhere under ``run_dir`` (CSVLogger writes one per version)."""
-    found = [p for p in run_dir.rglob("metrics.csv") if p.is_file()]
-    if not found:
-        return None
+    found = _newest_first(run_dir)
+    return found[0] if found else None
+
+
+def _newest_first(run_dir: Path) -> list[Path]:
     # Newest by modification time; a higher version folder wins a tie.
-    return max(found, key=lambda p: (p.stat().st_mtime, str(p)))
+    found = [p for p in run_dir.rglob("metrics.csv") if p.is_file()]
+    return sorted(found, key=lambda p: (p.stat().st_mtime, str(p)), reverse=True)
+
+
+def has_dos_metrics(series: Series) -> bool:
+    """Whether ``series`` holds anything ``DOSMonitor`` logged (a fit with the callback)."""
+    return any(key.startswith(PREFIX) for key in series)
+
+
+def find_run(run_dir: Path) -> tuple[Path, Series, list[Path]] | None:
+    """The newest ``metrics.csv`` under ``run_dir`` with ``dos/`` metrics, its metrics, and the newer logs without.
+
+    A ``validate`` or ``test`` after the fit writes a newer CSVLogger version holding only validation metrics;
+    the fit's log is the one to draw. None when no log under ``run_dir`` has ``dos/`` metrics.
+    """
+    passed_over: list[Path] = []
+    for path in _newest_first(run_dir):
+        series = read_metrics(path)
+        if has_dos_metrics(series):
+            return path, series, passed_over
+        passed_over.append(path)
+    return None
 
 
 def read_metrics(path: Path) -> Series:
@@ -228,15 +253,28 @@ def _update_vs_predicted(ax: Any, series: Series) -> bool:
     return True
 
 
-def _medians(ax: Any, series: Series) -> None:
-    ax.axis("off")
-    text = []
+def median_rows(series: Series) -> list[str]:
+    """The medians panel's rows: one per metric logged, as the console's end-of-run summary shows them.
+
+    A device-side metric (a bus rate, the device's share) that is zero throughout a run without an accelerator
+    is left out, as the console leaves it out: it would read as a measurement of one. The log does not name the
+    device; a run that pinned host memory (only CUDA pins) or moved bytes between the sides had one.
+    """
+    crossed_a_bus = _any(series, "dos/pinned_gb", "dos/h2d_gb", "dos/d2h_gb", nonzero=True)
+    rows = []
     for metric in MEDIANS:
         values = _get(series, metric.key)[1]
-        if values:
-            text.append(f"{metric.label:<24}{statistics.median(values) * metric.scale:>12.4g} {metric.unit}")
+        if not values or (metric.device and not crossed_a_bus and not any(values)):
+            continue
+        rows.append(f"{metric.label:<24}{statistics.median(values) * metric.scale:>12.4g} {metric.unit}")
+    return rows
+
+
+def _medians(ax: Any, series: Series) -> None:
+    ax.axis("off")
     ax.set_title("Medians over the run")
-    ax.text(0.02, 0.95, "\n".join(text) or "no metrics", va="top", family="monospace", transform=ax.transAxes)
+    text = "\n".join(median_rows(series)) or "no metrics"
+    ax.text(0.02, 0.95, text, va="top", family="monospace", transform=ax.transAxes)
 
 
 #: Every panel the report can draw, by name.
@@ -329,21 +367,32 @@ def main(argv: list[str] | None = None) -> int:
     if not args.run_dir.is_dir():
         print(f"lightning-dos report: {args.run_dir} is not a folder", file=sys.stderr)
         return 1
-    metrics = find_metrics(args.run_dir)
-    if metrics is None:
+    if find_metrics(args.run_dir) is None:
         print(f"lightning-dos report: no metrics.csv under {args.run_dir}; log with CSVLogger", file=sys.stderr)
         return 1
-    series = read_metrics(metrics)
-    if not any(key.startswith("dos/") for key in series):
+    found = find_run(args.run_dir)
+    if found is None:
         print(
-            f"lightning-dos report: {metrics} has no dos/ metrics; add the DOSMonitor callback",
+            f"lightning-dos report: no metrics.csv under {args.run_dir} has dos/ metrics; "
+            "add the DOSMonitor callback to the training run",
             file=sys.stderr,
         )
         return 1
+    metrics, series, passed_over = found
+    print(_picked(args.run_dir, metrics, passed_over))
     out = args.out if args.out is not None else args.run_dir / "dos-report.png"
     title = f"lightning-dos run report: {metrics.relative_to(args.run_dir)}"
     print(f"wrote {draw(series, out, title)}")
     return 0
+
+
+def _picked(run_dir: Path, metrics: Path, passed_over: list[Path]) -> str:
+    """One line naming the log drawn, and the newer logs without ``dos/`` metrics passed over."""
+    line = f"lightning-dos report: drawing {metrics.relative_to(run_dir).parent}"
+    if not passed_over:
+        return line
+    newer = ", ".join(str(p.relative_to(run_dir).parent) for p in passed_over)
+    return line + f" (newest with dos/ metrics; skipped {newer})"
 
 
 if __name__ == "__main__":
