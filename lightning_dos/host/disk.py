@@ -29,6 +29,7 @@ from pathlib import Path
 
 from lightning_dos.errors import DOSConfigError
 from lightning_dos.host import quiet
+from lightning_dos.host.memlock import check_lock_limit
 from lightning_dos.model.nvme import DiskRates
 
 #: O_DIRECT needs buffers, offsets and sizes aligned to the device's logical block; a page covers every drive.
@@ -178,6 +179,8 @@ def measure_disk(
         raise ValueError(f"nbytes must be a positive multiple of {ALIGNMENT}, got {nbytes}")
     where = check_nvme_path(path, nbytes)
     aio = load_aio()
+    # Past RLIMIT_MEMLOCK DeepSpeed's allocator aborts the process: refused by name instead.
+    check_lock_limit(nbytes, "the drive measurement's buffers", setting=f"measuring the drive under {str(path)!r}")
     handle = aio.aio_handle(block_size, queue_depth, False, True, threads)
     buffer = handle.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
     target = where / f".lightning-dos-measure-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -227,6 +230,7 @@ def measure_mixed(
         raise ValueError(f"nbytes must be a positive multiple of {ALIGNMENT}, got {nbytes}")
     where = check_nvme_path(path, 2 * nbytes)
     aio = load_aio()
+    check_lock_limit(2 * nbytes, "the drive measurement's buffers", setting=f"measuring the drive under {str(path)!r}")
     handles = [aio.aio_handle(block_size, queue_depth, False, True, threads) for _ in range(2)]
     buffers = [h.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8)) for h in handles]
     stem = f".lightning-dos-measure-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -5,12 +5,16 @@ every check made before any work (:mod:`lightning_dos.host.disk`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_dos.errors import DOSConfigError
 from lightning_dos.host.hostmem import HostMemory
+from lightning_dos.host.memlock import LockLimit, check_lock_limit
 from lightning_dos.host.ranks import DriveMeasurement
 from lightning_dos.model.nvme import DiskRates
+
+if TYPE_CHECKING:
+    from lightning_dos.integration.preflight import HostFigure
 
 #: Share of the host memory found spare that ``host_memory_budget="auto"`` gives the optimizer state.
 AUTO_SHARE = 0.9
@@ -106,3 +110,22 @@ def resolve_host_budget(
     # other + b + startup_share * (state - b) must fit what each rank has: solved for b.
     spare = memory.headroom // max(1, ranks) - other_bytes - startup_share * state_bytes
     return max(0, min(state_bytes, int(spare * AUTO_SHARE / (1.0 - startup_share))))
+
+
+def check_locked_memory(staging: int, figure: HostFigure, limit: LockLimit | None = None) -> None:
+    """Refuse, before the drive is measured, a rank that may not ``mlock`` what the tier locks (a
+    :class:`DOSConfigError` naming ``RLIMIT_MEMLOCK`` and the fix; see :mod:`lightning_dos.host.memlock`): at most at
+    once, the measurement's :data:`CALIBRATION_BYTES` at start-up (freed before the slabs are made), or the
+    ``staging`` slabs beside the DeepSpeed buffers of the rank's pre-flight ``figure`` where DeepSpeed locks them
+    with the same allocator (``DS_PIN_MEMORY_BACKEND=native``). ``limit``: this process's when None."""
+    native = sum(n for what, n in figure.items if what.startswith("DeepSpeed")) if figure.backend == "native" else 0
+    slabs = staging + native
+    beside = f" beside DeepSpeed's {native / 2**20:.1f} MiB under DS_PIN_MEMORY_BACKEND=native" if native else ""
+    what = (
+        f"the drive's measurement ({CALIBRATION_BYTES / 2**20:.0f} MiB) and then the staging slabs "
+        f"({staging / 2**20:.1f} MiB{beside})"
+    )
+    smaller = ", or smaller staging slabs (a smaller sub_group_size)" if slabs > CALIBRATION_BYTES else ""
+    check_lock_limit(
+        max(CALIBRATION_BYTES, slabs), what, setting="offload_optimizer.device='nvme'", also=smaller, limit=limit
+    )

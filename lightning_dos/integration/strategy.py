@@ -39,6 +39,7 @@ from lightning_dos.integration.nvme_tier import (
     CALIBRATION_BYTES,
     NvmeTier,
     check_host_budget,
+    check_locked_memory,
     resolve_host_budget,
     take_nvme_tier,
 )
@@ -367,8 +368,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         )
 
     def _plan_nvme_tier(self, figure: HostFigure, per_rank: int, footprint: Footprint, local_ranks: int) -> None:
-        """Resolve the host budget, check ``nvme_path`` (writable, O_DIRECT, room for every local rank's file) and
-        libaio, and count in ``figure`` the host part of the state and the staging slabs instead of all of it."""
+        """Resolve the host budget, check ``ulimit -l``, ``nvme_path`` (writable, O_DIRECT, room for every local
+        rank's file) and libaio, and count in ``figure`` the host part of the state and the staging slabs instead of
+        all of it."""
         tier = self.dos_nvme
         state = footprint.optimizer_state * per_rank
         size = self.engine_sub_group_size
@@ -383,6 +385,8 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         budget = tier.host_bytes = resolve_host_budget(
             tier, state, figure.total - state + staging, host_memory(), local_ranks, startup_share
         )
+        if budget < state:  # the measurement's buffer and the slabs are mlock'ed: past the limit an abort, so refused
+            check_locked_memory(staging, figure)  # (figure: DeepSpeed's buffers alone, as yet)
         in_files = state - budget + padding * max(1, -(-per_rank // largest) + 1)
         check_nvme_path(tier.path, local_ranks * in_files if budget < state else 0)
         load_aio("offload_optimizer.device='nvme'")  # libaio missing: named, with the command, before any work
