@@ -229,10 +229,12 @@ class BufferPool:
                 for done in self._slabs:
                     done.unpin()
                 total = sum(s.nbytes for s in self._slabs)
+                # ulimit -l does not bound these registrations; it does bound the NVMe tier's staging slabs and the
+                # drive's measurement (mlock'ed by DeepSpeed's allocator), which the strategy's pre-flight checks.
                 warnings.warn(
                     f"lightning-dos: {registrar.name} refused {total / 1e9:.2f} GB of host memory (error {code}), so "
-                    f"{PAGEABLE_COST}. The locked-memory limit (ulimit -l) is not the cause: the NVIDIA driver does "
-                    "not charge registrations to it; look at the container runtime's or the host's memory.",
+                    f"{PAGEABLE_COST}. The locked-memory limit (ulimit -l) is not what refused it: the NVIDIA driver "
+                    "does not charge registrations to it; look at the container runtime's or the host's memory.",
                     RuntimeWarning,
                     stacklevel=3,
                 )
