@@ -228,20 +228,22 @@ def test_the_last_records_stay_unwritten_in_their_slabs_for_the_next_step(
     engine.close_files()
 
 
-@pytest.mark.parametrize("slots", [2, 4])
+@pytest.mark.parametrize(("slots", "queried"), [(2, True), (4, True), (4, False)], ids=["2", "4", "4-waited"])
 def test_streamed_file_backed_sub_groups_move_through_their_staging_slabs_never_their_spans(
-    tmp_path: Path, aio, slots: int
+    tmp_path: Path, aio, slots: int, queried: bool
 ) -> None:  # noqa: ANN001
     """All of the state in the file (budget 0) and most of it streamed to the simulated accelerator: each streamed
     sub-group is read into a staging slab, uploaded from it, downloaded into it and written back from it, so no
     file-backed state is ever in host memory beyond the slabs (the pre-flight's figure); the race checker finds no
-    write-back issued before its download landed; the bits are the all-host engine's."""
+    write-back issued before its download landed, whether found landed by a query or waited for; the bits are the
+    all-host engine's."""
     plans = [Plan(tuple(D if k % 4 else H for k in range(9)), 2), Plan(tuple(H if k % 3 else D for k in range(9)), 2)]
     reference, _ = _engine(None, tmp_path, aio, sim=True)
     inputs = Inputs()
     for plan in plans * 2:
         reference.step(plan, inputs(reference.steps_taken + 1))
     engine, checker = _engine(0, tmp_path, aio, sim=True, slots=slots)
+    engine.streams.events_done = queried  # False: every download is waited for (a slab needed, or the step's end)
     files, inputs = engine.files, Inputs()
     assert len(files.indices) == len(engine.sub_groups) == 9
     registered = engine.register_file_staging(engine.streams.host_registrar())

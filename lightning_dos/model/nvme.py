@@ -397,9 +397,10 @@ def files_update(
     plan = tiered_plan(plan, on_nvme)
     files = set(on_nvme)
     streamed = [i for i in plan.streamed_indices if i in files]
-    # The previous iteration wrote its file-backed host sub-groups back in its own order and the streamed ones last,
-    # at its end: the last records it wrote are still in the slabs.
-    before = [i for i in host_order(plan, on_nvme, backwards=previously_backwards) if i in files] + streamed
+    # The previous iteration wrote its streamed file-backed sub-groups back first (each as its download landed, or
+    # when a slab was needed: all before its file-backed host sub-groups took theirs), then those in its own order:
+    # the last records it wrote are still in the slabs.
+    before = streamed + [i for i in host_order(plan, on_nvme, backwards=previously_backwards) if i in files]
     taken = host_order(plan, on_nvme, backwards=backwards, held=before[-slots:])
     cached = slab_hits(before[-slots:], streamed + [i for i in taken if i in files], slots)
     # In the alternating order the last records taken stay in their slabs unwritten: the next update writes them.

@@ -54,6 +54,7 @@ class SimSwapFile(SwapFile):
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
         self.checker, self.first = checker, first
+        self.align, self.threads = 1, 1  # no padding: the replay scales the logged bytes (module docstring)
         self._lay_out(records, master_dtype, state_dtype, states)
         self.path = Path("<simulated drive>")
         self._records = numpy.zeros(self.nbytes, dtype=numpy.uint8)

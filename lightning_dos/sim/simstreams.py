@@ -218,6 +218,8 @@ class SimStreams(Streams):
         super().__init__(device)
         self.listener = listener
         self.memory_limit = memory_limit
+        #: What a query of an event answers (:meth:`done`): True, as for work done once issued.
+        self.events_done = True
         self.default = SimStream(COMPUTE, STREAM_NAMES[COMPUTE])
         self.h2d = SimStream(H2D, STREAM_NAMES[H2D])
         self.lp_h2d = SimStream(LP_H2D, STREAM_NAMES[LP_H2D])
@@ -370,9 +372,15 @@ class SimStreams(Streams):
                 self.listener.on_host_wait(event)
 
     def done(self, event: SimEvent | None) -> bool:
-        """Never for an event, on the simulated accelerator: a query would order the host after it unseen by the
-        race checker, so the engine takes its waiting path (:meth:`host_wait`), which the checker sees."""
-        return event is None
+        """Simulated work is done once issued, so a query answers True, and the host is ordered after the event as a
+        wait orders it (the checker sees it as one); with :attr:`events_done` False every query answers "not yet", so
+        that a test drives the engine's waiting path instead."""
+        if event is None:
+            return True
+        if not self.events_done:
+            return False
+        self.host_wait(event)
+        return True
 
     def device_synchronize(self) -> None:
         self._require_bound("synchronising the device")
