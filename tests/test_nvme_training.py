@@ -4,7 +4,9 @@ across tiers; the swap file gone after teardown; every bad setting refused befor
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -83,6 +85,8 @@ def test_any_host_budget_gives_the_all_host_engines_bits(tmp_path: Path, precisi
     """fp32 with the update waited for, and the defaults (bf16-mixed, overlap="auto" with clipping: host sub-groups
     speculated on during backward, those in files after it)."""
     reference, want, _ = _fit(None, None, precision, overlap=overlap)
+    after_fit = tmp_path / "after-fit-host"
+    want.trainer.save_checkpoint(after_fit)
     state_bytes = 12 * sum(getattr(p, "ds_numel", p.numel()) for p in reference.parameters())
     assert state_bytes > 0
     for budget in (0, state_bytes // 2):  # all of the state in the file, half of it
@@ -103,9 +107,50 @@ def test_any_host_budget_gives_the_all_host_engines_bits(tmp_path: Path, precisi
             assert torch.equal(a, b)
         for name, value in full_parameters(reference).items():
             assert torch.equal(full_parameters(model)[name], value), name
-        assert list(directory.iterdir()) == [], "the swap file outlived teardown"
-        with pytest.raises(RuntimeError, match="removed when training ended"):  # never a checkpoint of zeros
-            got.trainer.save_checkpoint(tmp_path / f"after-fit-{budget}")
+        assert list(directory.iterdir()) == [], "the swap file's name outlived teardown"
+        # Saved after fit, as stock NVMe offload allows: the trained state, the all-host run's (saved after fit too).
+        got.trainer.save_checkpoint(tmp_path / f"after-fit-{budget}")
+        _assert_same_optimizer_state(tmp_path / f"after-fit-{budget}", after_fit)
+        assert list(directory.iterdir()) == [] and strategy.dos_engine.files.loaded == {}  # read, then given back
+        assert _open_swap_files(directory) == 1  # kept open (its name gone) until the strategy lets go of it
+        strategy.dos_engine.close_files()
+        assert _open_swap_files(directory) == 0
+
+
+def _open_swap_files(directory: Path) -> int:
+    """This process's descriptors open on a swap file in ``directory``."""
+    count = 0
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):  # the listing's own descriptor is closed by now
+            count += os.readlink(fd).startswith(f"{directory}/lightning-dos-rank")
+    return count
+
+
+def _optimizer_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DeepSpeed checkpoint's optimizer state (master weights, moments, step counts), by path."""
+    saved = torch.load(next(checkpoint.glob("*/*optim_states.pt")), map_location="cpu", weights_only=False)
+    tensors = {}
+
+    def walk(value: object, path: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}/{key}")
+        elif isinstance(value, list | tuple):
+            for k, item in enumerate(value):
+                walk(item, f"{path}/{k}")
+        elif isinstance(value, torch.Tensor):
+            tensors[path] = value
+
+    walk(saved["optimizer_state_dict"], "")
+    return tensors
+
+
+def _assert_same_optimizer_state(checkpoint: Path, expected: Path) -> None:
+    """Two checkpoints hold the same optimizer state, bit for bit."""
+    got, want = _optimizer_tensors(checkpoint), _optimizer_tensors(expected)
+    assert want and got.keys() == want.keys()
+    for path, value in want.items():
+        assert got[path].dtype == value.dtype and torch.equal(got[path], value), path
 
 
 @needs_aio
@@ -180,7 +225,8 @@ def _resume(checkpoint: Path, swap: Path | None) -> tuple[TinyLM, StateAtEnd]:
 
 @needs_aio
 def test_resume_across_tiers_is_bit_exact(tmp_path: Path) -> None:
-    """Checkpoints saved with the state on NVMe and in host memory resume onto either, to the same bits."""
+    """Checkpoints saved with the state on NVMe and in host memory resume onto either, to the same bits; so does one
+    saved on NVMe after fit."""
     swap = tmp_path / "swap"
     swap.mkdir()
     saved = {}
@@ -188,15 +234,20 @@ def test_resume_across_tiers_is_bit_exact(tmp_path: Path) -> None:
         saves = ModelCheckpoint(dirpath=tmp_path / tier, every_n_train_steps=3, save_top_k=-1)
         # Saved under the scheduler's plan (all on the host here): the last records each step took stay in their
         # slabs unwritten, so the checkpoint at step 3 reads them from there. Resumed under random placements.
-        _, _, strategy = _fit(
+        _, end, strategy = _fit(
             swap if tier == "nvme" else None, 0, steps=3, placement=False, callbacks=[saves], enable_checkpointing=True
         )
         saved[tier] = next((tmp_path / tier).glob("*step=3*"))
         if tier == "nvme":
             assert strategy.dos_engine.files.writes_kept > 0
+            # The script's last line, after fit (the swap file's name is gone): the state ModelCheckpoint saved.
+            assert list(swap.iterdir()) == []
+            end.trainer.save_checkpoint(tmp_path / "after-fit")
+            saved["after-fit"] = tmp_path / "after-fit"
+            _assert_same_optimizer_state(saved["after-fit"], saved["nvme"])
     want_model, want = _resume(saved["cpu"], None)
     want_params = full_parameters(want_model)
-    for source, onto in (("nvme", None), ("nvme", swap), ("cpu", swap)):
+    for source, onto in (("nvme", None), ("nvme", swap), ("cpu", swap), ("after-fit", swap)):
         model, end = _resume(saved[source], onto)
         assert (end.files is not None) == (onto is not None)
         for a, b in zip(end.state, want.state, strict=True):

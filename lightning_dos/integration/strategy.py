@@ -484,6 +484,10 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
     # -- an update is never torn: signals and checkpoints wait for the step to be recorded ---------
 
     def setup(self, trainer: pl.Trainer) -> None:
+        if self.dos_adapter is not None:
+            # The last fit's swap file, kept for a checkpoint saved after it, goes before this run's pre-flight counts
+            # the drive's room: the DeepSpeed engine it belonged to is replaced.
+            self.dos_adapter.engine.close_files()
         super().setup(trainer)
         if self.dos_adapter is None:
             return
@@ -545,7 +549,9 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
             # Resident optimizer state comes home (the host slabs are the state of record after fit) and any
             # device staging an interrupted update left is given back.
             adapter.engine.release_device_memory()
-            adapter.engine.close_files()  # the swap file goes: the state of record is the last checkpoint
+            # The swap file's name goes, its staging slabs too; its records stay readable, through a descriptor
+            # kept open, for a checkpoint saved after fit (as stock NVMe offload allows) until the next fit.
+            adapter.keep_files_after_fit()
             # Pinned memory is given back now, not when the garbage collector finds this strategy: sweeps and
             # notebooks fit again in the same process.
             adapter.engine.pool.release_host()

@@ -10,7 +10,8 @@ their usual places, so a DeepSpeed checkpoint holds the engine's state and reloa
 Everything here is checked at start-up (``compat.py``): a DeepSpeed release that renamed any of it fails with an
 error naming the version, before the first step. Its jobs, each a module: ``adapter.py`` (the adapter and its
 step), ``gathers.py`` (the next forward's all-gathers), ``backward.py`` (backward's hooks and phases),
-``state_access.py`` (DeepSpeed's state as views of the engine's slabs), ``evaluation.py`` (weights for evaluation).
+``state_access.py`` (DeepSpeed's state as views of the engine's slabs), ``kept_files.py`` (the NVMe tier's state
+read after fit), ``evaluation.py`` (weights for evaluation).
 """
 
 from lightning_dos.integration.zero3.adapter import Planner, ZeRO3Adapter

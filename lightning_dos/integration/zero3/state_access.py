@@ -9,6 +9,7 @@ state home.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -19,6 +20,7 @@ from lightning_dos.integration.optimizers import (
     state_keys,
     uses_tensor_step,
 )
+from lightning_dos.integration.zero3.kept_files import KeptFiles, keep_files
 
 #: While adopting DeepSpeed's fp32 partitions, hand freed heap memory back after about this many bytes.
 TRIM_EVERY_BYTES = 256 << 20
@@ -114,6 +116,28 @@ class StateAccess:
         z.get_local_fp32_param = reading(z.get_local_fp32_param)
         z.set_full_hp_param = writing(z.set_full_hp_param)
         z.set_local_hp_param = writing(z.set_local_hp_param)
+
+    def keep_files_after_fit(self) -> None:
+        """Teardown: close the NVMe tier (its staging slabs and the swap file's name go) but keep its records
+        readable until the strategy fits again or is released, so that a checkpoint saved after ``fit`` holds them,
+        as under stock NVMe offload (:mod:`~lightning_dos.integration.zero3.kept_files`)."""
+        engine = self.engine
+        if engine.files is None or isinstance(engine.files, KeptFiles):
+            return
+        kept = None
+        if engine.torn is None:  # torn, nothing may read the state: the file just goes
+            try:
+                kept = keep_files(engine.files, engine.pool.give_back)
+            except Exception as error:  # noqa: BLE001 - the fit is over: a save after it is refused, by name, instead
+                warnings.warn(
+                    f"lightning-dos: the swap file could not be kept past fit ({type(error).__name__}: {error}); a "
+                    "checkpoint saved after fit will be refused (checkpoints saved while fitting hold the state)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        engine.close_files()
+        if kept is not None:
+            engine.files = kept
 
     @contextlib.contextmanager
     def reading_state(self, what: str) -> Iterator[None]:
