@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import math
 import subprocess
 import sys
@@ -132,6 +133,69 @@ def test_a_30_step_fit_is_quiet_and_logs_one_row_per_step(tmp_path: Path) -> Non
     bar = [line for line in done.stdout.splitlines() if "Epoch 0" in line]
     assert bar and all("loss:" in line and "tok/s:" in line for line in bar), done.stdout[-2000:]
     assert max(len(line.rstrip()) for line in bar) <= 100
+
+
+def _error_lines(stderr: str) -> list[str]:
+    """What a refused run printed on stderr, less the seed line every run prints before its settings are built."""
+    return [line for line in stderr.splitlines() if line.strip() and not line.startswith("Seed set to")]
+
+
+def test_a_refused_strategy_setting_is_one_line_from_the_command() -> None:
+    """jsonargparse types ``trainer.strategy`` as ``str | Strategy`` and buried the strategy's refusal under
+    "Does not validate against any of the Union subtypes" and a 1,400-character dump of every init argument."""
+    done = _run("fit", "--config", TINY, "--trainer.strategy.init_args.gpu_fraction", "1.5", script=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert _error_lines(done.stderr) == [
+        "lightning-dos: error: gpu_fraction=1.5 is not valid; use 'auto', a number in [0, 1], or 'stride:K' with an "
+        "integer K >= 1"
+    ]
+
+
+#: Runs the command's entry point in one process for every bad setting the strategy's own tests cover (a process
+#: each would spend most of a minute importing torch, Lightning and DeepSpeed again).
+_EVERY_BAD_SETTING = """
+import contextlib, io, json, math, sys
+from lightning_dos.commands.main import main
+from tests.test_strategy_config import BAD_SETTINGS
+
+def on_the_command_line(value):
+    if isinstance(value, float) and math.isnan(value):
+        return ".nan"  # YAML's NaN
+    return value if isinstance(value, str) else json.dumps(value)
+
+recipe = sys.argv.pop(1)  # LightningCLI warns when given both args and command-line arguments
+results = []
+for kwargs, setting, valid in BAD_SETTINGS:
+    argv = ["fit", "--config", recipe]
+    for key, value in kwargs.items():
+        argv += [f"--trainer.strategy.init_args.{key}", on_the_command_line(value)]
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(argv)
+    results.append({"argv": argv[3:], "rc": rc, "stderr": stderr.getvalue(), "setting": setting, "valid": valid})
+print(json.dumps(results))
+"""
+
+
+def test_every_refused_strategy_setting_is_one_line_naming_it_and_what_is_valid() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _EVERY_BAD_SETTING, TINY],
+        cwd=ROOT,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    assert len(results) >= 30
+    wrong = []
+    for result in results:
+        lines = _error_lines(result["stderr"])
+        one_line = len(lines) == 1 and lines[0].startswith("lightning-dos: error: ")
+        if result["rc"] != 2 or not one_line or result["setting"] not in lines[0] or result["valid"] not in lines[0]:
+            wrong.append(f"{' '.join(result['argv'])}: rc {result['rc']}, {lines}")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_extra_subcommands_are_dispatched() -> None:

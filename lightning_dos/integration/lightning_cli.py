@@ -10,9 +10,11 @@ import importlib
 from pathlib import Path
 from typing import Any
 
+from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import Strategy
 
 import lightning_dos.integration.strategy  # noqa: F401 - registers the strategy name "dos"
 from lightning_dos.integration.callbacks import DOSModelSummary, DOSMonitor, DOSProgressBar
@@ -35,7 +37,39 @@ class DOSCLI(LightningCLI):
             if check is not None and self.datamodule is not None:
                 check(getattr(self.datamodule, "seq_len", None))
         except (ValueError, TypeError, FileNotFoundError) as error:
+            refusal = self._strategy_refusal(error)
+            if refusal is not None:
+                raise SettingError(str(refusal)) from refusal
             raise SettingError(str(error)) from error
+
+    def _strategy_refusal(self, error: Exception) -> Exception | None:
+        """The strategy's own refusal of its settings, when jsonargparse buried it in ``error``.
+
+        ``trainer.strategy`` is typed ``str | Strategy``: when the strategy's constructor refuses a setting,
+        jsonargparse reports that neither type of the union fits, with the refusal (one clean line from Python)
+        between its list of subtypes and a dump of every init argument. Building the strategy again from the
+        parsed settings gives the refusal itself; it is used only when ``error`` quotes it, so a strategy that
+        fails differently outside jsonargparse never replaces the real message.
+        """
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        spec = config.get("trainer.strategy") if isinstance(config, Namespace) else None
+        if not isinstance(spec, Namespace) or not isinstance(spec.get("class_path"), str):
+            return None
+        module, _, name = spec.class_path.rpartition(".")
+        try:
+            strategy_class = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError):
+            return None
+        if not (isinstance(strategy_class, type) and issubclass(strategy_class, Strategy)):
+            return None
+        init_args = spec.get("init_args")
+        kwargs = init_args.as_dict() if isinstance(init_args, Namespace) else {}
+        try:
+            strategy_class(**kwargs)
+        except Exception as refusal:  # noqa: BLE001 - whatever it raised is what jsonargparse quoted
+            message = str(refusal)
+            return refusal if message and "\n" not in message and message in str(error) else None
+        return None
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         config = self.config_init[self.subcommand]["trainer"] if self.subcommand else self.config_init["trainer"]
