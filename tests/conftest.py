@@ -9,27 +9,16 @@ where a GPU is present. ``scripts/test.sh`` runs both passes where CUDA is avail
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import os
 
 import pytest
 
+from lightning_dos.host.extensions import use_own_extensions_dir
 
-def _own_extensions_dir() -> None:
-    """DeepSpeed JIT-builds its CPU ops into torch's extensions directory, by op name, and rebuilds one (1-2 min)
-    whenever its build file names other sources: two checkouts, each with its own .venv, sharing
-    ~/.cache/torch_extensions rebuild each other's ops on every run. The tests keep one directory per DeepSpeed
-    install (a TORCH_EXTENSIONS_DIR already set is kept), so each checkout's stays built."""
-    spec = importlib.util.find_spec("deepspeed")
-    if "TORCH_EXTENSIONS_DIR" in os.environ or spec is None or spec.origin is None:
-        return
-    install = hashlib.sha256(os.path.dirname(spec.origin).encode()).hexdigest()[:12]
-    root = os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions", f"deepspeed-{install}")
-    os.environ["TORCH_EXTENSIONS_DIR"] = root
-
-
-_own_extensions_dir()
+# DeepSpeed JIT-builds its CPU ops into torch's extensions folder and rebuilds one (1-2 min) whenever its build file
+# names other sources: each DeepSpeed install gets its own folder (a TORCH_EXTENSIONS_DIR already set is kept), as
+# the lightning-dos command gives it, so each checkout's ops stay built.
+use_own_extensions_dir()
 
 #: The torch CI runs (pyproject pins it). A GPU machine may only have its own preinstalled torch (a CUDA wheel
 #: cannot be carried there), under which the tests below, which pin this torch's internals, skip by name.

@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    from lightning_dos.host.extensions import use_own_extensions_dir
+
+    use_own_extensions_dir()  # DeepSpeed's ops built once per install, not rebuilt by another sharing torch's folder
     if argv[0] in EXTRA_COMMANDS:
         module_name, _, function = EXTRA_COMMANDS[argv[0]][0].partition(":")
         try:
