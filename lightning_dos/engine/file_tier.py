@@ -293,8 +293,8 @@ class FileTier:
         if self.swap.closed:
             raise RuntimeError(
                 f"lightning-dos: the optimizer state of sub-group {index} was kept on NVMe, and its swap file "
-                f"({self.swap.path}) was removed when training ended; save checkpoints while fitting (ModelCheckpoint, "
-                "or trainer.save_checkpoint from a callback), not after"
+                f"({self.swap.path}) is closed (an interrupted update left the state torn, or the file could not be "
+                "kept when training ended, as said then); save checkpoints while fitting (ModelCheckpoint)"
             )
         if index in self.loaded:
             self.loaded[index] = self.loaded[index] or dirty
