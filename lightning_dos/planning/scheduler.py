@@ -106,6 +106,8 @@ class PlacementScheduler:
         self.files_order: OrderChoice | None = None
         #: Predicted and measured update times of recent steps, for the monitor and tests.
         self.history: list[tuple[float | None, float]] = []
+        #: The prediction from the estimator's base rates (uncorrected) of each step planned and not yet reported.
+        self._base_predicted: dict[int, float] = {}
 
     @property
     def has_accelerator(self) -> bool:
@@ -164,7 +166,10 @@ class PlacementScheduler:
             # all ranks enter the re-plan's collectives at the same step.
             self._replan(step)
         rates = self._ensure_rates()
-        engine = self.engine
+        estimator, engine = self.estimator, self.engine
+        assert estimator is not None  # made by _ensure_rates
+        # The prediction is made from the base rates and then corrected, and the base one kept for this step's
+        # report: the correction is learnt against base predictions only, so it cannot compound.
         files = getattr(engine, "files", None)
         if files is not None and self.drive is not None:
             # The tier's reads and writes too, through the engine's staging slabs, in the order the model finds
@@ -173,12 +178,14 @@ class PlacementScheduler:
             args = (engine.sizes, self._plan, rates, self.drive, files.indices)
             self.files_order = choose_files_order(*args, phases=self.phases, overlap=self.overlap, **kwargs)
             engine.files_order = self.files_order.order
-            tiered = files_update(*args, order=engine.files_order, backwards=engine.files_backwards(step), **kwargs)
-            return self._plan, tiered.time_s
-        prediction = predict(
-            engine.sizes, self._plan, rates, engine.lp_bytes, engine.lp_downloads, footprint=self.footprint
-        )
-        return self._plan, prediction.time_s
+            base_args = (engine.sizes, self._plan, estimator.base, self.drive, files.indices)
+            order, backwards = engine.files_order, engine.files_backwards(step)
+            base_s = files_update(*base_args, order=order, backwards=backwards, **kwargs).time_s
+        else:
+            base_args = (engine.sizes, self._plan, estimator.base, engine.lp_bytes, engine.lp_downloads)
+            base_s = predict(*base_args, footprint=self.footprint).time_s
+        self._base_predicted[step] = base_s
+        return self._plan, estimator.corrected(base_s)
 
     def _any_rank_drifted(self, step: int) -> bool:
         if self._reduce_min is None or step % DRIFT_CHECK_EVERY:
@@ -227,10 +234,16 @@ class PlacementScheduler:
             return
         self._seen_step = report.step
         self.history.append((report.predicted_s, report.update_s))
+        base_s = self._base_predicted.pop(report.step, None)
+        for step in [s for s in self._base_predicted if s < report.step]:  # planned again, or never reported
+            del self._base_predicted[step]
         if self.estimator is None:
             return
         self.estimator.observe(report)
-        if report.predicted_s is not None and self.estimator.observe_update(report.predicted_s, report.update_s):
+        # An update begun during backward shares the CPU with it (and may be redone): a regime of its own, which
+        # holds for stretches of steps (it stops after a run of clipped steps and is tried again later).
+        regime = report.speculated > 0
+        if base_s is not None and self.estimator.observe_update(base_s, report.update_s, regime):
             if self.spec.mode == "auto" and self.has_accelerator:
                 if self._reduce_min is None:
                     self._replan(report.step + 1)
