@@ -2,15 +2,20 @@
 
 The engine runs its accelerator path on a simulated accelerator (device staging, 16-bit staging and the
 ``lp_h2d`` upload), every aten op is checked for happens-before, and the results must equal plain AdamW.
-A mutation test removes, one at a time, every wait, host wait and tail event the engine's source contains
-and expects the checker to report a race for each.
+A mutation test removes, one at a time, every wait, host wait and tail event the engine's source contains, and the
+device synchronisations of its failure paths (an update finished on the host), and expects the checker to report a
+race for each.
 """
 
 from __future__ import annotations
 
 import ast
 import copy
+import functools
+import gc
+import importlib
 import inspect
+import pkgutil
 import sys
 import types
 import warnings
@@ -21,13 +26,8 @@ import lightning as L
 import pytest
 import torch
 
-import lightning_dos.engine.file_tier as file_tier_module
-import lightning_dos.engine.host_side as host_side_module
-import lightning_dos.engine.in_flight as in_flight_module
 import lightning_dos.engine.loop as loop_module
 import lightning_dos.engine.pool as pool_module
-import lightning_dos.engine.resident as resident_module
-import lightning_dos.engine.streamed as streamed_module
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.engine.atomic import UpdateInterrupted
 from lightning_dos.engine.kernels import Hyper
@@ -58,7 +58,10 @@ class Scenario:
     budget: int | None = None
     inv_grad_scale: float = 1.0
     expect_fallback: bool = False
-    #: ``(point, sub_group, exception)`` raised once inside the second step (the interrupted-update paths).
+    #: ``(point, sub_group, exception)`` raised once inside the second step (the interrupted-update paths): at one of
+    #: the engine's progress points (its ``on_point`` seam), or at ``"device_update"``, as the device reports an error
+    #: once the sub-group's update kernels are queued (its staging still in use). Interrupted before any change, the
+    #: step is taken again (the framework did not count it), once the interrupted one's error is dropped.
     fail_at: tuple | None = None
     #: The 16-bit parameters live in host memory (DeepSpeed's parameter offload): device sub-groups download
     #: their 16-bit result, host sub-groups cast straight into it.
@@ -71,6 +74,10 @@ class Scenario:
     files: bool = False
     #: The order the file-backed host sub-groups are taken in (``model.nvme.ORDERS``; the planner's choice).
     files_order: str = "alternate"
+    #: The swap file's staging slabs (the adapter opens 4 to 16).
+    file_slots: int = 2
+    #: What a query of an event answers (``SimStreams.events_done``): False drives the engine's waiting path.
+    events_done: bool = True
 
 
 SCENARIOS = (
@@ -97,6 +104,21 @@ SCENARIOS = (
         fail_at=("downloading", 6, torch.OutOfMemoryError("simulated")),
         expect_fallback=True,
     ),
+    # Before any change, with the first streamed sub-group's upload and update still queued on its staging buffer:
+    # pre-step, the staging freed once the device is idle (or, begun during backward, finished on the host).
+    Scenario(
+        "a kernel failing before any change",
+        (Plan(mixed(D, H), 2),) * 3,
+        fail_at=("device_update", 0, RuntimeError("a kernel failed")),
+    ),
+    # Only the last resident sub-group is left, updated but not yet cast: the host finishes it with a copy on the
+    # device, which the next forward's all-gather reads once the step returns.
+    Scenario(
+        "out of memory after the last resident update",
+        (Plan(mixed(R)),) * 2,
+        fail_at=("updated", N_SUB_GROUPS - 1, torch.OutOfMemoryError("simulated")),
+        expect_fallback=True,
+    ),
     Scenario("parameter offload", (Plan(mixed(D, H, R, D), 2),) * 3, inv_grad_scale=0.5, lp_on_host=True),
     Scenario("parameter offload, 1 buffer", (Plan(mixed(D, R), 1), Plan(mixed(D, H), 1)), lp_on_host=True),
     # Nothing streams behind the resident downloads: only their own tail event covers them.
@@ -106,6 +128,11 @@ SCENARIOS = (
     Scenario("state in files", (Plan(mixed(H, D, R, D), 2),) * 3, inv_grad_scale=0.5, files=True),
     Scenario("state in files, 1 buffer", (Plan(mixed(D), 1), Plan(mixed(D, H), 1)), files=True),
     Scenario("state in files, forwards", (Plan(mixed(H, D), 1),) * 3, files=True, files_order="forward"),
+    # Enough slabs for a sub-group to be updated in the slab its record's last write-back left it in: only the wait
+    # for every write at the end of the update orders that write before the update.
+    Scenario("state in files, 3 slabs", (Plan(mixed(D, H), 1),) * 3, files=True, file_slots=3),
+    # No download found landed by a query: each is waited for, when its slab is needed or at the step's end.
+    Scenario("state in files, downloads waited for", (Plan(mixed(D, H), 1),) * 3, files=True, events_done=False),
 )
 
 
@@ -158,6 +185,8 @@ def run(
         pool_module.LP_STAGING_SLOTS = default_slots
     if scenario.lp_staging_slots is not None:
         assert engine.pool.lp_staging.slots == scenario.lp_staging_slots
+    engine.streams.events_done = scenario.events_done
+    device_update = engine.device_update
     checker.watch(engine, backward_sync=backward_sync, overlap=overlap, early=early, clipped=clipped)
     if clipped is not None:
         engine.reserve_speculation(len(engine.sub_groups))
@@ -173,7 +202,7 @@ def run(
         first = len(engine.sub_groups) // 2
 
         def open_swap(records: list[int], master: torch.dtype, state: torch.dtype, states: int) -> SimSwapFile:
-            return SimSwapFile(checker, first, records, master, state, states, slots=2)
+            return SimSwapFile(checker, first, records, master, state, states, slots=scenario.file_slots)
 
         engine.keep_records_in(first, open_swap)
         engine.files_order = scenario.files_order
@@ -209,20 +238,31 @@ def run(
                     p.grad = g.float() * real_inv_grad_scale
                 plain.step()
                 taken += 1
-                inputs = StepInputs(grads, lp, HYPERS, [taken] * len(NUMELS), inv_grad_scale=scenario.inv_grad_scale)
-                inputs.speculative = clipped is not None
-                for flat, g in enumerate(grads):  # backward's copies into resident sub-groups' device slots
-                    engine.keep_gradient(flat, 0, g)
                 failing = scenario.fail_at is not None and taken == 2
                 fired: list[bool] = []
-                engine.on_point = _fail_once(*scenario.fail_at, fired) if failing else None
-                try:
-                    report = engine.step(action, inputs)
-                except UpdateInterrupted as interrupted:  # the rest was finished on the host: post-step
-                    assert failing and interrupted.state == "post-step", interrupted
+                if failing:
+                    _inject(engine, *scenario.fail_at, fired)
+                while True:  # once, or again after an interruption before any change (the framework did not count it)
+                    inputs = StepInputs(
+                        grads, lp, HYPERS, [taken] * len(NUMELS), inv_grad_scale=scenario.inv_grad_scale
+                    )
+                    inputs.speculative = clipped is not None
+                    for flat, g in enumerate(grads):  # backward's copies into resident sub-groups' device slots
+                        engine.keep_gradient(flat, 0, g)
+                    try:
+                        report, state = engine.step(action, inputs), None
+                    except UpdateInterrupted as interrupted:  # finished on the host (post-step), or nothing changed
+                        assert failing and fired, interrupted
+                        report, state = None, interrupted.state
+                    finally:
+                        engine.on_point, engine.device_update = None, device_update
+                    if state != "pre-step":
+                        break
+                    assert scenario.fail_at[0] == "device_update", f"{scenario.name}: interrupted before any change"
+                    gc.collect()  # the error dropped, what its frames held is freed (the staging, its kernels queued)
+                assert fired or not failing, f"{scenario.name}: the failure was never injected"
+                if state == "post-step":
                     continue
-                finally:
-                    assert fired or not failing, f"{scenario.name}: the failure was never injected"
                 expected = scenario.expect_fallback and (scenario.fail_at is None or failing)
                 assert bool(report.fallback_host) == expected, scenario.name
         engine.flush_resident()  # the host slabs are current for the comparison (a checkpoint would read them)
@@ -233,13 +273,28 @@ def run(
     return checker, [p.detach() for p in reference], engine
 
 
-def _fail_once(point: str, sub_group: int, error: BaseException, fired: list[bool]) -> object:
-    def on_point(at: str, index: int) -> None:
-        if (at, index) == (point, sub_group) and not fired:
+def _inject(engine: object, point: str, sub_group: int, error: BaseException, fired: list[bool]) -> None:
+    """Raise ``error`` once in ``engine``'s next step, at ``point`` of ``sub_group`` (see :attr:`Scenario.fail_at`): a
+    fresh one, so that no traceback of an earlier run keeps that run's device memory from being freed."""
+    error = type(error)(*error.args)
+    if point != "device_update":
+
+        def on_point(at: str, index: int) -> None:
+            if (at, index) == (point, sub_group) and not fired:
+                fired.append(True)
+                raise error
+
+        engine.on_point = on_point
+        return
+    update = engine.device_update
+
+    def device_update(*args: object, **kwargs: object) -> None:
+        update(*args, **kwargs)  # the kernels are queued on the device, then it reports the error
+        if engine.streams.operation == ("device_adam", sub_group) and not fired:
             fired.append(True)
             raise error
 
-    return on_point
+    engine.device_update = device_update
 
 
 #: The overlaps the scenarios run under: (the next forward overlapped, the step begun during backward).
@@ -460,6 +515,14 @@ def test_a_changed_torch_sanitizer_fails_with_a_clear_message(monkeypatch: pytes
 # -- the mutation test -------------------------------------------------------------------------------
 
 SYNC_CALLS = {"wait", "host_wait", "device_synchronize", "record_stream"}
+#: A query whose True orders the host after the event, as a wait does (``Streams.done``: CUDA's ``Event.query``).
+QUERY = "done"
+
+
+def _on_streams(call: ast.Call) -> bool:
+    """``call`` is a method of the engine's streams (``streams.x(...)``, ``self.streams.x(...)``)."""
+    owner = getattr(call.func, "value", None)
+    return getattr(owner, "id", None) == "streams" or getattr(owner, "attr", None) == "streams"
 
 
 def _tail_lists(tree: ast.AST) -> set[str]:
@@ -475,11 +538,14 @@ def _tail_lists(tree: ast.AST) -> set[str]:
 
 def find_mutations(source: str) -> list[tuple[int, str]]:
     """Every synchronisation in the engine's source: ``(line, what)`` for each wait, host wait, device
-    synchronisation, and each statement that puts an event on the tail list the step ends by waiting on."""
+    synchronisation, query of an event, and each statement that puts an event on the tail list the step ends by
+    waiting on."""
     tree = ast.parse(source)
     tails = _tail_lists(tree)
     found = []
     for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == QUERY and _on_streams(node):
+            found.append((node.lineno, f"{QUERY} at line {node.lineno}"))
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
             func = node.value.func
             if isinstance(func, ast.Attribute) and func.attr in SYNC_CALLS:
@@ -494,20 +560,28 @@ def find_mutations(source: str) -> list[tuple[int, str]]:
 
 
 class _Remove(ast.NodeTransformer):
-    """Remove the synchronisation at one line: a call becomes ``pass``; tail events are dropped."""
+    """Remove the synchronisation at one line: a call becomes ``pass``; tail events are dropped; a query of an event
+    answers True without asking (the event taken as done, nothing ordering the host after it)."""
 
     def __init__(self, line: int) -> None:
         self.line = line
 
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        if node.lineno == self.line and getattr(node.func, "attr", None) == QUERY and _on_streams(node):
+            return ast.copy_location(ast.Constant(True), node)
+        return self.generic_visit(node)
+
     def visit_Expr(self, node: ast.Expr) -> ast.AST:
-        if node.lineno != self.line:
-            return node
+        call = node.value
+        if node.lineno != self.line or not isinstance(call, ast.Call) or getattr(call.func, "attr", None) == QUERY:
+            return self.generic_visit(node)
         func = node.value.func  # type: ignore[attr-defined]
         if func.attr == "append":  # evaluate the event, leave it off the tail list
             return ast.copy_location(ast.Expr(node.value.args[0]), node)  # type: ignore[attr-defined]
         return ast.copy_location(ast.Pass(), node)
 
     def _drop(self, node: ast.Assign | ast.AugAssign) -> ast.AST:
+        self.generic_visit(node)  # a query in the value
         if node.lineno == self.line:  # `tails = f()` -> `tails = f() and []`: f runs, its events are dropped
             node.value = ast.BoolOp(ast.And(), [node.value, ast.List([], ast.Load())])
         return node
@@ -516,34 +590,98 @@ class _Remove(ast.NodeTransformer):
     visit_AugAssign = _drop
 
 
-#: Every module of the engine that synchronises (the engine class is made of their classes; loop.py first).
-SYNC_MODULES = (loop_module, in_flight_module, streamed_module, resident_module, host_side_module)
+#: The engine's modules whose update synchronises with the device, by name (the engine class is made of their classes;
+#: loop.py first). A new module that synchronises goes here or in one of the lists below (the test of every module
+#: that synchronises says when one is missing): its waits are then removed one by one like the others'.
+STEP_MODULES = ("loop", "in_flight", "streamed", "resident", "host_side")
+#: The NVMe tier's part of the update: the scenarios with state in files reach its synchronisations; the delayed-stream
+#: harness (tests/delayed_streams.py), which keeps no state in files, does not.
+FILE_STEP_MODULES = ("file_backed",)
+#: Those whose synchronisations run only once an update has failed (finishing it on the host): the scenarios with a
+#: failure reach them; the delayed-stream harness (tests/delayed_streams.py), which injects none, does not.
+FAILURE_MODULES = ("recovery",)
+#: Those that wait for the drive (the NVMe tier's requests), which :func:`drive_wait_mutations` removes.
+DRIVE_MODULES = ("file_tier",)
+#: The engine's other modules that call a wait, and why none of them is mutated here.
+NOT_MUTATED = {
+    "streams": "defines the synchronisations (record_stream's CUDA call)",
+    "host_workers": "waits for its worker threads to start (a threading.Event), not for the device",
+    "swap_files": "the swap file's own waits on its aio handles (tests/test_swap_files.py runs them on a real file)",
+}
+
+
+def _engine_modules(names: tuple[str, ...]) -> tuple[types.ModuleType, ...]:
+    return tuple(importlib.import_module(f"lightning_dos.engine.{name}") for name in names)
+
+
+#: The update's synchronising modules: every mutation of theirs is a race in the scenarios, and the delayed-stream
+#: harness reaches each one (tests/test_gpu_check.py, tests/test_gpu.py).
+SYNC_MODULES = _engine_modules(STEP_MODULES)
+#: Every module whose synchronisations the mutation test removes, the NVMe tier's and the failure paths' included.
+MUTATED_MODULES = SYNC_MODULES + _engine_modules(FILE_STEP_MODULES + FAILURE_MODULES)
 
 
 def _module_named(name: str) -> types.ModuleType:
-    """One of :data:`SYNC_MODULES` by file name (``loop.py``) or module name."""
-    (module,) = [m for m in SYNC_MODULES if Path(m.__file__).name == name or m.__name__ == name]
+    """One of :data:`MUTATED_MODULES` by file name (``loop.py``) or module name."""
+    (module,) = [m for m in MUTATED_MODULES if Path(m.__file__).name == name or m.__name__ == name]
     return module
+
+
+@functools.cache
+def _engine_imports(name: str) -> frozenset[str]:
+    """The engine modules that module ``name`` imports."""
+    tree = ast.parse(inspect.getsource(importlib.import_module(name)))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return frozenset(n for n in found if n.startswith("lightning_dos.engine.") and n != name)
+
+
+def _rebuild_order(mutated: str) -> list[str]:
+    """``mutated`` and every engine module that imports it, directly or through others, up to loop.py: each after
+    the modules it imports, so that each is built again taking the mutant (a part moved into a module of its own
+    stays mutable)."""
+    order: list[str] = []
+    needs: dict[str, bool] = {}
+
+    def visit(name: str) -> bool:
+        if name not in needs:
+            needs[name] = False  # an import cycle is met once
+            deps = [visit(dep) for dep in sorted(_engine_imports(name))]
+            needs[name] = name == mutated or any(deps)
+            if needs[name]:
+                order.append(name)
+        return needs[name]
+
+    assert visit(loop_module.__name__), f"loop.py does not import {mutated}, directly or not"
+    return order
 
 
 def _engine_from(code: ast.Module | str, module: types.ModuleType = loop_module) -> type:
     """The engine class built with ``module``'s source replaced by ``code`` (the engine's own source, changed: an AST
-    or the text). For a part of the engine, its mutant stands in for it while loop.py builds the class again."""
-    name = Path(module.__file__).name
-    mutant = types.ModuleType(f"{module.__name__}_mutant")
-    mutant.__file__ = f"mutant/lightning_dos/engine/{name}"  # the race checker names frames of lightning_dos files
-    sys.modules[mutant.__name__] = mutant  # dataclasses look their module up while the class is built
+    or the text). For a part of the engine, its mutant stands in for it while the modules importing it, loop.py last,
+    are built again."""
+    order = _rebuild_order(module.__name__)
+    originals = {name: sys.modules[name] for name in order}
     try:
-        exec(compile(code, mutant.__file__, "exec"), mutant.__dict__)  # noqa: S102 - the engine's own source
+        for name in order:
+            original = originals[name]
+            mutant = types.ModuleType(f"{name}_mutant")
+            # The race checker names frames of lightning_dos files.
+            mutant.__file__ = f"mutant/lightning_dos/engine/{Path(original.__file__).name}"
+            source = code if name == module.__name__ else inspect.getsource(original)
+            sys.modules[mutant.__name__] = mutant  # dataclasses look their module up while the class is built
+            try:
+                exec(compile(source, mutant.__file__, "exec"), mutant.__dict__)  # noqa: S102 - the engine's own source
+            finally:
+                del sys.modules[mutant.__name__]
+            sys.modules[name] = mutant  # what the modules built after it import
+        return sys.modules[loop_module.__name__].InterleavedUpdate
     finally:
-        del sys.modules[mutant.__name__]
-    if module is loop_module:
-        return mutant.InterleavedUpdate
-    original, sys.modules[module.__name__] = sys.modules[module.__name__], mutant
-    try:
-        return _engine_from(inspect.getsource(loop_module))
-    finally:
-        sys.modules[module.__name__] = original
+        sys.modules.update(originals)
 
 
 def mutant_engine(line: int, module: types.ModuleType | str = loop_module) -> type:
@@ -553,13 +691,41 @@ def mutant_engine(line: int, module: types.ModuleType | str = loop_module) -> ty
     return _engine_from(ast.fix_missing_locations(_Remove(line).visit(ast.parse(source))), module)
 
 
-def all_mutations() -> list[tuple[types.ModuleType, int, str]]:
-    """Every synchronisation of every engine module: ``(module, line, what)``, ``what`` naming the file."""
+def all_mutations(modules: tuple[types.ModuleType, ...] = SYNC_MODULES) -> list[tuple[types.ModuleType, int, str]]:
+    """Every synchronisation of ``modules`` (the update's, without its failure paths, unless told):
+    ``(module, line, what)``, ``what`` naming the file."""
     return [
         (module, line, f"{what} of {Path(module.__file__).name}")
-        for module in SYNC_MODULES
+        for module in modules
         for line, what in find_mutations(inspect.getsource(module))
     ]
+
+
+def _stream_synchronisations(module: types.ModuleType) -> list[int]:
+    """Lines of ``module`` that synchronise with the device through the engine's streams (``streams.wait(...)``,
+    ``self.streams.host_wait(...)``, ...)."""
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(inspect.getsource(module)))
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) in {*SYNC_CALLS, QUERY} and _on_streams(node)
+    ]
+
+
+def test_every_module_that_synchronises_is_mutated() -> None:
+    """A module of the engine that waits (a part of the update moved into a module of its own, say) is listed where
+    its waits are removed one by one: one that synchronises through the engine's streams among the update's or its
+    failure paths' modules, one that waits for the drive among the file tier's, any other said why not."""
+    engine = importlib.import_module("lightning_dos.engine")
+    names = sorted(info.name for info in pkgutil.iter_modules(engine.__path__))
+    synchronising = (*STEP_MODULES, *FILE_STEP_MODULES, *FAILURE_MODULES)
+    listed = (*synchronising, *DRIVE_MODULES, *NOT_MUTATED)
+    assert set(listed) <= set(names), "a listed module is gone from lightning_dos/engine: update the lists"
+    modules = dict(zip(names, _engine_modules(tuple(names)), strict=True))
+    waiting = [name for name, module in modules.items() if find_mutations(inspect.getsource(module))]
+    assert set(waiting) <= set(listed), f"modules that wait, listed nowhere: {sorted(set(waiting) - set(listed))}"
+    streams = [name for name, module in modules.items() if _stream_synchronisations(module)]
+    assert set(streams) <= set(synchronising), f"synchronising with the device: {streams}"
+    assert set(synchronising) <= set(streams), "a module listed that does not synchronise"
 
 
 def races_of(engine_class: type, backward_sync: bool, case: str = "adam-fp32") -> list[str]:
@@ -598,14 +764,18 @@ def test_removing_any_wait_host_wait_or_tail_event_is_reported_as_a_race(case: s
     host waits on that stream at the end of backward), so it is run again under DeepSpeed on an accelerator that
     resolves data dependencies itself, where DeepSpeed skips that wait (``resolves_data_dependency()``): only the
     engine's wait then keeps host Adam, the uploads and the resident sub-groups' kept gradients from being read
-    unfinished. It must be the only synchronisation that needs it. The engine has no device-wide synchronise left:
-    nothing ties its update to other work on the device (the next forward, queued meanwhile under overlap).
+    unfinished. It must be the only synchronisation that needs it. The update has no device-wide synchronise left:
+    nothing ties it to other work on the device (the next forward, queued meanwhile under overlap). Only an update that
+    failed synchronises the device, as it finishes on the host (recovery.py): the scenarios that fail reach those
+    synchronisations, and removing any of them is a race too.
     """
-    mutations = all_mutations()
+    mutations = all_mutations(MUTATED_MODULES)
     kinds = {what.split(" at ")[0] for _, _, what in mutations}
-    assert {"wait", "host_wait", "record_stream"} <= kinds and len(mutations) >= 10, mutations
-    assert "device_synchronize" not in kinds, "a device-wide wait in the update ties it to the training thread's work"
-    assert {module for module, _, _ in mutations} == set(SYNC_MODULES), "a module listed that does not synchronise"
+    assert {"wait", "host_wait", "record_stream", "device_synchronize"} <= kinds and len(mutations) >= 20, mutations
+    device_wide = {module for module, _, what in mutations if what.startswith("device_synchronize")}
+    failure_paths = set(_engine_modules(FAILURE_MODULES))
+    assert device_wide <= failure_paths, "a device-wide wait in the update ties it to the training thread's work"
+    assert {module for module, _, _ in mutations} == set(MUTATED_MODULES), "a module listed that does not synchronise"
     backward_end = _backward_end_wait()
     missed, needs_unsynced_deepspeed = [], []
     for module, line, what in mutations:
@@ -628,19 +798,20 @@ DRIVE_WAITS = {"wait", "_wait"}
 TEARDOWN = {"close"}
 
 
-def drive_wait_mutations() -> list[tuple[int, str]]:
-    """Every call that waits for the drive in the file tier, outside teardown: ``(line, what)``."""
-    tree = ast.parse(inspect.getsource(file_tier_module))
+def drive_wait_mutations() -> list[tuple[types.ModuleType, int, str]]:
+    """Every call that waits for the drive in the file tier's modules, outside teardown: ``(module, line, what)``."""
     found = []
-    for function in ast.walk(tree):
-        if not isinstance(function, ast.FunctionDef) or function.name in TEARDOWN:
-            continue
-        for node in ast.walk(function):
-            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
-                func = node.value.func
-                if isinstance(func, ast.Attribute) and func.attr in DRIVE_WAITS:
-                    found.append((node.lineno, f"{func.attr} at line {node.lineno} in {function.name}"))
-    return sorted(found)
+    for module in _engine_modules(DRIVE_MODULES):
+        for function in ast.walk(ast.parse(inspect.getsource(module))):
+            if not isinstance(function, ast.FunctionDef) or function.name in TEARDOWN:
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+                    func = node.value.func
+                    if isinstance(func, ast.Attribute) and func.attr in DRIVE_WAITS:
+                        where = f"line {node.lineno} in {function.name}"
+                        found.append((module, node.lineno, f"{func.attr} at {where} of {Path(module.__file__).name}"))
+    return sorted(found, key=lambda found: (found[0].__name__, found[1]))
 
 
 def test_removing_any_wait_for_the_drive_is_a_race_on_a_staging_slab() -> None:
@@ -648,12 +819,13 @@ def test_removing_any_wait_for_the_drive_is_a_race_on_a_staging_slab() -> None:
     of its waits, a host copy or update touches a slab a request is still filling or draining, or a read lands in a
     slab still being written back. Each mutant runs the scenarios with state in files, in every overlap mode."""
     mutations = drive_wait_mutations()
-    assert {what.split(" in ")[-1] for _, what in mutations} == {"_wait", "_take", "load", "settle"}, mutations
+    functions = {what.split(" in ")[-1].split(" of ")[0] for _, _, what in mutations}
+    assert functions == {"_wait", "_take", "load", "settle"}, mutations
     files = [s for s in SCENARIOS if s.files]
     missed = []
-    for line, what in mutations:
-        source = ast.fix_missing_locations(_Remove(line).visit(ast.parse(inspect.getsource(file_tier_module))))
-        engine_class = _engine_from(source, file_tier_module)
+    for module, line, what in mutations:
+        source = ast.fix_missing_locations(_Remove(line).visit(ast.parse(inspect.getsource(module))))
+        engine_class = _engine_from(source, module)
         races = [
             race
             for scenario in files
@@ -764,7 +936,7 @@ def test_a_gradient_kept_on_the_device_is_read_only_after_the_end_of_backward_ev
 
 def _engine_with(old: str, new: str) -> type:
     """The engine with one statement of its source replaced (``old`` must occur once, in one of its modules)."""
-    (module,) = [m for m in SYNC_MODULES if old in inspect.getsource(m)]
+    (module,) = [m for m in MUTATED_MODULES if old in inspect.getsource(m)]
     source = inspect.getsource(module)
     assert source.count(old) == 1, old
     return _engine_from(source.replace(old, new), module)
