@@ -248,6 +248,9 @@ def test_the_library_is_built_once_and_found_again(tmp_path: Path) -> None:
     # 27 s on this project's 2-core machine alone; more beside the other test worker's tests (scripts/test.sh).
     assert Path(path).is_relative_to(tmp_path) and float(seconds) < 180
     assert second.stdout.split()[:2] == [path, mtime], "found, not rebuilt"
+    # The build says what it is before it starts (a first run is otherwise silent for its length); finding it, nothing.
+    assert first.stderr.startswith("lightning-dos: building the host update kernel (host_adam.c)"), first.stderr
+    assert all(len(line) <= 80 for line in first.stderr.splitlines()) and "lightning-dos" not in second.stderr
     assert not list(Path(path).parent.glob("*.tmp")), "no partial library left behind"
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_dos.engine.announce import about, announce_build
 from lightning_dos.model.update_rules import RULES, Hyper
 
 SOURCE = Path(__file__).with_name("host_adam.c")
@@ -52,6 +53,8 @@ _DTYPES = {
     (torch.bfloat16, torch.bfloat16): 2,
 }
 
+#: The kernel's build, one compiler job: 27 s on a busy 2-core machine (tests/test_native_kernel.py), seconds on most.
+BUILD_TIME = about((5, 40))
 _lock = threading.Lock()
 _kernel: HostUpdateKernel | None = None
 _failure: str | None = None
@@ -123,6 +126,7 @@ def build() -> Path:
     target = cache_dir() / f"host_adam-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
+    announce_build("the host update kernel (host_adam.c)", "for the engine", "once per compiler and CPU", BUILD_TIME)
     errors = []
     for flags in (["-march=native", "-fopenmp"], ["-march=native"], ["-fopenmp"], []):
         try:

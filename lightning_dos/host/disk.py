@@ -29,6 +29,7 @@ from pathlib import Path
 
 from lightning_dos.errors import DOSConfigError
 from lightning_dos.host import quiet
+from lightning_dos.host.extensions import announce_op_builds
 from lightning_dos.host.memlock import check_lock_limit
 from lightning_dos.model.nvme import DiskRates
 
@@ -116,6 +117,7 @@ def load_aio(setting: str = "offload_optimizer.device='nvme'"):  # noqa: ANN201 
         raise DOSConfigError(f"{setting}: {reason}")
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
+    announce_op_builds()  # its first build takes minutes
     with quiet.known_prints_dropped(), arch_list_deepspeed_parses():  # "DeepSpeed async_io built successfully"
         return AsyncIOBuilder().load(verbose=False)
 

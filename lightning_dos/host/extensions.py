@@ -8,15 +8,24 @@ gets its own folder instead, ``~/.cache/torch_extensions/deepspeed-<install>``, 
 installed; a ``TORCH_EXTENSIONS_DIR`` already set is kept. The ``lightning-dos`` command sets it as it starts, and
 the test suite before it imports anything.
 
+An op build that will really happen (torch's JIT finds no library built from these sources in the op's folder)
+announces itself first, in one notice (:mod:`lightning_dos.engine.announce`): :func:`announce_op_builds`.
+
 Only the standard library is imported here: the command's help and its other subcommands stay fast.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
 import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_dos.engine.announce import about, announce_build
 
 #: The environment variable torch reads for its extensions folder.
 ENV = "TORCH_EXTENSIONS_DIR"
@@ -41,6 +50,96 @@ def use_own_extensions_dir() -> str | None:
         if folder is not None:
             os.environ[ENV] = folder
     return os.environ.get(ENV)
+
+
+#: DeepSpeed's ops this project's runs build: name -> (what, why, CPU seconds of its compiler jobs, low and high).
+#: The figures are from the builds' ninja logs on a busy 2-core machine (async I/O: 12 jobs; shared memory: 2;
+#: pinned memory: 3), and from the first NVMe run, which took about ten minutes for async I/O and pinned memory.
+OPS: dict[str, tuple[str, str, tuple[float, float]]] = {
+    "async_io": ("DeepSpeed's async I/O op", "for the NVMe tier", (300.0, 900.0)),
+    "pin_memory": ("DeepSpeed's pinned-memory op", "for the NVMe tier", (30.0, 100.0)),
+    "deepspeed_shm_comm": ("DeepSpeed's shared-memory op", "for CPU collectives", (80.0, 220.0)),
+    "cpu_adam": ("DeepSpeed's CPU Adam op", "for DeepSpeedCPUAdam", (60.0, 240.0)),
+}
+_UNKNOWN_OP_SECONDS = (60.0, 600.0)
+_ANNOUNCES = "_lightning_dos_announces_builds"
+
+
+def pending_build(name: str, sources: Sequence[str], build_directory: str | os.PathLike[str]) -> str | None:
+    """Why torch's JIT will compile op ``name`` from ``sources`` in ``build_directory``, or None when its build there
+    is current (torch then only loads it).
+
+    torch writes the op's ``build.ninja`` naming its sources and runs ninja, which recompiles when a command changed
+    (other sources: another install's build) or a source is newer than its output.
+    """
+    folder = Path(build_directory)
+    library, ninja = folder / f"{name}.so", folder / "build.ninja"
+    if not library.is_file() or not ninja.is_file():
+        return "once per install"
+    # ninja escapes spaces and colons in paths with "$".
+    text = ninja.read_text(errors="replace").replace("$ ", " ").replace("$:", ":")
+    paths = [os.path.abspath(source) for source in sources]
+    if any(path not in text for path in paths):
+        return "again: another install's build was there"
+    built = library.stat().st_mtime
+    if any(os.path.exists(path) and os.path.getmtime(path) > built for path in paths):
+        return "again: its sources changed"
+    return None
+
+
+def _build_directory(name: str) -> str | None:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # torch's own choice, TORCH_EXTENSIONS_DIR first
+
+        return _get_build_directory(name, verbose=False)
+    except (ImportError, TypeError, OSError):  # another torch: no notice rather than a wrong one
+        return None
+
+
+def _announcing(load: Any) -> Any:
+    """torch's ``cpp_extension.load``, announcing a build that :func:`pending_build` says will happen."""
+
+    @functools.wraps(load)
+    def announcing_load(*args: Any, **kwargs: Any) -> Any:
+        name = kwargs.get("name", args[0] if args else None)
+        sources = kwargs.get("sources", args[1] if len(args) > 1 else None)
+        if isinstance(name, str) and isinstance(sources, (list, tuple)):
+            folder = kwargs.get("build_directory") or _build_directory(name)
+            when = pending_build(name, sources, folder) if folder else None
+            if when is not None:
+                what, why, seconds = OPS.get(name, (f"DeepSpeed's {name} op", "for this run", _UNKNOWN_OP_SECONDS))
+                announce_build(what, why, when, about(seconds, jobs=len(sources)))
+        return load(*args, **kwargs)
+
+    return announcing_load
+
+
+def announce_op_builds() -> None:
+    """Have DeepSpeed's JIT op builds announce themselves (:func:`pending_build`); installs once per process.
+
+    DeepSpeed's ``OpBuilder.jit_load`` (every op it builds, for its own modules and ours) calls torch's
+    ``cpp_extension.load`` once it has checked the op can be built here: that call is announced, for its duration.
+    Imports DeepSpeed: call it where a run is about to use it.
+    """
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    if getattr(OpBuilder.jit_load, _ANNOUNCES, False):
+        return
+    jit_load = OpBuilder.jit_load
+
+    @functools.wraps(jit_load)
+    def announcing_jit_load(self: Any, verbose: bool = True) -> Any:
+        import torch.utils.cpp_extension as cpp_extension
+
+        load = cpp_extension.load
+        cpp_extension.load = _announcing(load)  # DeepSpeed imports it by name inside jit_load, after the checks
+        try:
+            return jit_load(self, verbose)
+        finally:
+            cpp_extension.load = load
+
+    setattr(announcing_jit_load, _ANNOUNCES, True)
+    OpBuilder.jit_load = announcing_jit_load  # type: ignore[method-assign]
 
 
 def main() -> int:

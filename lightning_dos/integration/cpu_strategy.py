@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from lightning_dos.errors import DOSConfigError
 from lightning_dos.host import quiet
+from lightning_dos.host.extensions import announce_op_builds
 from lightning_dos.host.ranks import destroy_process_group_at_exit
 
 
@@ -56,6 +57,7 @@ class DeepSpeedCPUStrategy(DeepSpeedStrategy):
     def setup_distributed(self) -> None:
         # Destroyed at exit, before the interpreter is torn down (see destroy_process_group_at_exit).
         destroy_process_group_at_exit()
+        announce_op_builds()  # DeepSpeed's ops build from here on (its collectives' first), minutes on a small machine
         if isinstance(self.accelerator, CUDAAccelerator):
             super().setup_distributed()
             return
