@@ -88,6 +88,7 @@ def test_plan_at_80_columns_in_a_pipe(timed: bool) -> None:
     done = _run_at_80("plan", "--params", "20e9", "--profile", "paper-h100x4", *extra, timeout=120)
     assert done.returncode == 0, done.stderr
     assert _too_wide(done.stdout) == [], done.stdout
+    assert [line for line in done.stdout.splitlines() if line.endswith(" ")] == [], "rich pads centred lines"
     assert "…" not in done.stdout, done.stdout
     header = "\n".join(line for line in done.stdout.splitlines() if line.startswith("┃"))
     for word in ("scheme", "update", "B params", "per s", "floor", "GPU", "held", "GB"):

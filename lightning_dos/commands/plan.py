@@ -231,9 +231,17 @@ def _overlapped_iterations(
 
 def _print_plan(result: dict) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console(highlight=False)  # its width: the terminal's, or COLUMNS, or 80 in a pipe or a log file
+    with console.capture() as captured:
+        _render_plan(result, console)
+    # rich pads centred titles and captions, and the lines it wraps, with spaces to its width: none at line ends.
+    sys.stdout.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
+
+
+def _render_plan(result: dict, console: Any) -> None:
+    from rich.table import Table
+
     budget = result["budget_gb"]
     if budget is None:
         caption = None
