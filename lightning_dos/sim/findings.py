@@ -3,6 +3,7 @@ the hot path, the operation log the virtual node replays, and the errors that li
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -149,3 +150,17 @@ class HostSyncError(AssertionError):
     def __init__(self, syncs: Sequence[HostSync]) -> None:
         self.syncs = list(syncs)
         super().__init__(_listed(self.syncs, "host synchronisation(s) in the hot path"))
+
+
+def _caller() -> str:
+    """The innermost frame in lightning_dos (outside this module), or any frame that looks like the engine."""
+    frame = sys._getframe(2)
+    fallback = ""
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "lightning_dos" in name and "/sim/" not in name or "loop" in name:
+            return f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno} in {frame.f_code.co_name}"
+        if not fallback and "torch" not in name:
+            fallback = f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+        frame = frame.f_back
+    return fallback

@@ -37,7 +37,6 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-import sys
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -51,8 +50,8 @@ from lightning_dos.engine import host_workers
 from lightning_dos.engine.pool import FP32_BYTES
 from lightning_dos.sim.allocator_model import CachingAllocatorModel
 from lightning_dos.sim.deepspeed_model import DeepSpeedModel, ModelledBackward
+from lightning_dos.sim.drive_model import DriveModel
 from lightning_dos.sim.findings import (
-    DRIVE,
     DRIVE_REQUESTS,
     DS_ALLGATHER,
     DS_REDUCE,
@@ -65,6 +64,7 @@ from lightning_dos.sim.findings import (
     Race,
     StreamRaceError,
     _byte_range,
+    _caller,
     _Region,
 )
 from lightning_dos.sim.simstreams import (
@@ -86,20 +86,6 @@ ALLOCATIONS = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "n
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
-
-
-def _caller() -> str:
-    """The innermost frame in lightning_dos (outside this module), or any frame that looks like the engine."""
-    frame = sys._getframe(2)
-    fallback = ""
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if "lightning_dos" in name and "/sim/" not in name or "loop" in name:
-            return f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno} in {frame.f_code.co_name}"
-        if not fallback and "torch" not in name:
-            fallback = f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno}"
-        frame = frame.f_back
-    return fallback
 
 
 class _Mode(TorchDispatchMode):
@@ -128,7 +114,7 @@ class _LaneFunctions(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class StreamSanitizer(CachingAllocatorModel, DeepSpeedModel):
+class StreamSanitizer(CachingAllocatorModel, DeepSpeedModel, DriveModel):
     """Checks happens-before between every access the engine (and modelled DeepSpeed) makes.
 
     Use :meth:`streams` to build the engine's simulated streams, :meth:`watch` to run the engine's calls
@@ -297,32 +283,6 @@ class StreamSanitizer(CachingAllocatorModel, DeepSpeedModel):
     ) -> None:
         """Record an access that did not go through aten on its real stream (a modelled DeepSpeed copy)."""
         self._launch(stream, op, list(reads), list(writes), where="modelled")
-
-    # -- the drive (the NVMe tier's staging slabs) ----------------------------------------------------
-
-    def drive_request(self, lane: str, buffer: torch.Tensor, sub_group: int = -1) -> int:
-        """The host starts an asynchronous request of the drive on ``buffer`` (a staging slab's record):
-        ``nvme_read`` fills it, ``nvme_write`` reads it. The request runs beside everything the host does after
-        issuing it, and beside every other request, until the host waits for it (:meth:`drive_wait`): a host access
-        to the slab, or a second request on it, before that wait is a race. Returns the request's event."""
-        if lane not in ("nvme_read", "nvme_write"):
-            raise ValueError(f"a drive request is nvme_read or nvme_write, not {lane!r}")
-        stream = next(self._drive_requests)
-        self.syncs.create_stream(stream)
-        reads, writes = ([buffer], []) if lane == "nvme_write" else ([], [buffer])
-        self._launch(stream, lane, reads, writes, where=_caller())
-        event = next(self._drive_events)
-        self.syncs.create_event(event)
-        self.syncs.record_state(event, stream)
-        nbytes = buffer.numel() * buffer.element_size()
-        self._log(LoggedOp("op", DRIVE, lane, buffer.numel(), nbytes, sub_group=sub_group))
-        self._log(LoggedOp("record", DRIVE, event=event))
-        return event
-
-    def drive_wait(self, event: int) -> None:
-        """The host blocks until the drive's request ``event`` is done (``aio_handle.wait``)."""
-        self.syncs.stream_wait_for_event(self.host, event)
-        self._log(LoggedOp("host_wait", event=event))
 
     # -- the checks ---------------------------------------------------------------------------------
 
