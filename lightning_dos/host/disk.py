@@ -167,14 +167,13 @@ def measure_disk(
     queue_depth: int = 32,
     threads: int = 2,
     repeats: int = 2,
-    wear_notice: bool = False,
 ) -> DiskRates:
     """Sequential read and write bandwidth of the drive under ``path`` through DeepSpeed's async I/O op: a file of
     ``nbytes`` written and read back from page-locked memory, ``repeats`` times, best of each (the file is removed
     after). Reads right after writes may come from the drive's own cache; use ``nbytes`` well above it (several
-    GB) for figures that hold over a whole update. ``wear_notice``: let DeepSpeed's notice about SSD wear through
-    (it logs it once per process, at the first write: a training run that keeps state on the drive must show it;
-    a one-off measurement drops it)."""
+    GB) for figures that hold over a whole update. DeepSpeed's notice about SSD wear (logged once per process, at the
+    first write) is dropped: a run that keeps state on the drive says it in its own words
+    (:func:`ssd_wear_notice`)."""
     import torch
 
     if nbytes <= 0 or nbytes % ALIGNMENT:
@@ -188,14 +187,23 @@ def measure_disk(
     target = where / f".lightning-dos-measure-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         buffer.random_(0, 256)
-        # A few hundred MB written once is not the sustained load the notice is about, unless a run follows.
-        dropped = contextlib.nullcontext() if wear_notice else quiet.log_line_dropped(*quiet.SSD_WEAR_NOTICE)
-        with dropped:
+        with quiet.log_line_dropped(*quiet.SSD_WEAR_NOTICE):
             write_s, read_s = _best_write_and_read(handle, buffer, target, repeats)
     finally:
         target.unlink(missing_ok=True)
         handle.free_cpu_locked_tensor(buffer)
     return DiskRates(read_bps=nbytes / read_s, write_bps=nbytes / write_s)
+
+
+def ssd_wear_notice(written_per_step: int) -> str:
+    """What DeepSpeed's one 365-character notice says, for a run that writes ``written_per_step`` bytes of optimizer
+    state to the drive every step (per rank), in lines of at most 80 columns."""
+    per_step = f"{written_per_step / 1e9:.2f} GB" if written_per_step >= 1e8 else f"{written_per_step / 1e6:.2f} MB"
+    return (
+        f"lightning-dos: each step writes up to {per_step} of optimizer state per rank to the\n"
+        "drive: that wears out a consumer SSD's rated endurance (TBW) fast; use a\n"
+        "datacenter SSD for sustained training."
+    )
 
 
 def _best_write_and_read(handle, buffer, target: Path, repeats: int) -> tuple[float, float]:  # noqa: ANN001

@@ -6,13 +6,14 @@ allocates anything."""
 
 from __future__ import annotations
 
+import textwrap
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_dos.host.disk import check_nvme_path, load_aio, measure_disk
+from lightning_dos.host.disk import check_nvme_path, load_aio, measure_disk, ssd_wear_notice
 from lightning_dos.host.hostmem import LIMIT_ENV, check_host_memory, host_memory
 from lightning_dos.host.ranks import measure_drive_together, reduce_min_over_ranks
 from lightning_dos.integration.nvme_tier import CALIBRATION_BYTES, check_locked_memory, resolve_host_budget
@@ -124,20 +125,24 @@ class StartupChecks:
             # the file are held until each partition is adopted and written there, at start-up (its peak).
             masters = footprint.master * ((state - budget) // footprint.optimizer_state)
             figure.items.append(("DeepSpeed masters of the NVMe part, until start-up ends", masters))
-        # Every rank measures the drive at once (its share of it, as in the update; the run writes there on, hence the
-        # wear notice) and all use the slowest rates; a rank whose state all fits its budget takes part all the same.
+        # Every rank measures the drive at once (its share of it, as in the update) and all use the slowest rates; a
+        # rank whose state all fits its budget takes part all the same.
         path = tier.path
         tier.measurement = measure_drive_together(
-            (lambda: measure_disk(path, CALIBRATION_BYTES, wear_notice=True)) if budget < state else None,
+            (lambda: measure_disk(path, CALIBRATION_BYTES)) if budget < state else None,
             reduce_min_over_ranks(self.root_device),
         )
         tier.drive = tier.measurement.agreed if tier.measurement is not None else None
         if tier.drive is not None:
             measured = f" (measured {tier.drive.read_bps / 1e9:.2f} GB/s read, {tier.drive.write_bps / 1e9:.2f} write)"
-        rank_zero_info(
+        said = (
             f"lightning-dos: the NVMe tier keeps {_size(budget)} of each rank's {_size(state)} of optimizer state in "
             f"host memory and the rest in {tier.path}{measured}"
         )
+        lines = textwrap.wrap(said, 80, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+        rank_zero_info("\n".join(lines))
+        if budget < state:  # DeepSpeed's notice, dropped (host.quiet), in 80 columns: true of a run that writes there
+            rank_zero_info(ssd_wear_notice(state - budget))
 
 
 def _size(nbytes: int) -> str:

@@ -329,7 +329,7 @@ class DeepOptimizerStatesStrategy(StartupChecks, DeepSpeedCPUStrategy):
         sizes = adapter.engine.sizes
         if self.engine_sub_group_size == "auto":
             rank_zero_info(
-                f"lightning-dos: sub_group_size='auto' chose {adapter.sub_group_size:,} elements: "
+                f"lightning-dos: sub_group_size='auto' chose {adapter.sub_group_size:,} elements:\n"
                 f"{len(sizes)} sub-group(s) over this rank's {sum(sizes):,} optimizer elements"
             )
         coarse = coarse_share_warning(
