@@ -4,8 +4,11 @@ Under ``overlap`` the step returns while its update goes on: :meth:`InFlightHand
 thread that holds the engine's guard; each sub-group whose 16-bit result is issued is *landed* with the event it
 lands at, so that the next forward's all-gathers wait only for the sub-groups they read
 (:meth:`~InFlightHandoff.wait_sub_groups`), and :meth:`~InFlightHandoff.wait_all` waits for the rest and raises, on
-the caller's thread, what interrupted it. Under ``overlap="auto"`` the step begins during backward
-(:meth:`~InFlightHandoff.begin_early`), fed by backward's gradient arrivals.
+the caller's thread, what interrupted it. The next forward begins only once the update has issued its device side and
+given its staging back (:meth:`~InFlightHandoff.wait_device_side`): that staging and the forward's activations are
+never held at once, so the overlap never raises the iteration's device peak above that of an update waited for.
+Under ``overlap="auto"`` the step begins during backward (:meth:`~InFlightHandoff.begin_early`), fed by backward's
+gradient arrivals.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ class InFlightHandoff:
     """The engine's hand-off of an update to a background thread and of each sub-group's result to its readers
     (a part of :class:`~lightning_dos.engine.loop.InterleavedUpdate`, which holds the state it reads)."""
 
+    #: The update in flight has issued its device side and given its staging back (:meth:`_device_side_issued`).
+    #: Guarded by ``_landing``; reset by :meth:`start`.
+    _staging_given_back = False
+
     def start(self, work: Callable[[], None]) -> None:
         """Run ``work`` (an update: :meth:`step` and what its caller stores with it) on a background thread and
         return at once; :meth:`wait_sub_groups` and :meth:`wait_all` are the points that wait for it.
@@ -31,6 +38,7 @@ class InFlightHandoff:
         self._started_timing = self.timing
         with self._landing:
             self._landed = {}
+            self._staging_given_back = False
         # Released once the thread holds the guard (a semaphore: a thread's start, not a stream's order).
         holding = threading.Semaphore(0)
 
@@ -95,6 +103,26 @@ class InFlightHandoff:
                 self.streams.wait(stream, event)
             else:
                 self.streams.host_wait(event)
+
+    def wait_device_side(self) -> None:
+        """Block until the update in flight has issued its device side and given its staging back to the caching
+        allocator (at once when none is in flight, or when the device is the host's own CPU). The framework calls it
+        as the next forward begins, before the forward allocates anything: otherwise that staging and the forward's
+        activations could be held at once, whenever the update's thread runs late, and the iteration's device peak
+        would exceed that of an update waited for (``overlap="off"``), whose staging sees only what backward left.
+
+        The wait is short: the device side is issued first, its work queued on the engine's streams (it runs on while
+        the forward does); the host side, the update's long part, still overlaps the forward."""
+        if not self.streams.is_async:
+            return  # device sub-groups run on the host's CPU there: no device memory to keep apart
+        with self._landing:
+            self._landing.wait_for(lambda: self._landed is None or self._staging_given_back)
+
+    def _device_side_issued(self) -> None:
+        """The update's device side is issued and its staging given back: the next forward may allocate."""
+        with self._landing:
+            self._staging_given_back = True
+            self._landing.notify_all()
 
     def wait_all(self) -> None:
         """Block until the update in flight (and what its caller stores with it) is over; raise what

@@ -113,3 +113,4 @@ class StreamedSubGroups:
                     streams.record_stream(tensor, stream)
         buffers.clear()
         self.pool.release_staging()
+        self._device_side_issued()  # the next forward, waiting for this (wait_device_side), may allocate now

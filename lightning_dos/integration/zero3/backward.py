@@ -148,7 +148,12 @@ class BackwardHooks:
     def forward_begins(self) -> None:
         """Called on the main thread as each training forward begins. In an iteration measured for the planner
         (see :data:`MEASURE_PHASES_EVERY`), the update in flight is waited for first, so that the forward's time
-        is its own."""
+        is its own.
+
+        First, the update in flight's device side must be issued and its staging given back: that staging never
+        meets the forward's activations, whichever thread runs first (the peak window opens after it, too)."""
+        if self.overlap != OFF:
+            self.engine.wait_device_side()
         self._measure_peak(begins=True)
         if not getattr(self.planner, "wants_phases", False) or self._steps_called % MEASURE_PHASES_EVERY != 1:
             return
