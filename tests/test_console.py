@@ -1,11 +1,16 @@
-"""The console at 80 columns in a pipe (as in a default terminal or a log file): everything the main job, ``plan``
-and ``simulate`` print fits, the progress bar's last frame is one line, no header or cell is cut to ``…``,
-and a run without a GPU shows no GPU rows of zeros."""
+"""The console at 80 columns in a pipe (as in a default terminal or a log file): every command the README gives
+that runs on CPU (fit, validate, report, the NVMe form of fit, calibrate, plan, simulate), run as it is written
+with only its size cut down, prints no line over 80 columns, none ending in spaces and no carriage return; the
+progress bar's last frame is one line, no header or cell is cut to ``…``, and a run without a GPU shows no GPU
+rows of zeros. The README's GPU commands (the gpt-7b recipe; gpt-13b and gpt-20b over 8 devices, torchrun, srun)
+are not run here: they need GPUs."""
 
 from __future__ import annotations
 
 import io
 import logging
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +19,7 @@ import pytest
 from rich.cells import cell_len
 
 from lightning_dos import DeepOptimizerStatesStrategy
+from lightning_dos.host import disk
 from lightning_dos.integration.callbacks import DOSMonitor, DOSProgressBar
 from lightning_dos.integration.callbacks.summary import informative_columns
 from tests.helpers import TinyLM, clean_env, loader, trainer
@@ -24,11 +30,11 @@ TINY = str(ROOT / "recipes" / "gpt-tiny.yaml")
 DEVICE_ROWS = ("host to device", "device to host", "PCIe utilisation", "device share")
 
 
-def _run_at_80(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def _run_at_80(*args: str, timeout: int = 600, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """``python -m lightning_dos ARGS`` with COLUMNS=80, stdout and stderr into pipes (not a terminal)."""
     env = {**clean_env(), "COLUMNS": "80", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "lightning_dos", *args]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _too_wide(text: str, width: int = 80) -> list[str]:
@@ -36,32 +42,37 @@ def _too_wide(text: str, width: int = 80) -> list[str]:
     return [line for line in text.splitlines() if cell_len(line.rstrip()) > width]
 
 
-def test_the_main_job_at_80_columns_in_a_pipe(tmp_path: Path) -> None:
+def _faults(text: str, width: int = 80) -> list[str]:
+    """Each line over ``width`` cells, ending in spaces, or holding a carriage return (a tqdm bar's frames)."""
+    return [
+        repr(line) for line in text.split("\n") if cell_len(line) > width or line != line.rstrip(" ") or "\r" in line
+    ]
+
+
+#: The model the README's tiny-recipe commands are cut down to (validate must build the one fit trained).
+SMALL_MODEL = ("--model.n_layer", "1", "--model.warmup_steps", "2", "--data.max_bytes", "100000")
+#: fit's size, cut down: 12 steps, validated every 6 on one batch, logged every 3.
+FAST_FIT = (
+    *("--trainer.max_steps", "12", "--trainer.val_check_interval", "6", "--trainer.limit_val_batches", "1"),
+    *("--trainer.log_every_n_steps", "3", *SMALL_MODEL),
+)
+
+
+@pytest.fixture(scope="module")
+def readme_fit(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """``lightning-dos fit --config recipes/gpt-tiny.yaml``, cut down, run once for this module in a folder of its
+    own, so that the run lands in ``runs/gpt-tiny`` there as the README's validate and report expect."""
+    where = tmp_path_factory.mktemp("readme")
+    return where, _run_at_80("fit", "--config", TINY, *FAST_FIT, cwd=where)
+
+
+def test_the_main_job_at_80_columns_in_a_pipe(readme_fit: tuple[Path, subprocess.CompletedProcess]) -> None:
     """The tiny recipe through the CLI, shrunk to stay fast, printed into a pipe at 80 columns."""
-    done = _run_at_80(
-        "fit",
-        "--config",
-        TINY,
-        "--trainer.max_steps",
-        "12",
-        "--trainer.val_check_interval",
-        "6",
-        "--trainer.limit_val_batches",
-        "1",
-        "--trainer.log_every_n_steps",
-        "3",
-        "--trainer.default_root_dir",
-        str(tmp_path),
-        "--model.n_layer",
-        "1",
-        "--model.warmup_steps",
-        "2",
-        "--data.max_bytes",
-        "100000",
-    )
+    where, done = readme_fit
     assert done.returncode == 0, done.stderr[-3000:]
     console = done.stdout + done.stderr
-    assert _too_wide(console) == [], console
+    assert _faults(console) == [], console
+    assert (where / "runs" / "gpt-tiny" / "checkpoints" / "last.ckpt").is_dir()
     assert "…" not in console, console
     assert [line for line in console.splitlines() if "warning" in line.lower()] == [], console
     lines = [line.rstrip() for line in done.stdout.splitlines() if line.strip()]
@@ -79,6 +90,104 @@ def test_the_main_job_at_80_columns_in_a_pipe(tmp_path: Path) -> None:
     assert "medians over 12 steps" in console
     assert [row for row in DEVICE_ROWS if row in console] == [], done.stdout
     assert all(row in console for row in ("forward", "backward", "update", "peak memory, update")), done.stdout
+
+
+#: The README's commands that run on CPU, as it writes them (less ``.venv/bin/``); each is run below, cut down.
+README_CPU = {
+    "fit": "lightning-dos fit --config recipes/gpt-tiny.yaml",
+    "validate": "lightning-dos validate --config recipes/gpt-tiny.yaml --ckpt_path runs/gpt-tiny/checkpoints/last.ckpt",
+    "report": "lightning-dos report runs/gpt-tiny",
+    "nvme": "lightning-dos fit --config recipes/gpt-tiny.yaml "
+    "--trainer.strategy.init_args.offload_optimizer_device nvme --trainer.strategy.init_args.nvme_path /local_nvme "
+    "--trainer.strategy.init_args.host_memory_budget 0",
+    "calibrate": "lightning-dos calibrate --out my-node.yaml",
+    "plan": "lightning-dos plan --params 20e9 --gpus-per-node 4 --profile paper-h100x4",
+    "simulate": "lightning-dos simulate --params 20e9 --profile paper-h100x4 --trace sim.json",
+}
+#: The README's commands that need GPUs (not run here), by the recipe each names.
+README_GPU = ("recipes/gpt-7b.yaml", "recipes/gpt-13b.yaml", "recipes/gpt-20b.yaml")
+
+
+def _readme_commands() -> list[str]:
+    """Every ``lightning-dos`` command in the README's bash blocks: continued lines joined, comments and
+    ``.venv/bin/`` dropped, spaces collapsed."""
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
+    commands = [" ".join(re.sub(r"(^|\s)#.*", "", line).replace(".venv/bin/", "").split()) for line in lines]
+    return [c for c in commands if "lightning-dos" in c or "lightning_dos" in c]
+
+
+def test_every_readme_command_is_checked_here_or_needs_a_gpu() -> None:
+    """A command added to the README is run by a test below, or names a GPU recipe."""
+    found = _readme_commands()
+    unchecked = [c for c in found if c not in README_CPU.values() and not any(r in c for r in README_GPU)]
+    assert unchecked == [], f"README commands with no console test (add to README_CPU): {unchecked}"
+    assert sorted(set(README_CPU.values()) - set(found)) == [], "README_CPU names a command the README dropped"
+
+
+def _readme_run(name: str, *extra: str, cwd: Path) -> subprocess.CompletedProcess:
+    """README command ``name`` run as written (plus ``extra``, which cuts it down) at 80 columns in ``cwd``."""
+    args = [TINY if arg == "recipes/gpt-tiny.yaml" else arg for arg in shlex.split(README_CPU[name])[1:]]
+    return _run_at_80(*args, *extra, cwd=cwd)
+
+
+def test_readme_validate_at_80_columns(readme_fit: tuple[Path, subprocess.CompletedProcess]) -> None:
+    """validate on the README's checkpoint: DeepSpeed's converter's tqdm bars (carriage returns) are not shown in
+    a pipe, and the bar's last frame has no trailing spaces."""
+    where, fit = readme_fit
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    done = _readme_run("validate", "--trainer.limit_val_batches", "1", *SMALL_MODEL, cwd=where)
+    assert done.returncode == 0, done.stderr[-3000:]
+    console = done.stdout + done.stderr
+    assert _faults(console) == [], console
+    assert "val/loss" in done.stdout and "Validation" in done.stdout, console
+
+
+def test_readme_report_at_80_columns(readme_fit: tuple[Path, subprocess.CompletedProcess]) -> None:
+    where, fit = readme_fit
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    done = _readme_run("report", cwd=where)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _faults(done.stdout + done.stderr) == [], done.stdout + done.stderr
+
+
+@pytest.mark.skipif(
+    disk.aio_unavailable() is not None, reason="libaio-dev is not installed (scripts/nvme-tools.sh installs it)"
+)
+def test_readme_nvme_fit_at_80_columns(tmp_path: Path) -> None:
+    """The README's command-line form of the NVMe tier, on a directory here and cut down (4 steps)."""
+    drive = tmp_path / "nvme"
+    drive.mkdir()
+    args = ["--trainer.strategy.init_args.nvme_path", str(drive), "--trainer.max_steps", "4"]
+    args += ["--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1", *SMALL_MODEL]
+    done = _readme_run("nvme", *args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    console = done.stdout + done.stderr
+    assert _faults(console) == [], console
+    assert console.count("datacenter SSD") == 1, "DeepSpeed's SSD-wear notice, once in our words"
+
+
+def test_readme_calibrate_at_80_columns(tmp_path: Path) -> None:
+    done = _readme_run("calibrate", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _faults(done.stdout + done.stderr) == [], done.stdout + done.stderr
+    assert (tmp_path / "my-node.yaml").is_file()
+
+
+def test_readme_plan_at_80_columns_says_its_profile(tmp_path: Path) -> None:
+    done = _readme_run("plan", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert _faults(done.stdout + done.stderr) == [], done.stdout
+    assert [line for line in done.stdout.splitlines() if "paper-h100x4" in line] == [
+        "PREDICTED (not measured) for profile paper-h100x4"
+    ], done.stdout
+
+
+def test_readme_simulate_at_80_columns(tmp_path: Path) -> None:
+    done = _readme_run("simulate", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _faults(done.stdout + done.stderr) == [], done.stdout + done.stderr
+    assert (tmp_path / "sim.json").is_file()
 
 
 @pytest.mark.parametrize("timed", [False, True], ids=["update only", "with forward and backward"])

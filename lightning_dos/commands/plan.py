@@ -230,13 +230,10 @@ def _overlapped_iterations(
 
 
 def _print_plan(result: dict) -> None:
-    from rich.console import Console
+    from lightning_dos.host.console import trimmed
 
-    console = Console(highlight=False)  # its width: the terminal's, or COLUMNS, or 80 in a pipe or a log file
-    with console.capture() as captured:
+    with trimmed() as console:  # its width: the terminal's, or COLUMNS, or 80 in a pipe or a log file
         _render_plan(result, console)
-    # rich pads centred titles and captions, and the lines it wraps, with spaces to its width: none at line ends.
-    sys.stdout.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
 
 
 def _render_plan(result: dict, console: Any) -> None:
@@ -264,6 +261,8 @@ def _render_plan(result: dict, console: Any) -> None:
         "elements per rank",
         caption=caption,
     )
+    # The default profile is the paper's node, not this machine: say which one the figures are for.
+    console.print(f"PREDICTED (not measured) for profile {result['profile']}", markup=False)
     # Two-line headers and no iteration column without forward/backward times: the table fits 80 columns.
     timed = any(row["iteration_s"] is not None for row in result["rows"])
     table.add_column("scheme", overflow="fold")
@@ -352,7 +351,7 @@ def describe_rates(rates: HardwareRates) -> list[str]:
         f"device to host     {rates.d2h_bps / 1e9:8.3f} GB/s alone, {rates.duplex_d2h_bps / 1e9:.3f} GB/s duplex",
     ]
     if rates.shared_cpu:
-        lines.append("(no accelerator: the 'device' is the CPU itself, and its copies are host memory copies)")
+        lines.append("(no accelerator: the 'device' is the CPU itself, its copies host memory copies)")
     return lines
 
 
@@ -452,7 +451,7 @@ def main(argv: list[str]) -> int:
         print(f"lightning-dos plan: error: {error}", file=sys.stderr)
         return 2
     args.budget = int(args.budget) if args.budget is not None else None
-    result = plan_rows(params, gpus, rates, meta, args, footprint)
+    result = {"profile": str(args.profile), **plan_rows(params, gpus, rates, meta, args, footprint)}
     if args.json:
         print(json.dumps(result, indent=2))
     else:

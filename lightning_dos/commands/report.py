@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightning_dos.host.console import wrapped
 from lightning_dos.integration.metrics import MEDIANS, PREFIX
 
 INSTALL_HINT = "pip install 'lightning-dos[plot]'"
@@ -362,27 +363,31 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print(f"lightning-dos report needs matplotlib; install it with: {INSTALL_HINT}", file=sys.stderr)
+        print(f"lightning-dos report needs matplotlib; install it with:\n  {INSTALL_HINT}", file=sys.stderr)
         return 2
     if not args.run_dir.is_dir():
-        print(f"lightning-dos report: {args.run_dir} is not a folder", file=sys.stderr)
+        print(wrapped(f"lightning-dos report: {args.run_dir} is not a folder"), file=sys.stderr)
         return 1
     if find_metrics(args.run_dir) is None:
-        print(f"lightning-dos report: no metrics.csv under {args.run_dir}; log with CSVLogger", file=sys.stderr)
+        print(
+            wrapped(f"lightning-dos report: no metrics.csv under {args.run_dir}; log with CSVLogger"), file=sys.stderr
+        )
         return 1
     found = find_run(args.run_dir)
     if found is None:
         print(
-            f"lightning-dos report: no metrics.csv under {args.run_dir} has dos/ metrics; "
-            "add the DOSMonitor callback to the training run",
+            wrapped(
+                f"lightning-dos report: no metrics.csv under {args.run_dir} has dos/ metrics; "
+                "add the DOSMonitor callback to the training run"
+            ),
             file=sys.stderr,
         )
         return 1
     metrics, series, passed_over = found
-    print(_picked(args.run_dir, metrics, passed_over))
+    print(wrapped(_picked(args.run_dir, metrics, passed_over)))
     out = args.out if args.out is not None else args.run_dir / "dos-report.png"
     title = f"lightning-dos run report: {metrics.relative_to(args.run_dir)}"
-    print(f"wrote {draw(series, out, title)}")
+    print(wrapped(f"wrote {draw(series, out, title)}"))
     return 0
 
 

@@ -8,10 +8,15 @@ from typing import Any
 
 def print_summary(s: dict[str, Any]) -> None:
     """The summary of ``lightning-dos simulate`` (its JSON, as a dict) as tables."""
-    from rich.console import Console
+    from lightning_dos.host.console import trimmed
+
+    with trimmed() as console:  # wraps at the terminal's width, or COLUMNS, or 80 in a pipe or a log file
+        _render_summary(s, console)
+
+
+def _render_summary(s: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
-    console = Console(highlight=False)  # wraps at the terminal's width, or COLUMNS, or 80 in a pipe or a log file
     plan = s["plan"]
     budget = s.get("budget_gb")
     if budget is not None and s.get("budget_kind") == "update only":

@@ -76,7 +76,7 @@ if TYPE_CHECKING:
 
 
 class DeepOptimizerStatesStrategy(StartupChecks, DeepSpeedCPUStrategy):
-    """ZeRO-3 with the optimizer offloaded to host memory, updated on CPU and accelerator at once.
+    """ZeRO-3, the optimizer in host memory, updated on CPU and accelerator at once.
 
     Every iteration, a share of the optimizer's sub-groups streams to the accelerator and is updated
     there while the CPU updates the rest (Deep Optimizer States, Maurya et al. 2024). The result is plain

@@ -265,8 +265,11 @@ class DOSMonitor(Callback):
         if self.summary and trainer.is_global_zero and self.history:
             from rich.console import Console
 
+            from lightning_dos.host.console import trimmed
+
             on_accelerator = trainer.strategy.root_device.type != "cpu"
-            Console().print(summary_table(self.history, on_accelerator=on_accelerator))
+            with trimmed(Console()) as console:  # no spaces after the centred title
+                console.print(summary_table(self.history, on_accelerator=on_accelerator))
 
     # -- internals -------------------------------------------------------------------------------
 

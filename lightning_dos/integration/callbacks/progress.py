@@ -95,6 +95,13 @@ class DOSProgressBar(RichProgressBar):
             return super()._get_train_description(current_epoch)
         return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
 
+    def _init_progress(self, trainer: L.Trainer) -> None:
+        super()._init_progress(trainer)
+        # Outside fit Lightning's metrics column is always empty, yet the space before it and its own padding
+        # stay: validate's last frame, left in a log file, would end in two spaces.
+        if self.progress is not None and trainer.state.fn != "fit":
+            self.progress.columns = tuple(c for c in self.progress.columns if c is not self._metric_component)
+
     def configure_columns(self, trainer: L.Trainer) -> list:
         # No it/s (tok/s says more); below WIDE_CONSOLE columns one time instead of two; the bar is sized
         # (and shrunk further if need be) by _fit_to_width once the metrics are known.

@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
+from collections.abc import Iterator
 
 import torch
 
 from lightning_dos.integration.zero3.compat import (
     _deepspeed_version,
 )
+
+
+@contextlib.contextmanager
+def _bars_only_on_a_terminal(module: types.ModuleType) -> Iterator[None]:
+    """Run a block with ``module``'s tqdm bars shown on a terminal only (tqdm's ``disable=None``): in a log file
+    or a pipe each bar's frames, joined by carriage returns, would be one line of a few hundred columns."""
+    original = module.tqdm
+    module.tqdm = functools.partial(original, disable=None)
+    try:
+        yield
+    finally:
+        module.tqdm = original
 
 
 def load_zero3_weights_for_evaluation(
@@ -37,13 +52,13 @@ def load_zero3_weights_for_evaluation(
     import io
     from pathlib import Path
 
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from deepspeed.utils import zero_to_fp32
 
     root = Path(checkpoint_dir)
     latest = root / "latest"
     tag = latest.read_text().strip() if latest.is_file() else "checkpoint"
-    with contextlib.redirect_stdout(io.StringIO()):  # the converter prints its progress
-        state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag, lazy_mode=True)
+    with contextlib.redirect_stdout(io.StringIO()), _bars_only_on_a_terminal(zero_to_fp32):  # it prints its progress
+        state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag, lazy_mode=True)
     expected = [name for name, _ in module.named_parameters()] + [name for name, _ in module.named_buffers()]
     missing = [name for name in expected if name not in state]
     if strict and missing:
