@@ -136,3 +136,17 @@ def test_an_arch_specific_cuda_target_does_not_stop_the_async_io_build(monkeypat
             else:
                 deepspeed_reads_the_list()
         assert os.environ["TORCH_CUDA_ARCH_LIST"] == value
+
+
+@pytest.mark.skipif(AIO_MISSING is not None, reason="libaio-dev is not installed (scripts/nvme-tools.sh installs it)")
+def test_the_nvme_ops_can_be_built_ahead_and_a_built_install_says_nothing() -> None:
+    """`python -m lightning_dos.host.disk` (scripts/nvme-tools.sh runs it, as scripts/test.sh does first): the tier's
+    ops built into this install's folder (announced, where one is not built yet); run again, it is quick and silent."""
+    import subprocess
+    import sys
+
+    for _ in range(2):
+        command = [sys.executable, "-m", "lightning_dos.host.disk"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=os.environ)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout + done.stderr == ""

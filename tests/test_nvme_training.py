@@ -278,6 +278,10 @@ def _refused(tmp_path: Path, match: str, **settings: object) -> None:
 
 def test_bad_nvme_settings_are_refused_before_any_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     nvme = {"offload_optimizer_device": "nvme"}
+    for path, why in ((tmp_path / "missing", "does not exist"), (None, "does not exist")):  # None: Lightning's default
+        given = {} if path is None else {"nvme_path": str(path)}
+        with pytest.raises(DOSConfigError, match=rf"nvme_path='.*' {why}"):  # at construction, before any setup
+            DeepOptimizerStatesStrategy(**nvme, **given)
     _refused(tmp_path, r"nvme_path='.*missing' does not exist", nvme_path=str(tmp_path / "missing"), **nvme)
     (tmp_path / "a-file").write_text("")
     _refused(tmp_path, "is not a directory", nvme_path=str(tmp_path / "a-file"), **nvme)

@@ -265,3 +265,26 @@ def measure_mixed(
         for handle, buffer in zip(handles, buffers):
             handle.free_cpu_locked_tensor(buffer)
     return 2 * nbytes / best
+
+
+def build_nvme_ops() -> int:
+    """``python -m lightning_dos.host.disk``: build the NVMe tier's ops now (DeepSpeed's async I/O and pinned-memory
+    ops, into this install's extensions folder, each announced), so that the first NVMe run does not wait minutes for
+    them (``scripts/nvme-tools.sh`` runs it). One line and exit status 1 where they cannot be built."""
+    from lightning_dos.host.extensions import use_own_extensions_dir
+
+    use_own_extensions_dir()
+    try:
+        load_aio("building the NVMe tier's ops")
+        from deepspeed.ops.op_builder import PinMemoryBuilder
+
+        with quiet.known_prints_dropped(), arch_list_deepspeed_parses():
+            PinMemoryBuilder().load(verbose=False)
+    except DOSConfigError as error:
+        print(f"lightning-dos: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(build_nvme_ops())

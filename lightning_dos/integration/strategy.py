@@ -29,6 +29,7 @@ from lightning_dos.engine.streams import Streams
 from lightning_dos.errors import DOSConfigError
 from lightning_dos.host import quiet
 from lightning_dos.host.cores import HostPlacement
+from lightning_dos.host.disk import check_nvme_path
 from lightning_dos.host.host_threads import apply_host_threads
 from lightning_dos.host.ranks import Calibration, calibrate_together, reduce_min_over_ranks
 from lightning_dos.integration.cpu_strategy import DeepSpeedCPUStrategy
@@ -249,6 +250,8 @@ class DeepOptimizerStatesStrategy(StartupChecks, DeepSpeedCPUStrategy):
         check_host_budget(host_memory_budget)
         #: The NVMe tier the config asks for (``offload_optimizer.device: nvme``), taken out of DeepSpeed's config.
         self.dos_nvme: NvmeTier | None = take_nvme_tier(self.config, host_memory_budget)
+        if self.dos_nvme is not None:  # a missing or unusable directory, named now (its room is counted at setup)
+            check_nvme_path(self.dos_nvme.path)
         self.config = merge_required_config(self.config, deepspeed_size)
         self.dos_adapter: ZeRO3Adapter | None = None
         #: Chooses each step's plan (and predicts its update time) once fitting has started.
