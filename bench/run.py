@@ -14,6 +14,8 @@ from the calibrated rates. Writes the same as JSON.
     python bench/run.py --preset medium --systems stock,stock-nvme:/local_nvme  # stock NVMe offload (ZeRO-Infinity)
     python bench/run.py --preset medium --systems stock-nvme:/local_nvme,nvme:0.5:/local_nvme,nvme:0:/local_nvme
         # ours on NVMe, with half and none of the optimizer state in host memory
+    python bench/run.py --preset small --exactness --isolate --systems stock,twinflow:0.3,auto,superoffload:0.9,\
+zenflow:0.1:4,fsdp-offload   # the peers (bench/peers.py), exactness beside speed, each system in its own process
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +42,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else
 
 import lightning as L  # noqa: E402
 
+from bench import peers  # noqa: E402
 from lightning_dos import DeepOptimizerStatesStrategy  # noqa: E402
 from lightning_dos.data import ByteCorpusDataModule  # noqa: E402
 from lightning_dos.integration.callbacks.monitor import DOSMonitor  # noqa: E402
@@ -77,6 +82,8 @@ class Result:
     peak_accelerator_gb: float | None = None
     optimizer_host_gb: float | None = None
     predicted_update_s: float | None = None
+    #: Peak resident memory of the process that ran the system alone (``--isolate``, and every peer), GB.
+    peak_host_gb: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -84,16 +91,12 @@ class StockGPT(GPT):
     """The recipe GPT with DeepSpeed's CPU Adam, as a user of stock ZeRO-Offload runs it (DeepSpeed
     refuses torch optimizers with offload unless told otherwise). Same groups, same LR schedule."""
 
-    def configure_optimizers(self) -> Any:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    cpu_adam_kind = "deepspeed"
 
+    def configure_optimizers(self) -> Any:
         config = super().configure_optimizers()
         torch_opt = config["optimizer"] if isinstance(config, dict) else config
-        groups = [
-            {k: v for k, v in g.items() if k not in ("foreach", "fused", "capturable", "differentiable")}
-            for g in torch_opt.param_groups
-        ]
-        cpu_adam = DeepSpeedCPUAdam(groups, lr=torch_opt.defaults["lr"], adamw_mode=True)
+        cpu_adam = peers.cpu_adam(torch_opt, self.cpu_adam_kind)
         if isinstance(config, dict) and "lr_scheduler" in config:
             scheduler = config["lr_scheduler"]
             inner = scheduler["scheduler"] if isinstance(scheduler, dict) else scheduler
@@ -102,6 +105,19 @@ class StockGPT(GPT):
                 group.setdefault("initial_lr", initial.get("initial_lr", initial["lr"]))
             return {"optimizer": cpu_adam, "lr_scheduler": scheduler}
         return cpu_adam
+
+
+class ZenFlowGPT(StockGPT):
+    """The same with ZenFlow's CPU Adam (its stage-3 path steps it), same hyperparameters."""
+
+    cpu_adam_kind = "zenflow"
+
+
+class FSDPGPT(peers.FSDPClipping, GPT):
+    """The recipe GPT with its own torch AdamW, clipped by FSDP's ``clip_grad_norm_``."""
+
+
+MODELS = {"deepspeed": StockGPT, "zenflow": ZenFlowGPT, "torch": FSDPGPT}
 
 
 #: Tensor buffers stock's pipelined swapper runs with (4 sub-groups' worth for Adam: master weights, two moments,
@@ -141,6 +157,8 @@ def make_strategy(system: str, sub_group_size: int, state_bytes: int = 0) -> tup
     none: the strategy's default, ``"auto"``); ``state_bytes``: the rank's optimizer state, which ``nvme:SHARE:DIR``
     keeps that share of in host memory."""
     system, _, overlap = system.partition("@")
+    if peers.is_peer(system):
+        return peers.peer_strategy(system, sub_group_size, stock_config)[0], False
     if system == "stock":
         return DeepSpeedCPUStrategy(config=stock_config(sub_group_size)), False
     if system.startswith("stock-nvme:"):  # stock-nvme:DIR[:N], DeepSpeed's NVMe offload with its files under DIR
@@ -333,10 +351,22 @@ def _drive_floor(result: Result, rows: list[dict[str, float]], steps: list[dict[
 def run_system(system: str, args: argparse.Namespace) -> Result:
     layers, width, heads, seq, batch = args.shape
     params = GPT.count_parameters(layers, width, args.vocab, seq)
-    strategy, ours = make_strategy(system, args.sub_group_size, 12 * params)
+    if peers.is_peer(system):
+        strategy, kind = peers.peer_strategy(system, args.sub_group_size, stock_config)
+        ours, model_cls = False, MODELS[kind]
+    else:
+        strategy, ours = make_strategy(system, args.sub_group_size, 12 * params)
+        model_cls = GPT if ours else StockGPT
+    measured = args.warmup + args.steps
+    callbacks: list[L.Callback] = []
+    if args.exactness:
+        # Stock offload's run is the reference (exact AdamW); two more steps: a non-finite batch, a finite one.
+        model_cls = peers.with_injection(model_cls)
+        callbacks.append(probe := peers.ExactnessProbe(measured, args.reference, save=system == "stock"))
     L.seed_everything(0, verbose=False)
-    model_cls = GPT if ours else StockGPT
     model = model_cls(n_layer=layers, n_embd=width, n_head=heads, block_size=seq, vocab_size=args.vocab)
+    if args.exactness:
+        model.inject_at = measured
     data = ByteCorpusDataModule(seq_len=seq, batch_size=batch, max_bytes=args.max_bytes)
     monitor = DOSMonitor(summary=False, log_every_n_steps=0)
     trainer = L.Trainer(
@@ -345,13 +375,17 @@ def run_system(system: str, args: argparse.Namespace) -> Result:
         devices=1,
         precision=args.precision,
         gradient_clip_val=args.clip,
-        max_steps=args.warmup + args.steps,
+        max_steps=measured + (2 if args.exactness else 0),
         limit_val_batches=0,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[drive := _DriveWatch(args.warmup, *_drive_of(system, params), args.drive_each_step), monitor],
+        callbacks=[
+            drive := _DriveWatch(args.warmup, *_drive_of(system, params), args.drive_each_step),
+            monitor,
+            *callbacks,
+        ],
     )
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -362,7 +396,7 @@ def run_system(system: str, args: argparse.Namespace) -> Result:
     trainer.fit(model, datamodule=data)
     if swap_folder is not None and not stale_swap:
         shutil.rmtree(swap_folder, ignore_errors=True)
-    rows = list(monitor.history)[args.warmup :]
+    rows = list(monitor.history)[args.warmup : measured]
     update_s = _median(rows, "dos/update_s") or float("nan")
     result = Result(
         system=system,
@@ -403,10 +437,17 @@ def run_system(system: str, args: argparse.Namespace) -> Result:
         predicted = stock_tiered_update_s(sizes, calibrate(torch.device("cpu")), measured, lp_bytes=lp_bytes)
         result.predicted_update_s = predicted.time_s
         result.extra["state_gb"] = state / GB
-    norm = strategy.deepspeed_engine.get_global_grad_norm() if args.clip else None
+    deepspeed_engine = getattr(strategy, "deepspeed_engine", None)  # FSDP has none: its model keeps the norm
+    norm = getattr(model, "last_grad_norm", None)
+    if args.clip and deepspeed_engine is not None:
+        norm = deepspeed_engine.get_global_grad_norm()
     if norm is not None:
         # The last step's global gradient norm: clipping is active (the unscale factor is not 1) above the clip value.
         result.extra["last_grad_norm"] = float(norm)
+    if args.exactness:
+        result.extra.update(probe.found)
+        commit = [row["dos/commit_rate"] for row in rows if "dos/commit_rate" in row]
+        result.extra["commit_rate"] = commit[-1] if commit else None
     if ours:
         engine = strategy.dos_engine
         staging = engine.files.staging_bytes if engine.files is not None else 0
@@ -446,9 +487,10 @@ def _around(extra: dict[str, Any]) -> str:
 
 
 def table(results: list[Result]) -> str:
-    by_name = {r.system: r for r in results}
+    ran = [r for r in results if "unavailable" not in r.extra]
+    by_name = {r.system: r for r in ran}
     stock = by_name.get("stock")
-    twinflows = [r for r in results if r.system.startswith("twinflow:")]
+    twinflows = [r for r in ran if r.system.startswith("twinflow:")]
     best_tf = min(twinflows, key=lambda r: r.update_s) if twinflows else None
     floor_s = next((r.extra["floor_s"] for r in results if "floor_s" in r.extra), None)
     head = (
@@ -457,6 +499,9 @@ def table(results: list[Result]) -> str:
     )
     lines = [head, "|" + "---|" * 15]
     for r in results:
+        if "unavailable" in r.extra:
+            lines.append(f"| {r.system} | not run here: {r.extra['unavailable']} |" + " |" * 13)
+            continue
         vs_stock = stock.update_s / r.update_s if stock else None
         it_stock = stock.step_s / r.step_s if stock else None
         vs_tf = best_tf.update_s / r.update_s if best_tf else None
@@ -500,6 +545,7 @@ def table(results: list[Result]) -> str:
             )
     if best_tf:
         lines.append(f"Best TwinFlow ratio here: {best_tf.system}.")
+    lines.extend(peers.versus_best_peer(ran))
     norms = {r.system: r.extra["last_grad_norm"] for r in results if "last_grad_norm" in r.extra}
     if norms:
         lines.append("Last step's global gradient norm (before clipping): " + ", ".join(
@@ -600,7 +646,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "twice the rate of every fit after it (bench/RESULTS.md, 2026-11-28), an advantage the drive warm-up and a "
         "rest do not take away",
     )
+    parser.add_argument(
+        "--exactness",
+        action="store_true",
+        help="beside the times, each system's loss and distance from stock offload's weights (exact AdamW; stock "
+        "runs first) after the measured steps, its skipped steps, and what one injected non-finite batch does to it "
+        "(two more steps; bench/peers.py)",
+    )
+    parser.add_argument(
+        "--isolate",
+        action="store_true",
+        help="run every system in a process of its own (the peers superoffload:R, zenflow:K:S and fsdp-offload "
+        "always do), with its peak host memory",
+    )
+    parser.add_argument(
+        "--system-timeout", type=float, default=1800.0, metavar="SECONDS",
+        help="a system run in its own process that has not finished by then is a row saying so (default 1800)",
+    )  # fmt: skip
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # run this system only and write its result (a child)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--reference", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    systems = [system.strip() for system in args.systems.split(",") if system.strip()]
+    if args.exactness and args.one is None and ("stock" not in systems or args.rounds != 1):
+        parser.error("--exactness measures every system against stock offload's run: name stock among --systems, "
+                     f"and one round (got --systems {args.systems} --rounds {args.rounds})")  # fmt: skip
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if not args.drive_warmup >= 0:
@@ -622,11 +693,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     params = GPT.count_parameters(shape[0], shape[1], args.vocab, shape[3])
     args.sub_group_size = args.sub_group_size or max(1024, params // 16)
     args.out = args.out or ROOT / "bench" / "out" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    # The systems run in processes of their own keep their logs and results here.
+    args.workdir = args.out.parent / f"{args.out.stem}-systems"
+    # The reference weights (the model's fp32 weights, twice) go to a temporary folder, never among the logs.
+    args.reference = args.reference or Path(tempfile.gettempdir()) / f"{args.out.stem}-exact-{os.getpid()}"
     return args
+
+
+def run_one(args: argparse.Namespace) -> int:
+    """In a process of its own: run ``--one`` and write its result (or why it could not run) to ``--result``."""
+    try:
+        result = run_system(args.one, args)
+    except Exception as error:  # noqa: BLE001 - any failure is the row's reason, in one line
+        traceback.print_exc()  # the whole of it in the system's log
+        peers.write_child_result(args.result, None, error)
+        return 0
+    result.peak_host_gb = peers.peak_host_gb()
+    peers.write_child_result(args.result, asdict(result), None)
+    return 0
+
+
+def run_any(system: str, args: argparse.Namespace) -> Result:
+    """``system`` run here, or in a process of its own (a peer, or ``--isolate``); a row saying why if it cannot."""
+    if not (args.isolate or peers.is_peer(system)):
+        return run_system(system, args)
+    argv = [*args.argv, "--reference", str(args.reference)]
+    found = peers.run_isolated(system, argv, args.workdir, args.system_timeout)
+    if "unavailable" not in found:
+        return Result(**found)
+    nan = float("nan")
+    return Result(system, nan, nan, nan, nan, 0, nan, extra={"unavailable": found["unavailable"]})
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.one is not None:
+        return run_one(args)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
     layers, width, heads, seq, batch = args.shape
     params = GPT.count_parameters(layers, width, args.vocab, seq)
@@ -641,17 +743,27 @@ def main(argv: list[str] | None = None) -> int:
             f"shared drive the first can run faster (bench/RESULTS.md, 2026-11-28); --rounds {len(systems)} gives "
             "each the first slot once"
         )
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.exactness:
+        args.reference.mkdir(parents=True, exist_ok=True)
     warm_drives(systems, params, args.drive_warmup)
     if args.prime:
         prime(systems, params, args)
     rounds: list[list[Result]] = []
     for k in range(args.rounds):
         order = systems[k % len(systems) :] + systems[: k % len(systems)]
-        by_name = {r.system: r for r in (run_system(system, args) for system in order)}
+        if args.exactness:  # stock's run is the reference the others are measured against
+            order = ["stock", *(system for system in order if system != "stock")]
+        by_name = {r.system: r for r in (run_any(system, args) for system in order)}
         rounds.append([by_name[system] for system in systems])
         if args.rounds > 1:
             print(f"\n## Round {k + 1} of {args.rounds} (run in the order {', '.join(order)})\n")
         print(table(rounds[-1]))
+        if args.exactness:
+            print(f"\nAfter {args.warmup + args.steps} steps on the same batches, against stock offload's run; then "
+                  "one batch whose loss is infinite and one finite batch:\n")  # fmt: skip
+            print(peers.exactness_table(rounds[-1]))
+    shutil.rmtree(args.reference, ignore_errors=True)  # weights: the size of the model's fp32 state, twice
     results = rounds[-1]
     if args.rounds > 1:
         print("\n## Over the rounds\n")

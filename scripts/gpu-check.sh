@@ -25,6 +25,10 @@
 #                overlap="auto" plans in the memory free at the step, not what backward's activations leave
 #   forward-peak bench/forward_peak.py: the next forward's peak GPU memory with overlap="forward" and "auto"
 #                against overlap="off" (a small LM, a few steps, default settings); fails if above off's
+#   peers        bench/run.py --preset 1b --exactness --isolate: stock offload, TwinFlow, ours (auto), SuperOffload,
+#                ZenFlow and FSDP's CPU offload, each in a process of its own, clip off then clip 1.0 (each under
+#                4 minutes: 1+3 measured steps and the two of the injected non-finite batch); raw JSON, tables and
+#                each system's log in $OUT/peers (the run tool's folder, else the logs folder) for bench/captures/
 # Python: .venv/bin/python if there is one, else $PYTHON or python3: on the GPU machine its own torch (a CUDA
 # torch wheel cannot be carried there), under which tests that pin this project's torch internals skip by name
 # (tests/conftest.py, PINNED_TORCH_TESTS). On a bare GPU machine that reaches no registry, ship the missing
@@ -61,7 +65,7 @@ if [ -n "$missing" ]; then
 fi
 
 all_steps=(cuda-tests mutations-1 mutations-2 mutations-3 cpu-tests-1 cpu-tests-2 cpu-tests-3 calibrate bench-1b
-           bench-3b memory startup-memory threads forward-peak)
+           bench-3b memory startup-memory threads forward-peak peers)
 # The CPU pass in three parts of a few minutes each on 16 cores; part 3 is every file not named in 1 or 2.
 cpu_part1=(test_equivalence test_engine_behaviour test_atomic_training test_stream_sanitizer)
 cpu_part2=(test_monitor test_reliability test_cli test_evaluation test_recipes test_device_memory test_resources
@@ -86,6 +90,8 @@ for step in "${steps[@]}"; do
     exit 2
   }
 done
+#: The peers step's systems: stock, TwinFlow's best ratio on the CPU bench (0.3), ours, then the peers.
+peer_systems=stock,twinflow:0.3,auto,superoffload:0.9,zenflow:0.1:4,fsdp-offload
 stamp=$(date -u +%Y-%m-%dT%H:%MZ)
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 torch_version=$($py -c "import torch; print(torch.__version__)")
@@ -150,6 +156,19 @@ for step in "${steps[@]}"; do
       run_logged "$out/forward-peak.txt" env DS_ACCELERATOR=cuda $py bench/forward_peak.py
       grep -E '^(#|\|)' "$out/forward-peak.txt" > "$out/forward-peak-table.txt"
       section "bench/forward_peak.py (forward peak with overlap against off)" "$out/forward-peak-table.txt" ;;
+    peers)
+      # The systems a user could switch on instead (bench/peers.py); a system that cannot run is a row saying why.
+      cap=${OUT:-$out}/peers
+      mkdir -p "$cap"
+      for clip in off 1.0; do
+        clip_arg=()
+        [ "$clip" = off ] || clip_arg=(--clip "$clip")
+        run_logged "$cap/peers-clip-$clip.txt" env DS_ACCELERATOR=cuda timeout 235 $py bench/run.py --preset 1b \
+          --warmup 1 --steps 3 --exactness --isolate --system-timeout 100 "${clip_arg[@]}" \
+          --systems "$peer_systems" --out "$cap/peers-clip-$clip.json"
+        grep -E '^(#|\||After|Fastest|Best|Last)' "$cap/peers-clip-$clip.txt" > "$cap/peers-clip-$clip-table.txt"
+        section "peers, clip $clip (bench/run.py --preset 1b --exactness --isolate)" "$cap/peers-clip-$clip-table.txt"
+      done ;;
   esac
 done
 echo "gpu-check: tables appended to bench/RESULTS.md; logs in $out"

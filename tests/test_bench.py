@@ -4,6 +4,7 @@ rot); every default system's name makes its strategy."""
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -51,13 +52,13 @@ def test_rounds_rotate_the_systems_and_set_each_rounds_ratios_beside_their_media
         main([*argv, "--rounds", "0"])
 
 
-def test_aio_settings_reach_both_nvme_systems_and_the_json(monkeypatch) -> None:  # noqa: ANN001
+def test_aio_settings_reach_both_nvme_systems_and_the_json(monkeypatch, tmp_path: Path) -> None:  # noqa: ANN001
     monkeypatch.setattr(bench.run, "AIO", dict(bench.run.AIO))
     args = bench.run.parse_args(["--aio", "524288,16,1"])
     assert args.aio == "524288,16,1"
     assert bench.run.AIO["block_size"] == 524288 and bench.run.AIO["queue_depth"] == 16
-    stock, _ = make_strategy("stock-nvme:/tmp/x", 1000)
-    ours, _ = make_strategy("nvme:0.5:/tmp/x@off", 1000, 12_000)
+    stock, _ = make_strategy(f"stock-nvme:{tmp_path}", 1000)
+    ours, _ = make_strategy(f"nvme:0.5:{tmp_path}@off", 1000, 12_000)
     for strategy in (stock, ours):
         aio = strategy.config["aio"]
         assert (aio["block_size"], aio["queue_depth"], aio["intra_op_parallelism"]) == (524288, 16, 1)
@@ -65,9 +66,9 @@ def test_aio_settings_reach_both_nvme_systems_and_the_json(monkeypatch) -> None:
         bench.run.parse_args(["--aio", "1M,32"])
     with pytest.raises(SystemExit):
         bench.run.parse_args(["--drive-warmup", "-1"])
-    deeper, _ = make_strategy("stock-nvme:/tmp/x:32", 1000)  # stock's swapper with 32 tensor buffers
+    deeper, _ = make_strategy(f"stock-nvme:{tmp_path}:32", 1000)  # stock's swapper with 32 tensor buffers
     offload = deeper.config["zero_optimization"]["offload_optimizer"]
-    assert (offload["nvme_path"], offload["buffer_count"]) == ("/tmp/x", 32)
+    assert (offload["nvme_path"], offload["buffer_count"]) == (str(tmp_path), 32)
     assert stock.config["zero_optimization"]["offload_optimizer"]["buffer_count"] == bench.run.STOCK_BUFFERS
 
 
@@ -145,3 +146,32 @@ def test_drive_pattern_refuses_a_slab_count_below_one(capsys) -> None:  # noqa: 
     with pytest.raises(SystemExit):
         drive_pattern.parse_args(["--path", ".", "--slabs", "4,0"])
     assert "--slabs must each be at least 1, got [4, 0]" in capsys.readouterr().err
+
+
+def test_a_cuda_only_peer_is_a_row_saying_why_and_stock_is_exact_against_itself(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """bench/peers.py: SuperOffload asserts a CUDA accelerator; on CPU its row (run in a process of its own) says so
+    instead of crashing the bench. Stock offload is the exactness reference: 0 from itself, its injected non-finite
+    batch skipped and its weights finite."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: SuperOffload runs there")
+    out = tmp_path / "bench.json"
+    argv = ["--preset", "tiny", "--steps", "1", "--warmup", "1", "--max-bytes", "100000", "--out", str(out)]
+    assert main([*argv, "--exactness", "--systems", "superoffload:0.9,stock"]) == 0
+    printed = capsys.readouterr().out
+    why = "not run here: AssertionError: SuperOffload only supports NVIDIA CUDA GPUs"
+    assert printed.count(f"| superoffload:0.9 | {why}") == 2  # in the times' table and the exactness table
+    assert "| stock | " in printed.split("After 2 steps on the same batches")[1]
+    peer, stock = json.loads(out.read_text())["results"]
+    assert peer["system"] == "superoffload:0.9" and "superoffload_stage3.py" in peer["extra"]["unavailable"]
+    assert stock["extra"]["rel_err"] == 0.0 and stock["extra"]["skipped"] == 0 and stock["extra"]["loss"] > 0
+    assert stock["extra"]["injected"] == {"skipped": True, "nonfinite": 0, "rel_err": 0.0}
+    # Its process's log and result beside the JSON; the reference weights went elsewhere and are removed.
+    assert sorted(p.name for p in (tmp_path / "bench-systems").iterdir()) == [
+        "superoffload_0.9.json",
+        "superoffload_0.9.log",
+    ]
+    assert not list(Path(tempfile.gettempdir()).glob("bench-exact-*"))
+    with pytest.raises(SystemExit):
+        main([*argv, "--exactness", "--systems", "auto"])  # nothing to measure against

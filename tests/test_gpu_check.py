@@ -124,3 +124,30 @@ def test_the_threads_step_runs_a_job_that_compiles_with_both_of_its_checks() -> 
     source = job.read_text()
     compile(source, str(job), "exec")
     assert 'check_binding() if what == "binding" else check_budget()' in source
+
+
+def test_the_peers_step_runs_bench_command_lines_that_parse_and_name_a_strategy_for_every_system() -> None:
+    """``gpu-check.sh peers`` cannot run here: its bench/run.py command lines (clip off and 1.0) must parse, with
+    exactness against stock, and each of its systems must make a strategy."""
+    import re
+    import shlex
+
+    from bench.run import make_strategy, parse_args
+
+    script = SCRIPT.read_text()
+    assert " peers)" in script and "forward-peak peers)" in script  # a step, listed among all_steps
+    systems = re.search(r"^peer_systems=(\S+)$", script, re.M).group(1)
+    command = re.search(r"bench/run\.py (--preset 1b \\\n.*?)--out", script, re.S).group(1)
+    argv = shlex.split(command.replace("\\\n", " ").replace('"$peer_systems"', systems))
+    assert argv[-2:] == ["--systems", systems] and "${clip_arg[@]}" in argv
+    argv.remove("${clip_arg[@]}")
+    for clip in ([], ["--clip", "1.0"]):
+        args = parse_args([*argv, *clip, "--out", "/tmp/peers.json"])
+        assert (
+            args.exactness and args.isolate and args.shape[:3] == (24, 2048, 16) and args.clip == (clip and 1.0 or None)
+        )
+    names = systems.split(",")
+    assert {"stock", "auto", "fsdp-offload"} <= set(names) and any(n.startswith("superoffload:") for n in names)
+    assert any(n.startswith("zenflow:") for n in names) and any(n.startswith("twinflow:") for n in names)
+    for name in names:
+        assert make_strategy(name, 1000)[0] is not None, name
