@@ -276,8 +276,8 @@ def test_under_overlap_the_update_is_sized_within_what_was_spare_at_the_forward_
 
 def test_the_next_forward_waits_for_the_update_in_flights_device_side_not_its_host_side() -> None:
     """``wait_device_side`` (where the next forward begins) returns once the update in flight has issued its device
-    side and given its staging back, while its host side, the update's long part, still runs: held here at its first
-    host sub-group until the wait is over."""
+    side and given its staging back (every reference to it gone), while its host side, the update's long part, still
+    runs (held here at its first host sub-group until the wait is over)."""
     streams = SimStreams(torch.device("cpu"))
     engine = loop_module.InterleavedUpdate([4000], [0], 1000, torch.device("cpu"), torch.float32, streams=streams)
     host_side, go_on = threading.Event(), threading.Event()
@@ -287,7 +287,14 @@ def test_the_next_forward_waits_for_the_update_in_flights_device_side_not_its_ho
             host_side.set()
             go_on.wait(timeout=60)
 
-    engine.on_point = on_point
+    # The update's thread stays where it lets the wait go, until the account is read: the staging must be gone by then.
+    issued, read = engine._device_side_issued, threading.Event()
+
+    def issued_then_held() -> None:
+        issued()
+        read.wait(timeout=60)
+
+    engine.on_point, engine._device_side_issued = on_point, issued_then_held
     gen = torch.Generator().manual_seed(0)
     inputs = StepInputs([torch.randn(4000, generator=gen)], [torch.zeros(4000)], [Hyper(lr=1e-3)], [1])
     engine.start(lambda: engine.step(Plan((Place.DEVICE, Place.HOST) * 2, 1), inputs))
@@ -296,9 +303,12 @@ def test_the_next_forward_waits_for_the_update_in_flights_device_side_not_its_ho
         waiter.start()
         waiter.join(timeout=30)
         assert not waiter.is_alive(), "the forward waited for the host side"
-        assert engine.in_flight and not go_on.is_set() and engine.pool.staging_allocations == 1
-        assert streams.memory.held_bytes == 0, "the staging is given back"
+        assert engine.in_flight and not host_side.is_set() and engine.pool.staging_allocations == 1
+        assert streams.memory.held_bytes == 0, "the staging is given back before the forward may allocate"
+        read.set()
+        assert host_side.wait(timeout=30), "the host side runs on"
     finally:
+        read.set()
         go_on.set()
         engine.wait_all()
 

@@ -113,4 +113,5 @@ class StreamedSubGroups:
                     streams.record_stream(tensor, stream)
         buffers.clear()
         self.pool.release_staging()
+        buf = tensor = None  # the loop's names held the last buffer: it goes back now, not when this returns
         self._device_side_issued()  # the next forward, waiting for this (wait_device_side), may allocate now
