@@ -108,7 +108,8 @@ class DeepOptimizerStatesStrategy(StartupChecks, DeepSpeedCPUStrategy):
             resident state plus the update's streaming buffers stay inside it. None (the default): nothing is
             kept on the accelerator between updates; each update's streaming buffers are sized from the memory
             free after backward (with overlap on, also within what was spare at the last forward/backward peak),
-            less a 10% margin, and given back to torch's caching allocator once its device side is issued.
+            less a 10% margin, and given back to torch's caching allocator once its device side is issued; the
+            next forward begins only once they are given back (the host side still overlaps it).
         streams_factory: builds the engine's streams for the model's device; None (the default) uses the
             real ones. Tests and tools pass ``lightning_dos.sim``'s simulated accelerator here to check the
             engine's stream ordering on CPU; it is never chosen automatically.
