@@ -106,6 +106,7 @@ class RateEstimator:
         self._corrections: dict[Hashable, _Correction] = {}
         self._regime: Hashable = None  # that of the last step observed, taken to hold for the next
         self._planned = 1.0  # the correction when a re-plan was last suggested
+        self._observed = 0  # measurements taken (a re-plan is suggested only from ``patience`` on)
 
     @property
     def correction(self) -> float:
@@ -165,6 +166,11 @@ class RateEstimator:
             self._corrections[regime] = _Correction(self.window, self.drift, self.patience, self.correction)
         self._regime = regime
         self._corrections[regime].observe(measured_s / base_predicted_s)
+        self._observed += 1
+        # Not on the first measurements: the first steps are the least typical (allocations, first builds), and a
+        # plan changed at once would differ from the one the next step began during backward with.
+        if self._observed < self.patience:
+            return False
         if abs(math.log(self.correction / self._planned)) <= math.log1p(self.drift):
             return False
         self._planned = self.correction
