@@ -130,7 +130,9 @@ def test_the_tiers_requests_alone_are_set_beside_the_drive_floor_for_each_slab_c
     assert "\n| 1 | 0 |" in printed and "\n| 2 | 0 |" in printed
     passes = json.loads(out.read_text())["passes"]
     assert set(passes) == {"1", "2"}
-    record = 3 * 20480  # the master weights and two moments, each padded to 4 KiB
+    # The master weights and two moments, each padded to 4 KiB, the whole to 4 KiB per I/O thread.
+    share = 4096 * drive_pattern.AIO["intra_op_parallelism"]
+    record = -(-3 * 20480 // share) * share
     for rows in passes.values():
         assert len(rows) == 2
         for row in rows:
