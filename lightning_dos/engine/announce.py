@@ -23,7 +23,7 @@ def cores() -> int:
 
 
 def about(cpu_seconds: tuple[float, float], jobs: int = 1, on_cores: int | None = None) -> str:
-    """The wall time, as "about 2-5 minutes on 2 cores", of of ``jobs`` compiler jobs costing ``cpu_seconds`` together
+    """The wall time, as "about 2-5 minutes on 2 cores", of ``jobs`` compiler jobs costing ``cpu_seconds`` together
     (a low and a high figure) when they share ``on_cores`` cores (:func:`cores` by default)."""
     n = on_cores if on_cores is not None else cores()
     parallel = max(1, min(n, jobs))
