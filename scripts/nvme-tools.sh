@@ -2,12 +2,12 @@
 # Best effort: install libaio-dev, which DeepSpeed's async I/O op (the NVMe tier's reads and writes, and
 # `lightning-dos calibrate --nvme-path`) is built against. Only when missing, only as root with apt-get; otherwise
 # one line says how. Then, where .venv exists (scripts/setup.sh), build the tier's ops ahead (minutes, once per
-# install, announced), so the first NVMe run starts at once. It never fails the caller: without libaio the NVMe
-# checks say what is missing, by name.
+# install, announced), so the first NVMe run starts at once (LIGHTNING_DOS_BUILD_NVME_OPS=0: not now; scripts/train.sh,
+# whose recipe needs none of them). It never fails the caller: without libaio the NVMe checks say what is missing.
 set -u
 cd "$(dirname "$0")/.."
 build_ops() {
-  if [ -x .venv/bin/python ] && [ -f /usr/include/libaio.h ]; then
+  if [ "${LIGHTNING_DOS_BUILD_NVME_OPS:-1}" != 0 ] && [ -x .venv/bin/python ] && [ -f /usr/include/libaio.h ]; then
     .venv/bin/python -m lightning_dos.host.disk || true
   fi
   exit 0
