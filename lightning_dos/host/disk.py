@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import sys
+import textwrap
 import time
 import uuid
 from pathlib import Path
@@ -199,11 +200,11 @@ def ssd_wear_notice(written_per_step: int) -> str:
     """What DeepSpeed's one 365-character notice says, for a run that writes ``written_per_step`` bytes of optimizer
     state to the drive every step (per rank), in lines of at most 80 columns."""
     per_step = f"{written_per_step / 1e9:.2f} GB" if written_per_step >= 1e8 else f"{written_per_step / 1e6:.2f} MB"
-    return (
-        f"lightning-dos: each step writes up to {per_step} of optimizer state per rank to the\n"
-        "drive: that wears out a consumer SSD's rated endurance (TBW) fast; use a\n"
-        "datacenter SSD for sustained training."
+    said = (
+        f"lightning-dos: each step writes up to {per_step} of optimizer state per rank to the drive: that wears out a "
+        "consumer SSD's rated endurance (TBW) fast; use a datacenter SSD for sustained training."
     )
+    return "\n".join(textwrap.wrap(said, 80, subsequent_indent="  "))
 
 
 def _best_write_and_read(handle, buffer, target: Path, repeats: int) -> tuple[float, float]:  # noqa: ANN001
