@@ -410,7 +410,12 @@ def test_auto_placement_measures_forward_and_backward_and_plans_the_whole_iterat
     # Each step's report carries the iteration predicted for its plan (DOSMonitor logs dos/iteration_predicted_s).
     assert [engine.report_number(n).predicted_iteration_s for n in range(1, first)] == [None] * (first - 1)
     assert engine.report_number(first).predicted_iteration_s == scheduler.predictions[steps.index(first)] > 0
-    assert any(plan != update_plan for _, update_plan, plan, _, _ in scheduler.replans[1:]), "no iteration plan"
+    # Under "forward" the iteration's plan streams other sub-groups than the update's. Under "auto" the host updates
+    # sub-groups during backward as they become final, those the next forward needs last first, and those it needs
+    # first (this model's recorded order: 11-14, the no-decay group) after backward: the update's own plan (all on
+    # the host) may be the iteration's best too.
+    if overlap == "forward":
+        assert any(plan != update_plan for _, update_plan, plan, _, _ in scheduler.replans[1:]), "no iteration plan"
 
 
 class _ActivationsOnTheDevice(L.Callback):

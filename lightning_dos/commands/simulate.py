@@ -182,7 +182,7 @@ def whole_iteration(
         streamed = plan.streamed_indices
         plans[mode] = {
             "streamed": len(streamed),
-            "streamed_first": bool(streamed) and streamed[0] == 0,
+            "streamed_first": bool(streamed) and streamed[0] == plan.sequence[0],
             "after_backward": len(plan.after_backward) if mode == "auto" else 0,
             "races": races,
         }
@@ -215,6 +215,7 @@ def whole_iteration(
             footprint=footprint,
             resident_room=resident_room,
             speculation=speculation,
+            order=result.plan.order,
         ),
         "iteration_plans": plans,
     }
@@ -264,6 +265,7 @@ def main(argv: list[str]) -> int:
     """Run ``lightning-dos simulate`` (``argv`` without the subcommand); returns the exit status."""
     from lightning_dos.commands import options
     from lightning_dos.commands.nvme_rows import disk_of, host_budgets
+    from lightning_dos.commands.recipe_order import model_layout
     from lightning_dos.commands.simulate_table import print_summary
     from lightning_dos.planning.profiles import load_profile
 
@@ -295,17 +297,17 @@ def main(argv: list[str]) -> int:
     budget, resident_ok = planning_budget(
         int(args.budget) if args.budget is not None else None, meta.get("device_free_bytes")
     )
-    sizes = sub_group_sizes(params, gpus, sub_group_size)
+    sizes, order = model_layout(args, params, gpus, sub_group_size)
 
     def plan_for(mode: str | None = None) -> Plan:
         """What the strategy runs: "auto"'s plan (in ``mode``, once forward and backward are timed), else the fixed
-        plan of ``--gpu-fraction``."""
+        plan of ``--gpu-fraction``; either in the order the recipe's forward needs the sub-groups."""
         if spec.mode != "auto":
-            return spec.plan(len(sizes))
+            return spec.plan(len(sizes)).in_order(order)
         chosen = auto_plan(
             sizes, rates, args.lp_bytes, budget, allow_resident=resident_ok, footprint=footprint,
             phases=None if mode is None else (args.forward_s, args.backward_s), overlap=mode or "off",
-            speculation=speculation if mode == AUTO else None,
+            speculation=speculation if mode == AUTO else None, order=order,
         )  # fmt: skip
         return chosen.plan
 
@@ -314,6 +316,7 @@ def main(argv: list[str]) -> int:
     trace = write_perfetto(args.trace, result.replayed, f"{params / 1e9:.1f}B on {args.profile}")
     summary = _summary(result, params, gpus, args.profile, trace)
     summary.update(options.footprint_summary(args, footprint), precision=options.footprint_label(args))
+    summary["need_order"] = list(order) or None  # None: index order (no model to record)
     summary["budget_gb"] = None if budget is None else budget / 1e9
     summary["budget_kind"] = "forward/backward peak" if resident_ok else "update only"
     if args.forward_s is not None:

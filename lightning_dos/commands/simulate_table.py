@@ -14,6 +14,14 @@ def print_summary(s: dict[str, Any]) -> None:
         _render_summary(s, console)
 
 
+def _order_line(order: list[int] | None) -> str:
+    """How the sub-groups are ordered: as the recipe's forward needs them (the first few named), or by index."""
+    if not order:
+        return "by index (--params has no model; a recipe's forward gives its own)"
+    first = ", ".join(map(str, order[:4]))
+    return f"as the recipe's forward needs them ({first}, ... of 0-{len(order) - 1})"
+
+
 def _render_summary(s: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
@@ -33,6 +41,7 @@ def _render_summary(s: dict[str, Any], console: Any) -> None:
         f"optimizer: {s.get('precision', 'Adam, fp32 master and states')}\n"
         f"per rank: {s['sub_groups_per_rank']} sub-groups, {plan['streamed']} streamed through "
         f"{plan['device_buffers']} buffer(s), {plan['resident']} resident, {plan['host']} on the host\n"
+        f"order: {_order_line(s.get('need_order'))}\n"
         f"device memory: {memory}",
         markup=False,
     )

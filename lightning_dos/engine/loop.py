@@ -210,6 +210,12 @@ class InterleavedUpdate(
         self.files_order = ALTERNATE
         #: Streamed file-backed sub-groups of the update in flight whose download home was issued, with its event.
         self._downloads_to_store: list[tuple[int, object]] = []
+        #: Every sub-group, in the order the next forward needs them (``Plan.order``; recorded by the framework in the
+        #: first forward, :func:`~lightning_dos.model.need_order.need_order`): each step launches device work, runs
+        #: host work and lands 16-bit results in this order, so that the next forward's first gathers wait for their
+        #: own sub-groups, not for the rest of the update. Empty: index order. A plan with an order of its own keeps
+        #: it.
+        self.need_order: tuple[int, ...] = ()
 
     @property
     def last_report(self) -> StepReport | None:
@@ -227,6 +233,10 @@ class InterleavedUpdate(
         """The ``number``-th report issued (1-based), while it is among the recent ones; None before it is issued."""
         back = self.reports_issued - number
         return self._recent_reports[-1 - back] if 0 <= back < len(self._recent_reports) else None
+
+    def sub_groups_as_needed(self) -> list[SubGroup]:
+        """The sub-groups in the order the next forward needs them (:attr:`need_order`; index order when empty)."""
+        return [self.sub_groups[i] for i in self.need_order] if self.need_order else list(self.sub_groups)
 
     # Views into the slabs, one per DeepSpeed flat partition: the adapter points DeepSpeed's master
     # partitions and the inner optimizer's state at these, so DeepSpeed's checkpoints see our state.
@@ -390,6 +400,7 @@ class InterleavedUpdate(
             streams.start_timeline(self._step_timing)
         wall_start = time.perf_counter()
 
+        plan = plan if plan.order else plan.in_order(self.need_order)
         requested = plan
         if self.files is not None:
             # A resident sub-group's state lives on the device between updates; a file-backed one's in its file.

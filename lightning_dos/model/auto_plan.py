@@ -50,6 +50,7 @@ def auto_plan(
     phases: tuple[float, float] | None = None,
     overlap: Overlap = OFF,
     speculation: Speculation | None = None,
+    order: Sequence[int] = (),
 ) -> AutoPlan:
     """The plan ``gpu_fraction="auto"`` runs for sub-groups of ``sizes``.
 
@@ -66,8 +67,11 @@ def auto_plan(
         overlap: what the update overlaps (:mod:`lightning_dos.model.overlap`).
         speculation: gradient clipping under ``auto`` (the updates begun during backward are speculative): the
             placement and its iteration are those of the mean over committed and clipped steps at its commit rate.
+        order: the sub-groups in the order the next forward needs them (``Plan.order``; empty: index order): the
+            engine works and lands them in it, and the iteration model times the forward and backward by it.
     """
     update_plan, update = _update_best(tuple(sizes), rates, budget, lp_bytes, allow_resident, lp_on_host, footprint)
+    update_plan = update_plan.in_order(order)
     if phases is None or min(phases) <= 0 or lp_on_host:
         return AutoPlan(update_plan, update, update_plan, None)
     forward_s, backward_s = phases
@@ -75,7 +79,7 @@ def auto_plan(
     searched = FORWARD if overlap == AUTO and speculation is not None and speculation.commit_rate == 0 else overlap
     plan = shortest_iteration_plan(
         sizes, rates, lp_bytes, update_plan, forward_s, backward_s, searched, footprint=footprint,
-        speculation=speculation,
+        speculation=speculation, budget=budget,
     )  # fmt: skip
     timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
     predicted = iteration_s(sizes, plan, timeline, forward_s, backward_s, speculation)[overlap]

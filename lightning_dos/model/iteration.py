@@ -3,9 +3,10 @@
 One rank's steady-state iteration, from the start of backward to the start of the next backward, given the
 update's own schedule (:class:`UpdateTimeline`: when each sub-group's 16-bit result lands, how long the CPU works
 on each host sub-group) and the forward and backward times. Layers are spread over the sub-groups by their
-elements, in parameter order (ZeRO-3's flat partitions follow it): the next forward needs sub-group ``i`` when it
-has done the share of its work that the sub-groups before ``i`` hold, and backward, visiting layers in reverse,
-makes sub-group ``i``'s gradient final when it has done the share of the sub-groups from ``i`` on.
+elements, in the order the next forward needs them (``Plan.order``, recorded in the first forward; index order
+where nothing was recorded): the next forward needs a sub-group when it has done the share of its work that the
+sub-groups before it in that order hold, and backward, visiting layers in reverse, makes a sub-group's gradient
+final when it has done the share of the sub-groups from it on.
 
 - ``off``: forward, backward, then the whole update.
 - ``forward``: the update starts when backward ends and the next forward runs beside it, each sub-group's layers
@@ -126,16 +127,23 @@ def iteration_s(
     """Iteration time of each mode in :data:`MODES` for ``plan``'s update over sub-groups of ``sizes``; with
     ``speculation`` (gradient clipping), ``auto`` is the mean over committed and clipped steps at its commit rate."""
     total = sum(sizes)
-    before = list(itertools.accumulate(sizes, initial=0))
-    forward_share = [forward_s * n / total for n in sizes]
-    # Backward makes sub-group i final once it has done the layers of sub-groups i, i + 1, ... (the last first).
-    final_at = [backward_s * (total - before[i]) / total for i in range(len(sizes))]
+    sequence = plan.sequence
+    forward_share = [forward_s * sizes[i] / total for i in sequence]
+    # Backward makes a sub-group final once it has done the layers of it and every sub-group the forward needs
+    # after it (the last first).
+    final_at = [0.0] * len(sizes)
+    after = 0
+    for i in reversed(sequence):
+        after += sizes[i]
+        final_at[i] = backward_s * after / total
     off = forward_s + backward_s + timeline.total_s
-    forward = backward_s + _forward_beside_update(timeline.land_s, forward_share, timeline.total_s)
+    forward = backward_s + _forward_beside_update(
+        [timeline.land_s[i] for i in sequence], forward_share, timeline.total_s
+    )
 
     def auto_when(committed: bool | None) -> float:
         land, end = _auto_update(plan, timeline, final_at, backward_s, speculation, committed)
-        return backward_s + _forward_beside_update(land, forward_share, end)
+        return backward_s + _forward_beside_update([land[i] for i in sequence], forward_share, end)
 
     if speculation is None:
         auto = auto_when(None)
@@ -157,6 +165,7 @@ def iteration_floor(
     footprint: Footprint = ADAM_FP32,
     resident_room: int = 0,
     speculation: Speculation | None = None,
+    order: Sequence[int] = (),
 ) -> dict[str, float]:
     """Per mode in :data:`MODES`, an iteration no placement or schedule can beat under the engine's rules: the
     update's device work begins when backward ends (its staging buffers come from the memory backward frees), a
@@ -178,7 +187,8 @@ def iteration_floor(
         return {mode: forward_s + backward_s for mode in MODES}
     left = max(0, total - resident_room // footprint.device)
     per_element = rates_for(rates, footprint).host_s_per_element
-    first_final = backward_s * sizes[-1] / total  # backward makes the last sub-group's gradient final first
+    # Backward makes the sub-group the forward needs last final first.
+    first_final = backward_s * sizes[order[-1] if order else -1] / total
     if speculation is not None:
         per_element *= 1 + speculation.copy_share
     during_backward = min(left, (backward_s - first_final) / per_element)
@@ -198,13 +208,17 @@ def iteration_floor(
 
 
 def forward_beside_update_s(
-    sizes: Sequence[int], land_s: Sequence[float], forward_s: float, update_end_s: float
+    sizes: Sequence[int], land_s: Sequence[float], forward_s: float, update_end_s: float, order: Sequence[int] = ()
 ) -> float:
     """From the update's start: the next forward, its layers spread over the sub-groups of ``sizes`` by their
-    elements and each sub-group's after its landing (``land_s``), and the update's end (``update_end_s``),
-    whichever comes last (the next backward waits for both)."""
+    elements in ``order`` (the order it needs them; empty: index order) and each sub-group's after its landing
+    (``land_s``), and the update's end (``update_end_s``), whichever comes last (the next backward waits for
+    both)."""
     total = sum(sizes) or 1
-    return _forward_beside_update(land_s, [forward_s * n / total for n in sizes], update_end_s)
+    sequence = order or range(len(sizes))
+    return _forward_beside_update(
+        [land_s[i] for i in sequence], [forward_s * sizes[i] / total for i in sequence], update_end_s
+    )
 
 
 def _forward_beside_update(land_s: Sequence[float], forward_share: Sequence[float], update_end_s: float) -> float:
@@ -228,10 +242,10 @@ def _auto_update(
     ``speculation``, the updates during backward are speculative (each costing ``copy_share`` more); a
     ``committed`` step uploads their results once backward ends, a clipped one updates them again after
     backward."""
-    host = [i for i, place in enumerate(plan.places) if place == Place.HOST]
+    host = plan.host_indices  # in the order the next forward needs them
     copy_share = speculation.copy_share if speculation is not None else 0.0
     cpu, ready = 0.0, {}
-    for i in sorted(set(host) - plan.after_backward, reverse=True):  # the order backward makes gradients final
+    for i in reversed([i for i in host if i not in plan.after_backward]):  # the order backward makes them final
         start = max(cpu, final_at[i])
         if start >= backward_s:  # taken after backward's end: the rest of the step updates it
             break
@@ -262,33 +276,41 @@ def iteration_plan(
     footprint: Footprint = ADAM_FP32,
     resident: Sequence[int] = (),
     speculation: Speculation | None = None,
+    order: Sequence[int] = (),
 ) -> Plan:
     """The streamed/host placement that minimises ``mode``'s predicted iteration (not the update alone), through
     ``buffers`` staging buffers (what fits the device, as the update-only plan found), the sub-groups in
     ``resident`` staying resident: the best of every count of streamed sub-groups placed first (the next forward
     needs them first; backward makes their gradients final last, so the host ones are updated during backward under
     ``auto``) or last among the others and, under ``auto``, of the spread placements (:func:`_spread_candidates`),
-    then improved a sub-group at a time (:func:`_refined`)."""
-    n, fixed = len(sizes), set(resident)
-    free = [i for i in range(n) if i not in fixed]
+    then improved a sub-group at a time (:func:`_refined`); "first", "last" and "spread" in ``order`` (the order the
+    next forward needs them; empty: index order), which the plan keeps."""
+    n, fixed, order = len(sizes), set(resident), tuple(order)
+    free = [i for i in (order or range(n)) if i not in fixed]
     roles = [RESIDENT if i in fixed else HOST for i in range(n)]
 
     def predicted(candidate: Sequence[str]) -> float:
-        plan = _plan_of(candidate, buffers)
+        plan = _plan_of(candidate, buffers, order)
         timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
         return iteration_s(sizes, plan, timeline, forward_s, backward_s, speculation)[mode]
 
     candidates = []
-    for streamed, first in itertools.product(range(len(free) + 1), (True, False)):
+    # Under "auto", the host sub-groups are also tried all left for after backward (as "forward" runs them): the
+    # gradients backward makes final first are those the next forward needs last, and with a large sub-group the
+    # forward needs first made final at backward's very end (a GPT's embeddings), updating during backward can only
+    # delay the update after it (20B on paper-h100x4 in its recorded order: 3.97 s predicted without these, the
+    # forward's 3.62 s with them).
+    host_roles = (HOST, LATE) if mode == "auto" else (HOST,)
+    for streamed, first, host in itertools.product(range(len(free) + 1), (True, False), host_roles):
         device = set(free[:streamed] if first else free[len(free) - streamed :])
-        candidates.append([DEVICE if i in device else role for i, role in enumerate(roles)])
+        candidates.append([DEVICE if i in device else (host if i in free else role) for i, role in enumerate(roles)])
     if mode == "auto":
         per_element = rates_for(rates, footprint).host_s_per_element
         if speculation is not None:  # a speculative update may cost more than one in place (torch's kernels)
             per_element *= 1 + speculation.copy_share
         candidates += _spread_candidates(sizes, roles, free, backward_s, per_element)
     best = min(((predicted(c), c) for c in candidates), key=lambda pair: pair[0])
-    return _plan_of(_refined(best[1], best[0], free, predicted, late=mode == "auto"), buffers)
+    return _plan_of(_refined(best[1], best[0], free, predicted, late=mode == "auto"), buffers, order)
 
 
 #: A sub-group's role in a placement being searched: streamed, resident, a host sub-group, and (under ``auto``) a
@@ -297,9 +319,9 @@ DEVICE, RESIDENT, HOST, LATE = "streamed", "resident", "host", "late"
 _PLACE_OF = {DEVICE: Place.DEVICE, RESIDENT: Place.RESIDENT, HOST: Place.HOST, LATE: Place.HOST}
 
 
-def _plan_of(roles: Sequence[str], buffers: int) -> Plan:
+def _plan_of(roles: Sequence[str], buffers: int, order: tuple[int, ...] = ()) -> Plan:
     after = frozenset(i for i, role in enumerate(roles) if role == LATE)
-    return Plan(tuple(_PLACE_OF[role] for role in roles), max(1, buffers), after)
+    return Plan(tuple(_PLACE_OF[role] for role in roles), max(1, buffers), after, order)
 
 
 #: Counts of streamed sub-groups :func:`_spread_candidates` tries for each count of host sub-groups updated during
@@ -403,19 +425,23 @@ def shortest_iteration_plan(
     *,
     footprint: Footprint = ADAM_FP32,
     speculation: Speculation | None = None,
+    budget: int | None = None,
 ) -> Plan:
     """Of ``update_best`` (the plan that minimises the update alone) and :func:`iteration_plan` with the same
-    resident sub-groups through as many staging buffers, if it needs no more device memory, the one whose
-    predicted ``mode`` iteration is shorter (``update_best`` on a tie): what ``gpu_fraction="auto"`` runs once
-    forward and backward are measured; with ``speculation`` (clipping), ``auto``'s iteration at its commit rate."""
+    resident sub-groups through as many staging buffers, if it needs no more device memory than ``update_best`` or
+    the ``budget`` (device bytes the update may use; None: no limit), the one whose predicted ``mode`` iteration is
+    shorter (``update_best`` on a tie): what ``gpu_fraction="auto"`` runs once forward and backward are measured;
+    with ``speculation`` (clipping), ``auto``'s iteration at its commit rate. (Sub-groups differ in size by a few
+    elements, so a candidate streaming other ones may need a few bytes more than ``update_best`` and still fit.)"""
     if mode not in MODES[1:]:
         return update_best
     buffers, resident = update_best.device_buffers, update_best.resident_indices
     candidate = iteration_plan(
         sizes, rates, lp_bytes, buffers, forward_s, backward_s, mode, footprint=footprint, resident=resident,
-        speculation=speculation,
+        speculation=speculation, order=update_best.order,
     )  # fmt: skip
-    if device_bytes(sizes, candidate, footprint=footprint) > device_bytes(sizes, update_best, footprint=footprint):
+    needed = device_bytes(sizes, candidate, footprint=footprint)
+    if needed > device_bytes(sizes, update_best, footprint=footprint) and budget is not None and needed > budget:
         return update_best
 
     def iteration(plan: Plan) -> float:

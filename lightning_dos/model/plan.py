@@ -15,7 +15,8 @@ A *plan* says, for every sub-group, where it is updated this iteration:
   the time, so the budget decides.
 
 The plan also fixes the order: device sub-groups are launched first (their work is asynchronous on
-an accelerator), host sub-groups are worked through while the device pipeline runs.
+an accelerator), host sub-groups are worked through while the device pipeline runs, each kind in the
+order the next forward needs them (``Plan.order``).
 """
 
 from __future__ import annotations
@@ -134,15 +135,32 @@ class Plan:
             comes first would leave the next forward waiting for every other sub-group before it can run through
             the last ones, so the planner spreads the CPU's work during backward over the whole partition (the
             forward then finds something ready all along). Ignored by every other mode.
+        order: the sub-groups in the order the next forward needs them (its first all-gather's first; recorded by
+            the framework in the first forward, :mod:`lightning_dos.model.need_order`), which backward makes final
+            in reverse. The engine launches device work, runs host work and lands 16-bit results in this order.
+            Empty: index order (nothing recorded).
     """
 
     places: tuple[Place, ...]
     device_buffers: int = 2
     after_backward: frozenset[int] = field(default=frozenset())
+    order: tuple[int, ...] = ()
+
+    @property
+    def sequence(self) -> tuple[int, ...]:
+        """Every sub-group in the order the next forward needs them (:attr:`order`; index order when empty)."""
+        return self.order or tuple(range(len(self.places)))
 
     def indices(self, *places: Place) -> list[int]:
-        """Indices of the sub-groups placed at any of ``places``, in plan order."""
-        return [i for i, p in enumerate(self.places) if p in places]
+        """Indices of the sub-groups placed at any of ``places``, in :attr:`sequence`."""
+        return [i for i in self.sequence if self.places[i] in places]
+
+    def in_order(self, order: Sequence[int]) -> Plan:
+        """The same placement taken in ``order`` (empty: index order); ``order`` must hold every sub-group once."""
+        order = tuple(order)
+        if order and sorted(order) != list(range(len(self.places))):
+            raise ValueError(f"an order of {len(self.places)} sub-groups must hold each once, got {order}")
+        return self if order == self.order else replace(self, order=order)
 
     @property
     def device_indices(self) -> list[int]:

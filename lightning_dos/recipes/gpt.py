@@ -245,13 +245,18 @@ class GPT(L.LightningModule):
         """The most likely next token at every position, shape (batch, time)."""
         return self(batch[0]).argmax(-1)
 
-    def configure_optimizers(self) -> dict[str, Any]:
-        h = self.hparams
+    def parameter_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """The parameters that decay (the weight matrices of linear layers) and those that do not (norms, biases,
+        embeddings), in module order: the optimizer's two param groups, which ZeRO-3 packs in this order."""
         decay, no_decay = [], []
         for module in self.modules():
             for name, param in module.named_parameters(recurse=False):
-                # Only the weight matrices of linear layers decay; norms, biases and embeddings do not.
                 (decay if isinstance(module, nn.Linear) and name == "weight" else no_decay).append(param)
+        return decay, no_decay
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        h = self.hparams
+        decay, no_decay = self.parameter_groups()
         groups = [{"params": decay, "weight_decay": h.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         optimizer = _make_optimizer(h.get("optimizer", "adamw"), groups, h)
         total = self.trainer.estimated_stepping_batches

@@ -180,7 +180,7 @@ class DeepSpeedModel:
         self.host = TRAINING
         gather_stream = SimStream(DS_ALLGATHER, NAMES[DS_ALLGATHER])
         try:
-            for sg in engine.sub_groups:
+            for sg in engine.sub_groups_as_needed():  # as the forward reaches them
                 landing = self._landings.get(sg.index)
                 # The condition variable the engine's wait blocks on. A sub-group the update never released
                 # (it would wait for ever) is read unordered, so that whatever wrote it is reported.
@@ -209,7 +209,7 @@ class ModelledBackward(GradientArrivals):
     def __init__(self, checker: Any, engine: Any, inputs: Any, backward_sync: bool) -> None:  # a StreamSanitizer
         super().__init__()
         self.checker, self.inputs, self.backward_sync, self.engine = checker, inputs, backward_sync, engine
-        self.order = [sg for sg in reversed(engine.sub_groups)]
+        self.order = list(reversed(engine.sub_groups_as_needed()))  # the forward's last first
         self.reduce = SimStream(DS_REDUCE, NAMES[DS_REDUCE])
         self.events = itertools.count(-1_000_000, -1)
         #: The gradient factor backward's end hands the step (None: the one it began with).

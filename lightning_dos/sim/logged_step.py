@@ -127,6 +127,8 @@ def steady_step(
         state_dtype=DTYPES[footprint.state],
         keep_resident_grads=footprint.grads_on_device,
     )
+    # The virtual node's forward and backward take the sub-groups in the plan's order, as the engine works them.
+    engine.need_order = plan.order
     if files_from is not None:
 
         def open_swap(records: list[int], master: torch.dtype, state: torch.dtype, states: int) -> SimSwapFile:

@@ -83,7 +83,7 @@ class TimedIteration(StreamSanitizer):
         each with its copy's event."""
         reduce_stream = SimStream(DS_REDUCE, NAMES[DS_REDUCE])
         final = []
-        for sg in reversed(engine.sub_groups):
+        for sg in reversed(engine.sub_groups_as_needed()):  # the forward's last first
             i = sg.index
             self._append("op", COMPUTE, lane="backward", sub_group=i, seconds=self.backward_share[i])
             layers = next(self._events)
@@ -137,7 +137,7 @@ class TimedIteration(StreamSanitizer):
         if self.timed:  # overlap off: the forward runs once the step has returned
             self._append("host_record", event=UPDATE_RETURNED, host=HOST)
             self._append("host_wait", event=UPDATE_RETURNED)
-            for sg in engine.sub_groups:
+            for sg in engine.sub_groups_as_needed():
                 self._forward_layers(sg.index)
         super().next_forward(engine, inputs)
 

@@ -35,6 +35,7 @@ from lightning_dos.integration.zero3.compat import (
     engine_device,
 )
 from lightning_dos.integration.zero3.gathers import ForwardGathers
+from lightning_dos.integration.zero3.need_recording import NeedRecording
 from lightning_dos.integration.zero3.state_access import TRIM_EVERY_BYTES, StateAccess
 from lightning_dos.model.nvme import staging_slots
 from lightning_dos.model.overlap import OFF, Overlap, check_overlap, overlaps_forward
@@ -48,7 +49,7 @@ from lightning_dos.planning.speculation import CommitPolicy
 Planner = Callable[[int], tuple[Plan, float | None]]
 
 
-class ZeRO3Adapter(ForwardGathers, BackwardHooks, StateAccess):
+class ZeRO3Adapter(ForwardGathers, BackwardHooks, NeedRecording, StateAccess):
     """Hands DeepSpeed's ZeRO-3 update phase to an :class:`InterleavedUpdate` engine.
 
     Args:
@@ -164,6 +165,8 @@ class ZeRO3Adapter(ForwardGathers, BackwardHooks, StateAccess):
         self._param_sub_groups: dict[int, list[int]] = {}
         if overlaps_forward(overlap):
             self._wait_before_gathers(z)
+        # The first training forward and backward say in which order the next forward needs the sub-groups.
+        self._record_need_order(z)
         #: Updates begun during backward are speculative (gradient clipping or fp16 loss scaling: the strategy sets
         #: this once it has reserved the engine's spare slots), and the policy that stops them when they never pay.
         self.speculative = False

@@ -46,6 +46,7 @@ class BackwardHooks:
             if engine.resident:
                 # On DeepSpeed's current stream too, so the event below covers it.
                 engine.keep_gradient(flat, offset, grad_buffer)
+            self._need_gradient_copied(self._overlaps(flat, offset, grad_buffer.numel()))
             if self.overlap != AUTO:
                 return
             # The copy was issued on DeepSpeed's current (reduce) stream: its event is when the gradient lands.
@@ -154,6 +155,7 @@ class BackwardHooks:
         meets the forward's activations, whichever thread runs first (the peak window opens after it, too)."""
         if self.overlap != OFF:
             self.engine.wait_device_side()
+        self._need_forward_begins()
         self._measure_peak(begins=True)
         if not getattr(self.planner, "wants_phases", False) or self._steps_called % MEASURE_PHASES_EVERY != 1:
             return
@@ -173,6 +175,7 @@ class BackwardHooks:
         It plans in the device memory free at the update (sampled at the previous step), not what backward's
         activations leave free here."""
         self._measure_peak()
+        self._need_backward_begins()  # before planning: the plan takes the order the forward needs
         if self.overlap == AUTO:
             step = self.engine.steps_taken + 1
             if self._upcoming is None or self._upcoming[0] != step:
@@ -188,6 +191,7 @@ class BackwardHooks:
         """Called after each backward that returned: with no step begun (not an accumulation boundary), the
         signals held since :meth:`before_backward` are delivered now."""
         self._measure_peak()
+        self._need_backward_ended()
         if self._phases is not None:
             self._phases.backward_ends()
         if self.overlap == AUTO and not self.engine.in_flight:
