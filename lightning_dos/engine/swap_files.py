@@ -47,6 +47,12 @@ def _padded(nbytes: int, align: int = ALIGNMENT) -> int:
     return -(-nbytes // align) * align
 
 
+def padding_bound(states: int, threads: int, align: int = ALIGNMENT) -> int:
+    """The most bytes padding adds to a record's elements (:meth:`SwapFile.record_bytes`): less than a block for each
+    of its ``1 + states`` parts, and less than a block per I/O thread for the whole (the pre-flight's figure)."""
+    return align * (1 + states + threads)
+
+
 def logical_block_size(path: str | os.PathLike) -> int:
     """The logical block size of the drive holding ``path`` (sysfs), at least :data:`ALIGNMENT`: O_DIRECT's unit of
     offsets and lengths there. A filesystem with no block device behind it (tmpfs, overlay) answers ALIGNMENT."""
@@ -127,6 +133,8 @@ class SwapFile:
         self._pending = [0] * slots  # requests issued on each slab's handle and not waited for
         # The record each slab is being read into, with its canaries' positions (in 8-byte words); None otherwise.
         self._reading: list[tuple[int, torch.Tensor] | None] = [None] * slots
+        #: The canaries' places (int64 indices) in a request of each size: made once, not at every read.
+        self._canaries: dict[int, torch.Tensor] = {}
         self.closed = False
         try:
             os.ftruncate(self._fd, self.nbytes)  # exactly the records: a file left behind is cut to size, never grown
@@ -225,7 +233,9 @@ class SwapFile:
     def read(self, slot: int, record: int) -> None:
         """Start reading ``record`` into slab ``slot``; :meth:`wait` before using the slab."""
         buffer, path, offset = self._request(slot, record)
-        canaries = torch.tensor(self._request_ends(buffer.numel())) // 8
+        canaries = self._canaries.get(buffer.numel())
+        if canaries is None:
+            canaries = self._canaries[buffer.numel()] = torch.tensor(self._request_ends(buffer.numel())) // 8
         buffer.view(torch.int64)[canaries] = CANARY  # each overwritten by the drive's bytes when its request succeeds
         if self._handles[slot].async_pread(buffer, path, offset) != 0:
             raise OSError(f"could not start reading record {record} of {path}")

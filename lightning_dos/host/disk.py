@@ -28,14 +28,13 @@ import time
 import uuid
 from pathlib import Path
 
+from lightning_dos.engine.swap_files import ALIGNMENT  # O_DIRECT's unit: the drive's logical block, a page at least
 from lightning_dos.errors import DOSConfigError
 from lightning_dos.host import quiet
 from lightning_dos.host.extensions import announce_op_builds
 from lightning_dos.host.memlock import check_lock_limit
 from lightning_dos.model.nvme import DiskRates
 
-#: O_DIRECT needs buffers, offsets and sizes aligned to the device's logical block; a page covers every drive.
-ALIGNMENT = 4096
 LIBAIO_HINT = (
     "DeepSpeed's async I/O op needs libaio's headers and library, which this machine lacks: install them with "
     "`apt-get install libaio-dev` (Debian, Ubuntu; `dnf install libaio-devel` on Fedora or RHEL), or run "

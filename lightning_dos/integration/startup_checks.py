@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_dos.engine.swap_files import padding_bound
 from lightning_dos.host.disk import check_nvme_path, load_aio, measure_disk, ssd_wear_notice
 from lightning_dos.host.hostmem import LIMIT_ENV, check_host_memory, host_memory
 from lightning_dos.host.ranks import measure_drive_together, reduce_min_over_ranks
@@ -103,9 +104,8 @@ class StartupChecks:
         size = self.engine_sub_group_size
         sub_group = min(per_rank, auto_sub_group_size(per_rank) if size == "auto" else int(size))
         largest = sub_group + ALIGN_ELEMENTS
-        # A record pads each tensor to a page and the whole to a page per I/O thread (engine/swap_files.py): at most
-        # this much more than its elements, counted generously.
-        padding = 4096 * (1 + len(footprint.rule.states) + tier.threads)
+        # A record pads each tensor to a block and the whole to a block per I/O thread: at most this much more.
+        padding = padding_bound(len(footprint.rule.states), tier.threads)
         # The most slabs the adapter opens for this sub-group size (staging_slots), each up to the largest record.
         staging = staging_slots(footprint.optimizer_state * sub_group) * (footprint.optimizer_state * largest + padding)
         startup_share = footprint.master / footprint.optimizer_state  # DeepSpeed's masters of the part in files
