@@ -1,12 +1,15 @@
-"""How far the performance model's update prediction is from the measured update, in a run's ``metrics.csv``.
+"""How far the update's prediction is from the measured update, in a run's ``metrics.csv``.
 
 The checks of issue 52 (point 3): after step ``--after``, the median of predicted over measured within
-``--median``x, and every logged step within ``--every``x. The prediction (``dos/update_predicted_s``) is of the
-engine's update loop, so it is compared with that loop's time (``dos/engine_update_s``, the default ``--measured``);
-``dos/update_s`` is the update phase the trainer waits for, shorter when the update overlaps backward.
+``--median``x, and every logged step within ``--every``x. By default the update phase the trainer waits for
+(``dos/update_s``, from backward's end to the batch's end) against its prediction made when the step was planned
+(``dos/update_predicted_s``: the engine's loop as the performance model predicts it under ``overlap="off"``, none of it
+under ``"forward"`` and ``"auto"``, where the step returns while the loop runs on, and the step's own work around it
+as measured over the steps before). ``--engine`` compares the engine's update loop (``dos/engine_update_s``) with the
+performance model's prediction of it (``dos/engine_update_predicted_s``) instead.
 
     python bench/prediction.py runs/gpt-tiny                       # the README's main job, after it ran
-    python bench/prediction.py runs/gpt-tiny/csv/version_0/metrics.csv --measured dos/update_s
+    python bench/prediction.py runs/gpt-tiny/csv/version_0/metrics.csv --engine
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-PREDICTED = "dos/update_predicted_s"
-MEASURED = "dos/engine_update_s"
+#: (predicted, measured) columns: the update phase, and with ``--engine`` the engine's update loop.
+PHASE = ("dos/update_predicted_s", "dos/update_s")
+ENGINE = ("dos/engine_update_predicted_s", "dos/engine_update_s")
 
 
 @dataclass(frozen=True)
@@ -29,10 +33,12 @@ class PredictionCheck:
     Attributes:
         ratios: (step, predicted / measured) of every row with both, in step order.
         after: the first step the median counts (steps after it).
+        columns: the (predicted, measured) columns compared.
     """
 
     ratios: list[tuple[int, float]]
     after: int
+    columns: tuple[str, str] = PHASE
 
     @property
     def median(self) -> float:
@@ -48,7 +54,7 @@ class PredictionCheck:
     def failures(self, median_within: float, every_within: float) -> list[str]:
         """What fails the checks, in words (empty when both hold)."""
         if not self.ratios:
-            return [f"no row has both {PREDICTED} and the measurement"]
+            return [f"no row has both {self.columns[0]} and {self.columns[1]}"]
         found = []
         if not 1 / median_within <= self.median <= median_within:
             found.append(
@@ -72,14 +78,16 @@ def metrics_csv(path: Path) -> Path:
     return found[-1]
 
 
-def check(path: Path, after: int = 50, measured: str = MEASURED) -> PredictionCheck:
-    """Read the ratios of the ``metrics.csv`` at (or under) ``path``; ``measured`` names the measurement's column."""
+def check(path: Path, after: int = 50, columns: tuple[str, str] = PHASE) -> PredictionCheck:
+    """Read the ratios of the ``metrics.csv`` at (or under) ``path``; ``columns`` names the (predicted, measured)
+    columns (:data:`PHASE` or :data:`ENGINE`)."""
+    predicted, measured = columns
     ratios = []
     with metrics_csv(path).open() as handle:
         for row in csv.DictReader(handle):
-            if row.get(PREDICTED) and row.get(measured) and float(row[measured]) > 0:
-                ratios.append((int(row["step"]), float(row[PREDICTED]) / float(row[measured])))
-    return PredictionCheck(sorted(ratios), after)
+            if row.get(predicted) and row.get(measured) and float(row[measured]) > 0:
+                ratios.append((int(row["step"]), float(row[predicted]) / float(row[measured])))
+    return PredictionCheck(sorted(ratios), after, columns)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,14 +96,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--after", type=int, default=50, help="the median counts steps after this one")
     parser.add_argument("--median", type=float, default=1.5, help="the median must be within this factor")
     parser.add_argument("--every", type=float, default=4.0, help="every logged step must be within this factor")
-    parser.add_argument("--measured", default=MEASURED, help=f"the measurement's column (default {MEASURED})")
+    parser.add_argument(
+        "--engine",
+        action="store_true",
+        help=f"compare {ENGINE[1]} with {ENGINE[0]} (default: {PHASE[1]} with {PHASE[0]})",
+    )
     args = parser.parse_args(argv)
-    result = check(args.path, args.after, args.measured)
+    result = check(args.path, args.after, ENGINE if args.engine else PHASE)
     if result.ratios:
         step, factor = result.worst
         print(
-            f"{len(result.ratios)} steps; median predicted/measured after step {args.after}: {result.median:.3g}; "
-            f"furthest off: {factor:.3g}x at step {step}"
+            f"{result.columns[0]} / {result.columns[1]}, {len(result.ratios)} steps; median after step {args.after}: "
+            f"{result.median:.3g}; furthest off: {factor:.3g}x at step {step}"
         )
     problems = result.failures(args.median, args.every)
     for problem in problems:

@@ -1,6 +1,6 @@
 """The online rate estimator's correction: converges to what is measured, stays bounded whatever the measurements
-(noise, zeros, outliers, drift, a change of regime), never compounds; and on the tiny recipe's real run the logged
-prediction stays near the measured update."""
+(noise, zeros, outliers, drift, a change of regime), never compounds; and in the README's main job the logged
+predictions stay near the measured update phase and update loop."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from bench.prediction import check
+from bench.prediction import ENGINE, check
+from lightning_dos.model.overlap import MODES
 from lightning_dos.model.perfmodel import HardwareRates
-from lightning_dos.planning.estimator import CORRECTION_RANGE, RateEstimator
+from lightning_dos.model.update_phase import own_time_s, update_phase_s
+from lightning_dos.planning.estimator import CORRECTION_RANGE, OwnTimeEstimator, RateEstimator
 from tests.helpers import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,23 +203,54 @@ def test_a_re_plan_is_suggested_when_the_correction_moves_not_for_noise() -> Non
     assert flags == [False] * (est.patience - 1) + [True], "a change of regime, once it is one"
 
 
-def test_the_tiny_recipe_predicts_its_update_near_the_measured_one(tmp_path: Path) -> None:
-    """The README's main job (recipes/gpt-tiny.yaml, CPU), shortened to 120 steps: after step 50 the median of the
-    logged ``dos/update_predicted_s`` over the engine's measured update loop is within 1.5x, every logged step within
-    8x (bench/prediction.py checks a full run's metrics.csv at 4x). The update begins during backward for the
-    first steps, stops after a run of clipped ones and is tried again: regimes the correction must follow."""
+@QUICK
+@given(st.sampled_from(MODES), st.floats(0.0, 10.0), st.floats(0.0, 10.0), st.floats(1e-4, 10.0))
+def test_the_update_phase_holds_the_engines_loop_only_when_overlap_is_off(
+    mode: str, phase: float, loop: float, predicted_loop: float
+) -> None:
+    """A measured phase less the loop it holds is the step's own time; that own time and a predicted loop give the
+    phase predicted: the loop's prediction under "off" only (otherwise the step returns while the loop runs on)."""
+    own = own_time_s(mode, phase, loop)
+    assert own == max(0.0, phase - loop) if mode == "off" else own == phase
+    expected = own + (predicted_loop if mode == "off" else 0.0)
+    assert update_phase_s(mode, predicted_loop, own) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="overlap"):
+        update_phase_s("sometimes", predicted_loop, own)
+
+
+def test_the_steps_own_time_is_a_median_of_recent_steps_that_one_stall_does_not_move() -> None:
+    est = OwnTimeEstimator(window=5)
+    assert est.value is None
+    for seconds in (0.007, 0.006, float("nan"), -1.0, 0.008, 0.5, 0.007):  # a stall, and two measurements ignored
+        est.observe(seconds)
+    assert est.value == 0.007
+    for _ in range(5):
+        est.observe(0.02)  # a new regime fills the window
+    assert est.value == 0.02
+    with pytest.raises(ValueError, match="window"):
+        OwnTimeEstimator(window=0)
+
+
+def test_the_readme_main_job_predicts_its_update_phase(tmp_path: Path) -> None:
+    """The README's main job exactly as ``scripts/train.sh`` runs it (recipes/gpt-tiny.yaml, all 400 steps, on CPU;
+    only its folder moved here): from its metrics.csv, the logged ``dos/update_predicted_s`` over the measured update
+    phase ``dos/update_s`` has a median within 1.5x after step 50 and every logged step within 4x (issue 52, point
+    3). The update begins during backward, stops after a run of clipped steps and is tried again: regimes the
+    prediction must follow. The engine's loop against the model's prediction of it (what the rate estimator
+    corrects) too: median within 1.5x, and each logged step within 8x, which a diverging estimator (1e32x before it
+    was rebuilt) never is (one loop timed while the other test worker runs beside it on a 2-core machine can be
+    several times slower than the next)."""
     done = subprocess.run(
         [
             sys.executable, "-m", "lightning_dos", "fit", "--config", str(ROOT / "recipes" / "gpt-tiny.yaml"),
-            "--trainer.max_steps", "120", "--trainer.limit_val_batches", "0", "--trainer.default_root_dir",
-            str(tmp_path), "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
+            "--trainer.default_root_dir", str(tmp_path),
         ],
-        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600,
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    result = check(tmp_path, after=50)
-    assert len(result.ratios) == 12, result.ratios
-    # The median holds whatever the load; a single logged step is one update timed while the other test worker runs
-    # beside it on a 2-core machine (up to 6x apart from one step to the next under load): here each within 8x, which
-    # a diverging estimator (1e32x before) never is; the README's full run is held to 4x by bench/prediction.py.
-    assert result.failures(median_within=1.5, every_within=8.0) == [], result.ratios
+    phase = check(tmp_path, after=50)
+    assert [step for step, _ in phase.ratios] == list(range(9, 400, 10)), phase.ratios
+    assert phase.failures(median_within=1.5, every_within=4.0) == [], phase.ratios
+    engine = check(tmp_path, after=50, columns=ENGINE)
+    assert len(engine.ratios) == 40, engine.ratios
+    assert engine.failures(median_within=1.5, every_within=8.0) == [], engine.ratios

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,7 @@ ENGINE_METRICS = [
     "dos/d2h_gbps",
     "dos/pcie_util",
     "dos/gpu_fraction",
-    "dos/update_predicted_s",
+    "dos/engine_update_predicted_s",
     "dos/pinned_gb",
     "dos/engine_update_s",
     "dos/fallback_subgroups",
@@ -54,7 +55,7 @@ class PredictEveryStep(L.Callback):
     """Give every step a prediction: the engine's own when its planner makes one, else a stand-in.
 
     The scheduler predicts once it has calibrated rates; the stand-in keeps the monitor's
-    ``dos/update_predicted_s`` path under test should a planner return no prediction.
+    ``dos/engine_update_predicted_s`` path under test should a planner return no prediction.
     """
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -152,7 +153,7 @@ def test_under_overlap_each_steps_engine_metrics_are_logged_once_its_update_is_o
         assert any(row["dos/speculated"] > 0 for row in rows.values())
         assert all(row.get("dos/commit_rate", 0.0) == 0.0 for row in rows.values())
     for step, row in rows.items():
-        for key in set(ENGINE_METRICS) - {"dos/update_predicted_s"}:  # this planner predicts nothing
+        for key in set(ENGINE_METRICS) - {"dos/engine_update_predicted_s"}:  # this planner predicts nothing
             assert key in row and math.isfinite(row[key]), f"{key} at step {step}"
     # Each row carries its own step's report, not a neighbour's: step k (0-based) put its first k + 1 sub-groups
     # on the device.
@@ -167,6 +168,18 @@ def test_phases_add_up_to_the_step_time(half: Run) -> None:
         assert phases == pytest.approx(row["dos/step_s"], rel=0.10), step
         # The engine's loop is part of the update phase, not more than it.
         assert row["dos/engine_update_s"] <= row["dos/update_s"]
+
+
+def test_the_update_phase_predicted_is_the_loops_prediction_and_the_steps_own_time_before_it(half: Run) -> None:
+    """Under overlap="off" the update phase holds the engine's loop: each step's ``dos/update_predicted_s`` is the
+    model's prediction of the loop plus the median of what the earlier steps' phases held beyond their loops (the
+    step's own work), so it is made before the step; the first step, with no phase measured before it, has none."""
+    rows = [half.rows[step] for step in range(STEPS)]
+    assert "dos/update_predicted_s" not in rows[0]
+    own = [max(0.0, row["dos/update_s"] - row["dos/engine_update_s"]) for row in rows]
+    for step in range(1, STEPS):
+        expected = rows[step]["dos/engine_update_predicted_s"] + statistics.median(own[:step])
+        assert rows[step]["dos/update_predicted_s"] == pytest.approx(expected, rel=1e-6), step
 
 
 def test_bytes_down_are_what_the_plan_implies(half: Run, none_on_device: Run) -> None:

@@ -244,9 +244,15 @@ def _update_vs_predicted(ax: Any, series: Series) -> bool:
     loop_steps, loop = _get(series, "engine_update_s")
     if loop_steps:
         ax.plot(loop_steps, loop, marker=".", color="#C44E52", label="engine update loop (measured)")
-    pred_steps, predicted = _get(series, "update_predicted_s")
-    if pred_steps:
-        ax.plot(pred_steps, predicted, marker="x", ls="--", color="0.3", label="engine update loop (predicted)")
+    predictions = {"update_predicted_s": "update phase", "engine_update_predicted_s": "engine update loop"}
+    if not _any(series, "dos/engine_update_predicted_s"):
+        # A log from before the loop's prediction had a name of its own: there, update_predicted_s was the loop's.
+        predictions = {"update_predicted_s": "engine update loop"}
+    for key, what in predictions.items():
+        pred_steps, predicted = _get(series, key)
+        colour = "#C44E52" if what == "engine update loop" else PHASE_COLOURS["update"]
+        if pred_steps:
+            ax.plot(pred_steps, predicted, marker="x", ls="--", color=colour, label=f"{what} (predicted)")
     ax.set_title("Update time: measured and predicted")
     ax.set_ylabel("seconds")
     ax.set_ylim(bottom=0)

@@ -45,10 +45,11 @@ METRICS = {
         Metric("forward_s", "forward", "s"),
         Metric("backward_s", "backward", "s"),
         Metric("update_s", "update", "s"),
+        Metric("update_predicted_s", "update predicted", "s"),
         Metric("step_s", "step", "s"),
         Metric("iteration_predicted_s", "step predicted", "s"),
         Metric("engine_update_s", "engine update loop", "s"),
-        Metric("update_predicted_s", "engine update predicted", "s"),
+        Metric("engine_update_predicted_s", "engine update predicted", "s"),
         Metric("h2d_gbps", "host to device", "GB/s", device=True),
         Metric("d2h_gbps", "device to host", "GB/s", device=True),
         Metric("pcie_util", "PCIe utilisation", "%", 100.0, device=True),
@@ -64,15 +65,16 @@ METRICS = {
 SUMMARY = tuple(
     METRICS[k]
     for k in (
-        "forward_s", "backward_s", "update_s", "step_s", "iteration_predicted_s", "engine_update_s",
-        "update_predicted_s", "h2d_gbps", "d2h_gbps", "pcie_util", "gpu_fraction", "mem_peak_update_gb",
+        "forward_s", "backward_s", "update_s", "update_predicted_s", "step_s", "iteration_predicted_s",
+        "engine_update_s", "engine_update_predicted_s", "h2d_gbps", "d2h_gbps", "pcie_util", "gpu_fraction",
+        "mem_peak_update_gb",
     )
 )  # fmt: skip
 #: ``lightning-dos report``'s medians panel.
 MEDIANS = tuple(
     METRICS[k]
     for k in (
-        "forward_s", "backward_s", "update_s", "step_s", "engine_update_s", "update_predicted_s", "h2d_gbps",
-        "d2h_gbps", "pcie_util", "gpu_fraction", "pinned_gb",
+        "forward_s", "backward_s", "update_s", "update_predicted_s", "step_s", "engine_update_s",
+        "engine_update_predicted_s", "h2d_gbps", "d2h_gbps", "pcie_util", "gpu_fraction", "pinned_gb",
     )
 )  # fmt: skip

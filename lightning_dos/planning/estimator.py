@@ -175,3 +175,31 @@ class RateEstimator:
             return False
         self._planned = self.correction
         return True
+
+
+class OwnTimeEstimator:
+    """The update phase's own work (DeepSpeed's step around the engine's loop, Lightning's bookkeeping of the step):
+    the median of the last ``window`` measurements (:func:`~lightning_dos.model.update_phase.own_time_s`).
+
+    The performance model has no term for this work (the framework's Python, not the hardware's rates), so it is
+    measured; a median, because one step stalled by another process on the same cores must not move the prediction of
+    the next ones. Negative and non-finite measurements are ignored; zero is a measurement (a fast step).
+
+    Args:
+        window: how many recent measurements the median is taken over.
+    """
+
+    def __init__(self, window: int = 40) -> None:
+        if window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
+        self._seconds: deque[float] = deque(maxlen=window)
+
+    @property
+    def value(self) -> float | None:
+        """The median of the measurements in the window; None before the first."""
+        return statistics.median(self._seconds) if self._seconds else None
+
+    def observe(self, seconds: float) -> None:
+        """Take one step's own time into the window."""
+        if math.isfinite(seconds) and seconds >= 0:
+            self._seconds.append(float(seconds))

@@ -23,7 +23,9 @@ The device budget a plan is made in is the memory free *at the update* (backward
 buffers not yet allocated), which the update may only shrink: the framework samples it there and hands it over
 (:meth:`PlacementScheduler.observe_budget`) when it plans elsewhere (under ``overlap="auto"``, before backward).
 
-Every mode gets a prediction when rates are known, so the monitor can put it beside the measurement.
+Every mode gets a prediction when rates are known, so the monitor can put it beside the measurement: of the engine's
+update loop, and of the update phase the trainer waits for (:meth:`PlacementScheduler.update_phase_predicted_s`: the
+loop under ``overlap="off"``, none of it otherwise, and the step's own work around it as measured so far).
 """
 
 from __future__ import annotations
@@ -40,14 +42,17 @@ from lightning_dos.model.overlap import OFF, check_overlap
 from lightning_dos.model.perfmodel import HardwareRates, predict
 from lightning_dos.model.plan import FractionSpec, Plan, all_host
 from lightning_dos.model.step_report import StepReport
+from lightning_dos.model.update_phase import own_time_s, update_phase_s
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 from lightning_dos.planning.agree import ReduceMin, agreed_plan_inputs
-from lightning_dos.planning.estimator import RateEstimator
+from lightning_dos.planning.estimator import OwnTimeEstimator, RateEstimator
 
 #: How often "auto" re-plans even without drift, so slowly changing rates are followed.
 REPLAN_EVERY = 50
 #: With several ranks, how often (in steps) they agree whether any of them has seen drift.
 DRIFT_CHECK_EVERY = 10
+#: How many steps back an update phase's prediction is kept for the monitor (it reads a step's once its report is in).
+PHASE_PREDICTIONS_KEPT = 64
 
 
 class PlacementScheduler:
@@ -108,6 +113,10 @@ class PlacementScheduler:
         self.history: list[tuple[float | None, float]] = []
         #: The prediction from the estimator's base rates (uncorrected) of each step planned and not yet reported.
         self._base_predicted: dict[int, float] = {}
+        #: The update phase's own work (DeepSpeed's step around the engine's loop), from the phases measured so far.
+        self.own_time = OwnTimeEstimator()
+        #: The update phase predicted for each recent step planned (:meth:`update_phase_predicted_s`).
+        self._phase_predicted: dict[int, float] = {}
 
     @property
     def has_accelerator(self) -> bool:
@@ -185,7 +194,31 @@ class PlacementScheduler:
             base_args = (engine.sizes, self._plan, estimator.base, engine.lp_bytes, engine.lp_downloads)
             base_s = predict(*base_args, footprint=self.footprint).time_s
         self._base_predicted[step] = base_s
-        return self._plan, estimator.corrected(base_s)
+        predicted = estimator.corrected(base_s)
+        self._predict_update_phase(step, predicted)
+        return self._plan, predicted
+
+    def _predict_update_phase(self, step: int, engine_update_s: float) -> None:
+        """Keep ``step``'s update phase predicted now, before it runs (none until a phase has been measured)."""
+        for old in [s for s in self._phase_predicted if s <= step - PHASE_PREDICTIONS_KEPT]:
+            del self._phase_predicted[old]
+        own = self.own_time.value
+        if own is not None:
+            self._phase_predicted[step] = update_phase_s(self.overlap, engine_update_s, own)
+
+    def update_phase_predicted_s(self, step: int) -> float | None:
+        """The update phase (``DOSMonitor``'s ``dos/update_s``: from backward's end to the batch's end) predicted for
+        ``step`` when it was planned: the step's own work as measured over the steps before
+        (:class:`~lightning_dos.planning.estimator.OwnTimeEstimator`) and, under ``overlap="off"``, the engine's
+        update loop as the model predicted it (:func:`~lightning_dos.model.update_phase.update_phase_s`). None for a
+        step not planned here, or planned before any phase was measured."""
+        return self._phase_predicted.get(step)
+
+    def observe_update_phase(self, phase_s: float, engine_update_s: float) -> None:
+        """One step's update phase as measured (``DOSMonitor`` hands it over) and its engine's loop
+        (``StepReport.update_s``): what the phase held beyond that loop is the step's own work, which later steps'
+        predictions count."""
+        self.own_time.observe(own_time_s(self.overlap, phase_s, engine_update_s))
 
     def _any_rank_drifted(self, step: int) -> bool:
         if self._reduce_min is None or step % DRIFT_CHECK_EVERY:

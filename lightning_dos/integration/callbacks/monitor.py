@@ -111,8 +111,11 @@ class DOSMonitor(Callback):
     engine's report of the step: ``dos/h2d_gb``, ``dos/d2h_gb``, ``dos/h2d_gbps``, ``dos/d2h_gbps``
     (bytes over the engine's update time), ``dos/pcie_util`` (both directions' achieved rate over the
     sum of their calibrated peaks), ``dos/gpu_fraction`` (share of elements updated on the device),
-    ``dos/engine_update_s`` (the engine's own update loop, inside the update phase),
-    ``dos/update_predicted_s`` (the performance model's prediction of that loop, when it made one),
+    ``dos/engine_update_s`` (the engine's own update loop: inside the update phase under ``overlap="off"``, on beside
+    the next forward otherwise), ``dos/engine_update_predicted_s`` (the performance model's prediction of that loop,
+    when it made one), ``dos/update_predicted_s`` (the prediction of ``dos/update_s``, made when the step was planned:
+    the loop's under ``overlap="off"``, and the step's own work around it as measured over the steps before; from the
+    strategy's scheduler, which this monitor hands each measured update phase),
     ``dos/iteration_predicted_s`` (the whole iteration's prediction, overlap included, beside ``dos/step_s``,
     once ``gpu_fraction="auto"`` has timed forward and backward on an accelerator),
     ``dos/pinned_gb`` (host memory really pinned; 0 without CUDA), ``dos/fallback_subgroups`` (sub-groups the
@@ -174,6 +177,8 @@ class DOSMonitor(Callback):
         #: Fallback peak (bytes/s per direction): ``peak_gbps`` or the fit-start micro-benchmark.
         self._peak: tuple[float, float] | None = None
         self._engine: Any = None
+        #: The strategy's scheduler (``dos_scheduler``): it predicts each update phase and takes the measured ones.
+        self._scheduler: Any = None
         #: Highest peak the engine's ``peak_bandwidth()`` has reported this fit (bytes/s per direction).
         self._engine_best: tuple[float, float] | None = None
         self._traced: list[TracedStep] = []
@@ -197,6 +202,7 @@ class DOSMonitor(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = self._engine = _engine(trainer)
+        self._scheduler = getattr(trainer.strategy, "dos_scheduler", None)
         if self.peak_gbps is not None:
             self._peak = (self.peak_gbps * GB, self.peak_gbps * GB)
         elif engine is not None and _engine_peak(engine) is None:
@@ -240,6 +246,7 @@ class DOSMonitor(Callback):
         engine = _engine(trainer)
         if engine is not None:
             self._engine = engine
+            self._scheduler = getattr(trainer.strategy, "dos_scheduler", None)
             if self._timing_before is not None:
                 engine.timing, self._timing_before = self._timing_before, None
         self._pending.append(record)
@@ -339,6 +346,20 @@ class DOSMonitor(Callback):
         row.update(_memory_metrics(record))
         if record.report is not None:
             row.update(self._report_metrics(record.report, row.get("dos/update_s", 0.0)))
+            row.update(self._update_phase_predicted(record.report, row.get("dos/update_s")))
+        return row
+
+    def _update_phase_predicted(self, report: StepReport, measured_s: float | None) -> dict[str, float]:
+        """The scheduler's prediction of this step's update phase, made before the step; then the phase measured is
+        handed to the scheduler for the steps after it (in step order: the monitor resolves its steps in order)."""
+        scheduler, row = self._scheduler, {}
+        if scheduler is None or not hasattr(scheduler, "update_phase_predicted_s"):
+            return row
+        predicted = scheduler.update_phase_predicted_s(report.step)
+        if predicted is not None and math.isfinite(predicted):
+            row["dos/update_predicted_s"] = float(predicted)
+        if measured_s is not None and not report.skipped:
+            scheduler.observe_update_phase(measured_s, report.update_s)
         return row
 
     def _report_metrics(self, report: StepReport, measured_update_s: float) -> dict[str, float]:
@@ -366,7 +387,7 @@ class DOSMonitor(Callback):
             if peak > 0:
                 row["dos/pcie_util"] = (report.h2d_bytes + report.d2h_bytes) / seconds / peak
         if report.predicted_s is not None and math.isfinite(report.predicted_s):
-            row["dos/update_predicted_s"] = float(report.predicted_s)
+            row["dos/engine_update_predicted_s"] = float(report.predicted_s)
         if report.predicted_iteration_s is not None:
             row["dos/iteration_predicted_s"] = float(report.predicted_iteration_s)
         return row
