@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help=f"compare {ENGINE[1]} with {ENGINE[0]} (default: {PHASE[1]} with {PHASE[0]})",
     )
+    parser.add_argument("--rows", type=int, default=1, help="at least this many logged steps must have both")
     args = parser.parse_args(argv)
     result = check(args.path, args.after, ENGINE if args.engine else PHASE)
     if result.ratios:
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{result.median:.3g}; furthest off: {factor:.3g}x at step {step}"
         )
     problems = result.failures(args.median, args.every)
+    if 0 < len(result.ratios) < args.rows:
+        problems.append(f"only {len(result.ratios)} logged steps have both columns, not {args.rows}")
     for problem in problems:
         print(problem, file=sys.stderr)
     return 1 if problems else 0

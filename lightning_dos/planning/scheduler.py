@@ -253,6 +253,7 @@ class PlacementScheduler:
             phases=self.phases,
             overlap=self.overlap,
             speculation=self.speculation() if self.speculation is not None else None,
+            order=self.engine.need_order,
         )
         #: The plan that minimises the update alone (the one run with overlap off, or before the phases are known).
         self.update_plan = chosen.update_plan
