@@ -314,3 +314,66 @@ def test_rate_estimator_reads_update_spans_in_the_master_weights_bytes() -> None
         est.observe(_report(step, [Span("device_adam", 0, 0.0, 1.0, int(2 * 100e9))]))
     assert rates_for(est.rates, BF16_ADAM).device_adam_eps == pytest.approx(100e9, rel=1e-6)
     assert est.rates.device_adam_eps == pytest.approx(50e9, rel=1e-6)
+
+
+def test_contention_shares_round_trip_default_to_nothing_charged_and_survive_scaling(tmp_path) -> None:  # noqa: ANN001
+    """Profiles written before contention was measured still load (every share 1.0: nothing charged); measured
+    shares survive a profile's round trip and a uniform rescaling of the rates (they are ratios of rates)."""
+    from lightning_dos.planning.profiles import load_profile, save_profile
+
+    old = {k: v for k, v in GPU.to_dict().items() if not k.startswith("overlap_")}
+    assert HardwareRates.from_dict(old) == GPU
+    paper, _ = load_profile("paper-h100x4")
+    assert (paper.overlap_copy_speed, paper.overlap_host_speed, paper.overlap_launch_speed) == (1.0, 1.0, 1.0)
+    measured = replace(GPU, overlap_copy_speed=0.8, overlap_host_speed=0.7, overlap_launch_speed=0.6)
+    for suffix in ("yaml", "json"):
+        assert load_profile(save_profile(tmp_path / f"p.{suffix}", measured, device="cuda"))[0] == measured
+    scaled = measured.scaled(0.5)
+    assert scaled.host_adam_eps == GPU.host_adam_eps / 2 and scaled.overlap_launch_speed == 0.6
+    with pytest.raises(ValueError, match="overlap_copy_speed"):
+        HardwareRates.from_dict({**old, "overlap_copy_slowdown": 2.0})
+
+
+def test_copies_beside_the_host_update_are_charged_their_measured_share() -> None:
+    """A link-bound update with host sub-groups takes 1 / overlap_copy_speed as long; one with no host sub-group (no
+    host update beside its copies) and a CPU "device" (whose copies add to the host's work) are not charged."""
+    from lightning_dos.model.perfmodel import overlapped
+
+    # The device's own work next to nothing: every second of the update is the link's.
+    slow_link = replace(GPU, device_adam_eps=1e18, h2d_bps=2e9, d2h_bps=2e9, duplex_h2d_bps=1e9, duplex_d2h_bps=1e9)
+    sizes, plan = [10_000_000] * 8, even_plan(8, 0.5)
+    alone = predict(sizes, plan, slow_link, 2)
+    assert alone.time_s > 2 * alone.host_s, "the link binds"
+    half = replace(slow_link, overlap_copy_speed=0.5)
+    assert predict(sizes, plan, half, 2).time_s == pytest.approx(2 * alone.time_s, rel=1e-9)
+    all_device = even_plan(8, 1.0)
+    assert predict(sizes, all_device, half, 2).time_s == predict(sizes, all_device, slow_link, 2).time_s
+    cpu = replace(GPU, shared_cpu=True)
+    assert predict(sizes, plan, replace(cpu, overlap_copy_speed=0.5), 2) == predict(sizes, plan, cpu, 2)
+    assert overlapped(overlapped(half)) == overlapped(half), "rates passed through twice are charged once"
+    # The search sees the charge: still the optimum (equal sizes: an exact scan), streaming less than uncharged.
+    sizes, charged = sizes[:6], replace(GPU, overlap_copy_speed=0.5)
+    brute = min(
+        predict(sizes, Plan(combo, buffers), charged, 2).time_s
+        for combo in itertools.product((Place.HOST, Place.DEVICE), repeat=6)
+        for buffers in range(1, 5)
+    )
+    chosen, best = choose_plan(sizes, charged, None, 2)
+    assert best.time_s == pytest.approx(brute, rel=1e-12)
+    assert len(chosen.streamed_indices) < len(choose_plan(sizes, GPU, None, 2)[0].streamed_indices)
+
+
+def test_the_update_beside_the_training_thread_and_the_training_thread_beside_it_are_slowed_by_their_shares() -> None:
+    """Under overlap the host update runs at overlap_host_speed of its rate: a host-bound update beside the training
+    thread takes 1 / that share as long; the training thread's work takes 1 / overlap_launch_speed as long."""
+    from lightning_dos.model.perfmodel import beside_update_s, overlapped
+
+    sizes, plan = [10_000_000] * 8, all_host(8)
+    shared = replace(GPU, overlap_host_speed=0.8, overlap_launch_speed=0.4)
+    alone = predict(sizes, plan, shared, 2)
+    assert alone == predict(sizes, plan, GPU, 2), "the update alone (overlap off) is not charged"
+    beside = predict(sizes, plan, overlapped(shared, beside_training=True), 2)
+    assert beside.host_s == pytest.approx(alone.host_s / 0.8, rel=1e-12)
+    assert beside.time_s == pytest.approx(alone.time_s + beside.host_s - alone.host_s, rel=1e-12)  # + last upload
+    assert overlapped(shared, beside_training=True).overlap_host_speed == 1.0
+    assert beside_update_s(0.3, shared) == pytest.approx(0.75) and beside_update_s(0.3, GPU) == 0.3

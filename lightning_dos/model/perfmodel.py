@@ -24,6 +24,13 @@ duplex rate; the link as a whole needs at least its bytes' worth of time, at the
 directions have bytes left and the solo rate after (:func:`link_seconds`). On a CPU "device" (no accelerator)
 host and device work share the same cores, so they add up.
 
+Contention: while a plan has host sub-groups, the host update runs beside the copies and both share the host's
+memory bandwidth, so every copy runs at ``overlap_copy_speed`` of its rate for the whole phase (the plans worth
+running balance the two, which then run side by side nearly to the end); the host rates are measured with copies
+running. Where the training thread runs beside the update (``overlap``), the update runs at ``overlap_host_speed``
+of its rate and the training thread at ``overlap_launch_speed`` of its own (:func:`overlapped`,
+:func:`beside_update_s`). All three are 1.0 (nothing charged) in profiles that do not measure them.
+
 Knows nothing of Lightning or DeepSpeed.
 """
 
@@ -50,6 +57,19 @@ class HardwareRates:
         duplex_h2d_bps: host-to-device bandwidth while device-to-host runs too, bytes/s.
         duplex_d2h_bps: device-to-host bandwidth while host-to-device runs too, bytes/s.
         shared_cpu: True when the "device" is the CPU itself, so host and device work do not overlap.
+        overlap_copy_speed: the copies' rate while the host update runs beside them, as a share of their rates
+            above (1.0: not slowed, the default for profiles measured before it was). They share the host's memory
+            bandwidth: the update streams 28 bytes per element and the write-allocate, the DMA reads and writes
+            pinned memory. Calibration measures pinned copies both ways at once on CUDA; on a CPU "device", which
+            has no DMA copies, a host memcpy of the same size (what the engine's transfers are there).
+            :func:`overlapped` charges it wherever host update and copies run at once.
+        overlap_host_speed: the host update's rate while the training thread runs beside it (the next forward or
+            backward, with ``overlap`` on), as a share of ``host_adam_eps`` and ``host_cast_eps`` (which are
+            measured, on CUDA, while copies run both ways). 1.0: not slowed.
+        overlap_launch_speed: the training thread's rate beside the host update, as a share of its rate alone:
+            measured on a loop of launch-bound work (on a GPU tiny kernel launches, on a CPU small torch ops),
+            which is what ZeRO-3's forward and backward are at the sizes offload trains, bound by its Python
+            hooks. 1.0: not slowed. :func:`beside_update_s` charges it.
     """
 
     host_adam_eps: float
@@ -60,6 +80,9 @@ class HardwareRates:
     duplex_h2d_bps: float
     duplex_d2h_bps: float
     shared_cpu: bool = False
+    overlap_copy_speed: float = 1.0
+    overlap_host_speed: float = 1.0
+    overlap_launch_speed: float = 1.0
 
     def to_dict(self) -> dict[str, float | bool]:
         return asdict(self)
@@ -73,13 +96,48 @@ class HardwareRates:
         return cls(**{k: (bool(v) if k == "shared_cpu" else float(v)) for k, v in data.items()})
 
     def scaled(self, factor: float) -> HardwareRates:
-        """Every rate times ``factor`` (a machine that is uniformly slower or faster)."""
-        return replace(self, **{f.name: getattr(self, f.name) * factor for f in fields(self) if f.name != "shared_cpu"})
+        """Every rate times ``factor`` (a machine that is uniformly slower or faster; the shares of
+        :data:`OVERLAP_SPEEDS`, ratios of rates, stay as they are)."""
+        kept = ("shared_cpu", *OVERLAP_SPEEDS)
+        return replace(self, **{f.name: getattr(self, f.name) * factor for f in fields(self) if f.name not in kept})
 
     @property
     def host_s_per_element(self) -> float:
         """CPU seconds one element's host update takes: the update rule, then the cast to 16 bits."""
         return 1.0 / self.host_adam_eps + 1.0 / self.host_cast_eps
+
+
+#: The :class:`HardwareRates` fields that are shares of another rate under contention, not rates.
+OVERLAP_SPEEDS = ("overlap_copy_speed", "overlap_host_speed", "overlap_launch_speed")
+
+
+def overlapped(rates: HardwareRates, *, beside_training: bool = False) -> HardwareRates:
+    """The rates a phase runs at in which the host update and the copies run at once: every copy rate (alone and
+    duplex, both ways) times ``overlap_copy_speed`` and, ``beside_training`` (the training thread's forward or
+    backward runs too, as under ``overlap``), the host update's rates times ``overlap_host_speed``.
+
+    The shares applied are set to 1.0 in what is returned, so rates passed through twice are charged once. On a
+    CPU "device" (``shared_cpu``) the copies are the CPU's own work, added to the host's rather than beside it:
+    only the training thread's share applies there."""
+    copy = 1.0 if rates.shared_cpu else rates.overlap_copy_speed
+    host = rates.overlap_host_speed if beside_training else 1.0
+    return replace(
+        rates,
+        host_adam_eps=rates.host_adam_eps * host,
+        host_cast_eps=rates.host_cast_eps * host,
+        h2d_bps=rates.h2d_bps * copy,
+        d2h_bps=rates.d2h_bps * copy,
+        duplex_h2d_bps=rates.duplex_h2d_bps * copy,
+        duplex_d2h_bps=rates.duplex_d2h_bps * copy,
+        overlap_copy_speed=1.0 if not rates.shared_cpu else rates.overlap_copy_speed,
+        overlap_host_speed=1.0 if beside_training else rates.overlap_host_speed,
+    )
+
+
+def beside_update_s(seconds: float, rates: HardwareRates) -> float:
+    """How long training-thread work (forward, backward) that takes ``seconds`` alone takes beside the host update:
+    slowed to ``overlap_launch_speed`` (its launches and ZeRO-3's hooks share the cores with the update's threads)."""
+    return seconds / rates.overlap_launch_speed
 
 
 @dataclass(frozen=True)
@@ -183,6 +241,8 @@ def predict_scaled(
     sizes: Sequence[int], plan: Plan, rates: HardwareRates, lp_bytes: int, lp_on_host: bool, footprint: Footprint
 ) -> Prediction:
     """:func:`predict` with ``rates`` already those of ``footprint`` (:func:`rates_for`)."""
+    if plan.host_indices:  # the host update runs beside the copies for the whole phase (:func:`overlapped`)
+        rates = overlapped(rates)
     streamed_up, streamed_down, resident_up = footprint.streamed_up, footprint.streamed_down, footprint.resident_up
     streaming = bool(plan.streamed_indices)
     up = rates.duplex_h2d_bps if streaming else rates.h2d_bps

@@ -15,7 +15,14 @@ import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
-from lightning_dos.model.perfmodel import HardwareRates, Prediction, link_seconds, predict_scaled, rates_for
+from lightning_dos.model.perfmodel import (
+    HardwareRates,
+    Prediction,
+    link_seconds,
+    overlapped,
+    predict_scaled,
+    rates_for,
+)
 from lightning_dos.model.plan import Place, Plan, all_host
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 
@@ -242,7 +249,9 @@ def choose_plan(
             # (The scan's own link model ignores ``lp_on_host``; its plan is then predicted with it.)
             scan = _scan(
                 sizes,
-                rates,
+                # A plan with host sub-groups has its copies slowed by the host update (predict): the scan is exact
+                # for those, and overstates only plans with none, each scan's plan then predicted exactly.
+                overlapped(rates),
                 budget_bytes,
                 lp_bytes,
                 resident_order,
