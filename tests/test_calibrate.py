@@ -113,3 +113,37 @@ def test_with_a_generic_kernel_calibration_times_the_engines_own_rule_and_dtypes
     assert rates_for(rates, lion).host_adam_eps == pytest.approx(update_eps)
     assert rates.host_adam_eps == pytest.approx(adam_equivalent(rates_for(rates, lion), lion).host_adam_eps)
     assert rates.host_adam_eps == pytest.approx(update_eps * 10 / 28)  # Lion bf16 touches 10 bytes, Adam fp32 28
+
+
+def test_calibration_on_cpu_measures_contention_as_shares_of_each_rate_alone() -> None:
+    """The host update on a thread of its own, beside the training thread's small-op loop and beside memcpy copies:
+    each share measured for real, a share of the rate alone (never above it, never near zero), and the update on
+    the threads asked for while the caller keeps its own count."""
+    from lightning_dos.planning.calibrate import MIN_SPEED, measure_contention
+
+    before = torch.get_num_threads()
+    rates = calibration.calibrate(torch.device("cpu"), numel=1 << 21)
+    shares = (rates.overlap_copy_speed, rates.overlap_host_speed, rates.overlap_launch_speed)
+    assert all(MIN_SPEED <= share <= 1.0 for share in shares), shares
+    assert shares != (1.0, 1.0, 1.0), "contention measured (a loaded 2-core machine shows it somewhere)"
+    contention = measure_contention(torch.device("cpu"), numel=1 << 21, threads=1, sub_group=1 << 19)
+    assert contention.threads == 1 and torch.get_num_threads() == before
+    assert 1e-11 < contention.host_s_per_element < 1e-6  # 1 G to 1 M elements/s
+
+
+def test_the_update_measured_beside_the_training_thread_runs_on_a_thread_of_its_own_with_the_threads_asked() -> None:
+    """As the engine's update under overlap: not the caller's thread, and torch's count there is the one asked (the
+    thread count a core left to the training thread is judged by) while the caller's stays as it was."""
+    import threading
+
+    seen: list[tuple[int, bool]] = []
+
+    def work() -> None:
+        seen.append((torch.get_num_threads(), threading.current_thread() is threading.main_thread()))
+
+    before = torch.get_num_threads()
+    asked = before - 1 if before > 1 else 2
+    with calibration._Repeating(work, threads=asked) as repeating:
+        repeating.wait_runs(3)
+    assert torch.get_num_threads() == before
+    assert set(seen) == {(asked, False)}

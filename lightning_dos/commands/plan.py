@@ -350,6 +350,12 @@ def describe_rates(rates: HardwareRates) -> list[str]:
         f"host to device     {rates.h2d_bps / 1e9:8.3f} GB/s alone, {rates.duplex_h2d_bps / 1e9:.3f} GB/s duplex",
         f"device to host     {rates.d2h_bps / 1e9:8.3f} GB/s alone, {rates.duplex_d2h_bps / 1e9:.3f} GB/s duplex",
     ]
+    # Contention, as overlap runs them side by side (the model charges these shares on overlapped phases).
+    lines += [
+        f"copies beside the host update  {rates.overlap_copy_speed:6.0%} of their rate alone",
+        f"host update beside training    {rates.overlap_host_speed:6.0%} of its rate alone",
+        f"training beside host update    {rates.overlap_launch_speed:6.0%} of its rate alone (launch-bound loop)",
+    ]
     if rates.shared_cpu:
         lines.append("(no accelerator: the 'device' is the CPU itself, its copies host memory copies)")
     return lines
