@@ -14,6 +14,8 @@ from the calibrated rates. Writes the same as JSON.
     python bench/run.py --preset medium --systems stock,stock-nvme:/local_nvme  # stock NVMe offload (ZeRO-Infinity)
     python bench/run.py --preset medium --systems stock-nvme:/local_nvme,nvme:0.5:/local_nvme,nvme:0:/local_nvme
         # ours on NVMe, with half and none of the optimizer state in host memory
+    python bench/run.py --preset 1b --systems stock,auto,auto@off --steps-jsonl out/steps.jsonl --trace-dir out/traces
+        # one JSON line per step for bench/fit.py, and a trace of two steps of each system
     python bench/run.py --preset small --exactness --isolate --systems stock,twinflow:0.3,auto,superoffload:0.9,\
 zenflow:0.1:4,fsdp-offload   # the peers (bench/peers.py), exactness beside speed, each system in its own process
 """
@@ -43,6 +45,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else
 import lightning as L  # noqa: E402
 
 from bench import peers  # noqa: E402
+from bench.steps import StepRecorder, prediction_table, write_lines  # noqa: E402
 from lightning_dos import DeepOptimizerStatesStrategy  # noqa: E402
 from lightning_dos.data import ByteCorpusDataModule  # noqa: E402
 from lightning_dos.integration.callbacks.monitor import DOSMonitor  # noqa: E402
@@ -179,6 +182,20 @@ def make_strategy(system: str, sub_group_size: int, state_bytes: int = 0) -> tup
     fraction = system if system in ("auto",) or system.startswith("stride:") else float(system)
     overlap = overlap or "auto"
     return DeepOptimizerStatesStrategy(gpu_fraction=fraction, sub_group_size=sub_group_size, overlap=overlap), True
+
+
+def trace_name(system: str, clip: float | None) -> str:
+    """The folder a system's trace goes to under ``--trace-dir``: its name and clip, safe as a file name."""
+    return "".join(c if c.isalnum() or c in "@.-" else "_" for c in f"{system}_clip-{clip if clip else 'off'}")
+
+
+def _overlap_of(system: str, ours: bool) -> str | None:
+    return (system.partition("@")[2] or "auto") if ours else None
+
+
+def _device_name(args: argparse.Namespace) -> str:
+    on_gpu = torch.cuda.is_available() and args.accelerator != "cpu"
+    return torch.cuda.get_device_name() if on_gpu else f"CPU ({os.cpu_count()} cores)"
 
 
 def _median(rows: list[dict[str, float]], key: str) -> float | None:
@@ -368,7 +385,11 @@ def run_system(system: str, args: argparse.Namespace) -> Result:
     if args.exactness:
         model.inject_at = measured
     data = ByteCorpusDataModule(seq_len=seq, batch_size=batch, max_bytes=args.max_bytes)
-    monitor = DOSMonitor(summary=False, log_every_n_steps=0)
+    # Two steady steps traced (the first two measured), each system and clip into a folder of its own.
+    trace_dir = args.trace_dir / trace_name(system, args.clip) if args.trace_dir is not None else None
+    trace_steps = (args.warmup, args.warmup + 1)
+    monitor = DOSMonitor(trace_dir=trace_dir, trace_steps=trace_steps, summary=False, log_every_n_steps=0)
+    recorder = StepRecorder(args.warmup, lines=args.steps_jsonl is not None)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator=args.accelerator,
@@ -384,6 +405,7 @@ def run_system(system: str, args: argparse.Namespace) -> Result:
         callbacks=[
             drive := _DriveWatch(args.warmup, *_drive_of(system, params), args.drive_each_step),
             monitor,
+            recorder,
             *callbacks,
         ],
     )
@@ -396,7 +418,13 @@ def run_system(system: str, args: argparse.Namespace) -> Result:
     trainer.fit(model, datamodule=data)
     if swap_folder is not None and not stale_swap:
         shutil.rmtree(swap_folder, ignore_errors=True)
-    rows = list(monitor.history)[args.warmup : measured]
+    # Steady-state steps only: after the warm-up, neither the planner's timed iteration nor a plan switch.
+    rows, steady = recorder.steady(list(monitor.history), measured)
+    if args.steps_jsonl is not None:
+        run = {"system": system, "clip": args.clip, "overlap": _overlap_of(system, ours), "warmup": args.warmup,
+               "steps": args.steps, "shape": args.shape, "precision": args.precision, "params": params,
+               "sub_group_size": args.sub_group_size, "device": _device_name(args)}  # fmt: skip
+        write_lines(args.steps_jsonl, recorder.lines(list(monitor.history)[:measured], run))
     update_s = _median(rows, "dos/update_s") or float("nan")
     result = Result(
         system=system,
@@ -448,17 +476,24 @@ def run_system(system: str, args: argparse.Namespace) -> Result:
         result.extra.update(probe.found)
         commit = [row["dos/commit_rate"] for row in rows if "dos/commit_rate" in row]
         result.extra["commit_rate"] = commit[-1] if commit else None
+    result.extra["steady_steps"] = steady
+    result.extra.update(recorder.predictions(steady))
+    if any("dos/engine_update_predicted_s" in row for row in rows):  # then dos/update_predicted_s is the phase's
+        result.extra["predicted_update_phase_s"] = _median(rows, "dos/update_predicted_s")
     if ours:
         engine = strategy.dos_engine
         staging = engine.files.staging_bytes if engine.files is not None else 0
         result.optimizer_host_gb = (engine.pool.host_bytes + staging) / GB  # the NVMe tier's staging slabs too
         result.extra["engine_update_s"] = _median(rows, "dos/engine_update_s")
-        scheduler = getattr(strategy, "dos_scheduler", None)
-        if scheduler is not None and scheduler.rates is not None:
+        estimator = getattr(getattr(strategy, "dos_scheduler", None), "estimator", None)
+        if estimator is not None:
             from lightning_dos.model.perfmodel import floor
 
-            r_star, t_floor = floor(sum(engine.sizes), scheduler.rates, engine.lp_bytes)
-            result.extra.update(floor_s=t_floor, r_star=r_star)
+            # From the calibrated rates: the scheduler's own are refined and corrected by the steps just measured.
+            fp = engine.footprint
+            r_star, t_floor = floor(sum(engine.sizes), estimator.calibrated, engine.lp_bytes, footprint=fp)
+            result.extra.update(floor_s=t_floor, r_star=r_star, calibrated_rates=estimator.calibrated.to_dict(),
+                                update_elements=sum(engine.sizes), lp_bytes=engine.lp_bytes)  # fmt: skip
     return result
 
 
@@ -516,7 +551,11 @@ def table(results: list[Result]) -> str:
             f"| {_ratio(vs_stock)} | {_ratio(it_stock)} | {_ratio(vs_tf)} | {_fmt(over_floor, 2)} |"
         )
     if floor_s:
-        lines.append(f"\nFloor T(r*) of the update phase from the calibrated rates: {floor_s:.4f} s.")
+        lines.append(
+            f"\nFloor T(r*) of the update phase from the calibrated rates (not the planner's corrected ones): "
+            f"{floor_s:.4f} s; update / floor is the engine's update loop over it."
+        )
+    lines.append("\n" + prediction_table(ran))
     if any("disk_floor_s" in r.extra for r in results):
         lines.append(
             "\nNVMe systems' update / floor: the median update over the drive's floor for a step's bytes, the lesser "
@@ -663,6 +702,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--system-timeout", type=float, default=1800.0, metavar="SECONDS",
         help="a system run in its own process that has not finished by then is a row saying so (default 1800)",
     )  # fmt: skip
+    parser.add_argument(
+        "--steps-jsonl", type=Path, metavar="PATH",
+        help="append one JSON line per step of every system to PATH (bench/steps.py: every dos/* metric, the plan, "
+        "the planner's predictions and rates, phases, need and landing times; the engine's spans on every step), "
+        "for bench/fit.py",
+    )  # fmt: skip
+    parser.add_argument(
+        "--trace-dir", type=Path, metavar="DIR",
+        help="a Chrome/Perfetto trace of the first two measured steps of each system in DIR/<system>_clip-<clip>/",
+    )  # fmt: skip
     parser.add_argument("--one", help=argparse.SUPPRESS)  # run this system only and write its result (a child)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--reference", type=Path, help=argparse.SUPPRESS)
@@ -729,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.one is not None:
         return run_one(args)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+    device = _device_name(args)
     layers, width, heads, seq, batch = args.shape
     params = GPT.count_parameters(layers, width, args.vocab, seq)
     print(

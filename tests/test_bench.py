@@ -33,6 +33,19 @@ def test_bench_runs_each_kind_of_system_and_writes_a_table_and_json(tmp_path: Pa
         assert result["update_params_per_s"] > 0
     ours = [r for r in payload["results"] if r["system"].startswith(("stride:", "0.25"))]
     assert len(ours) == 2 and all(r["d2h_gbps"] > 0 and 0 < r["device_share"] < 1 for r in ours)
+    # The labels (issue 52): the floor from the calibrated rates, not the planner's corrected ones; each predicted
+    # column says what it predicts; the medians over the steady steps, after the warm-up (no re-plan here).
+    from lightning_dos.model.perfmodel import HardwareRates, floor
+
+    for result in payload["results"]:
+        extra = result["extra"]
+        assert extra["steady_steps"] == [1, 2]
+        if "floor_s" in extra:
+            calibrated = HardwareRates.from_dict(extra["calibrated_rates"])
+            assert extra["floor_s"] == floor(extra["update_elements"], calibrated, extra["lp_bytes"])[1]
+    assert "Floor T(r*) of the update phase from the calibrated rates (not the planner's corrected ones)" in printed
+    head = "| system | steady steps | update loop s | predicted update loop s | update s | predicted update s |"
+    assert head in printed and "| auto | 2 | " in printed
 
 
 def test_rounds_rotate_the_systems_and_set_each_rounds_ratios_beside_their_median(tmp_path: Path, capsys) -> None:  # noqa: ANN001
@@ -177,3 +190,28 @@ def test_a_cuda_only_peer_is_a_row_saying_why_and_stock_is_exact_against_itself(
     assert not list(Path(tempfile.gettempdir()).glob("bench-exact-*"))
     with pytest.raises(SystemExit):
         main([*argv, "--exactness", "--systems", "auto"])  # nothing to measure against
+
+
+def test_steady_steps_leave_out_the_warmup_the_planners_timed_iteration_and_plan_switches() -> None:
+    """bench/steps.py's rule, on the pattern of a GPU run with gpu_fraction="auto" and overlap: the planner times the
+    2nd iteration (its forward waits for the whole update), then plans again from it (a switch)."""
+    from bench.steps import StepRecorder, _Batch
+    from lightning_dos.model.plan import Place, Plan
+    from lightning_dos.model.step_report import StepReport
+
+    update_best, iteration_best = (
+        Plan((Place.HOST, Place.DEVICE, Place.HOST)),
+        Plan((Place.DEVICE,) + (Place.HOST,) * 2),
+    )
+    recorder = StepRecorder(warmup=1)
+    for step, plan in enumerate([update_best] * 2 + [iteration_best] * 4):
+        report = StepReport(step + 1, plan, (8, 8, 8), skipped=step == 4)
+        recorder._batches[step] = _Batch(step, 0.0, phase_timing=step == 1, report=report)
+    rows = [{"dos/step_s": float(step)} for step in range(6)]
+    assert recorder.steady(rows, 6) == ([rows[3], rows[5]], [3, 5])
+    assert recorder.flags(2) == {
+        "warmup": False, "phase_timing": False, "plan_switch": True, "skipped": False, "steady": False,
+    }  # fmt: skip
+    assert not recorder.flags(4)["steady"] and recorder.flags(0)["warmup"]
+    # A run too short for any steady step is measured over every step after the warm-up.
+    assert recorder.steady(rows, 3) == ([rows[1], rows[2]], [1, 2])
