@@ -10,7 +10,9 @@ import torch
 
 from lightning_dos.host.cores import (
     HostPlacement,
+    ThreadOption,
     choose_host_placement,
+    choose_update_threads,
     format_cpulist,
     parse_cpulist,
     read_numa_cpus,
@@ -18,7 +20,7 @@ from lightning_dos.host.cores import (
     read_physical_cores,
     split_cores,
 )
-from lightning_dos.host.host_threads import apply_host_threads
+from lightning_dos.host.host_threads import apply_host_threads, leave_training_core
 
 
 def test_cpulists_round_trip() -> None:
@@ -100,3 +102,46 @@ def test_applying_in_one_process_sets_threads_binds_and_prints_once(capsys: pyte
     finally:
         torch.set_num_threads(before_threads)
         os.sched_setaffinity(0, before_cpus)
+
+
+def test_a_core_is_left_to_the_training_thread_when_the_measured_overlap_is_shorter_so() -> None:
+    """At the balance point (the training thread's work alone as long as the update alone on every core), each
+    option's phase is the longer of the two sides, each slowed by the other."""
+    # Hooks starved by the update's threads (0.5 of their rate); memory-bound update, barely slower on one core less.
+    crowded = ThreadOption(2, 1.0e-9, 0.9, 0.5)
+    freed = ThreadOption(1, 1.1e-9, 0.95, 0.97)
+    assert crowded.overlapped_s(1.0, 1e9) == pytest.approx(2.0)
+    assert freed.overlapped_s(1.0, 1e9) == pytest.approx(1.1e-9 * 1e9 / 0.95)
+    assert choose_update_threads([crowded, freed]) == freed
+    # A compute-bound update that one core less slows by half: the hooks' share does not pay for it.
+    halved = ThreadOption(1, 2.0e-9, 0.95, 1.0)
+    assert choose_update_threads([crowded, halved]) == crowded
+    # Within the margin the update keeps every core; with a longer training thread's work one core less wins.
+    close = ThreadOption(1, 1.0e-9, 0.51, 1.0)  # 1.96 against 2.0: 2% shorter
+    assert choose_update_threads([crowded, close]) == crowded
+    assert choose_update_threads([crowded, halved], training_s=10.0, elements=1e9) == halved
+    with pytest.raises(ValueError, match="no thread count"):
+        choose_update_threads([])
+
+
+def test_with_overlap_auto_keeps_every_core_or_leaves_one_as_measured_and_says_so(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """Measured for real on this machine's cores (as an accelerator's training thread would be: its forward and
+    backward off torch's host threads): the count kept is in force and said; with one thread there is nothing to
+    leave, which is said too. On a CPU device, whose forward runs on those threads, every core is kept."""
+    before = torch.get_num_threads()
+    device, size = torch.device("cpu"), {"numel": 1 << 21, "sub_group": 1 << 19}
+    try:
+        two = HostPlacement(2, None, "auto: test")
+        assert leave_training_core(two, 0, device, **size)[0] == two
+        one = HostPlacement(1, None, "auto: test")
+        kept, contention = leave_training_core(one, 0, device, **size, forward_on_host_threads=False)
+        assert kept.threads == contention.threads == 1 and "none left to the training thread" in kept.why
+        kept, contention = leave_training_core(two, 0, device, **size, forward_on_host_threads=False)
+        assert kept.threads == contention.threads == torch.get_num_threads() in (1, 2)
+        assert (kept == two) == (kept.threads == 2) and (kept.threads == 2 or "one core left" in kept.why)
+        out = capsys.readouterr().out
+        assert "none left to the training thread" in out
+    finally:
+        torch.set_num_threads(before)

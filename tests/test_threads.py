@@ -96,9 +96,22 @@ def test_the_update_thread_binds_the_engines_device_before_any_stream_operation(
 
 @pytest.mark.parametrize("overlap", ["forward", "auto"])
 def test_under_a_trainer_no_stream_operation_comes_from_a_thread_that_has_not_bound_the_device(overlap: str) -> None:
-    strategy = DeepOptimizerStatesStrategy(
-        gpu_fraction=0.5, sub_group_size=700, streams_factory=SimStreams, overlap=overlap
-    )
-    trainer(strategy, steps=3, gradient_clip_val=None).fit(TinyLM(), loader())
-    streams = strategy.dos_engine.streams
-    assert "lightning-dos-update" in streams.issuers and streams.unbound == []
+    """And host_threads="auto" with overlap on: the calibration carries the contention shares the model charges,
+    measured on the threads the update runs on, which on a CPU device (forward and backward on the same threads)
+    are every core."""
+    before = torch.get_num_threads()
+    try:
+        strategy = DeepOptimizerStatesStrategy(
+            gpu_fraction=0.5, sub_group_size=700, streams_factory=SimStreams, overlap=overlap
+        )
+        trainer(strategy, steps=3, gradient_clip_val=None).fit(TinyLM(), loader())
+        streams = strategy.dos_engine.streams
+        assert "lightning-dos-update" in streams.issuers and streams.unbound == []
+        placement, rates = strategy.dos_host_placement, strategy.dos_calibration.measured
+        cores = len(placement.cores or ())
+        assert placement.threads == torch.get_num_threads()
+        assert placement.threads == cores and "one core left" not in placement.why
+        shares = (rates.overlap_copy_speed, rates.overlap_host_speed, rates.overlap_launch_speed)
+        assert all(0 < share <= 1 for share in shares) and shares != (1.0, 1.0, 1.0), shares
+    finally:
+        torch.set_num_threads(before)

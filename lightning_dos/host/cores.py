@@ -197,8 +197,60 @@ def choose_host_placement(
     return HostPlacement(threads_on(cores), tuple(cores), why)
 
 
+@dataclass(frozen=True)
+class ThreadOption:
+    """The host update on ``threads`` intra-op threads beside the training thread, as measured
+    (:func:`lightning_dos.planning.calibrate.measure_contention`).
+
+    Attributes:
+        threads: the update's threads.
+        host_s_per_element: the update's seconds per element alone on that many threads.
+        host_speed: its rate beside the training thread, as a share of its rate alone.
+        launch_speed: the training thread's rate beside it, as a share of its rate alone.
+    """
+
+    threads: int
+    host_s_per_element: float
+    host_speed: float
+    launch_speed: float
+
+    def overlapped_s(self, training_s: float, elements: float) -> float:
+        """The overlapped phase: ``training_s`` of training-thread work (alone) beside the update of ``elements``,
+        each slowed by the other, the longer of the two."""
+        return max(training_s / self.launch_speed, elements * self.host_s_per_element / self.host_speed)
+
+
+#: How much shorter (a share) the overlapped phase must be predicted with a core left to the training thread for
+#: ``"auto"`` to leave it: less is within the noise of a measurement on a machine running other work.
+LEAVE_CORE_MARGIN = 0.03
+
+
+def choose_update_threads(
+    options: Sequence[ThreadOption], training_s: float | None = None, elements: float = 1.0
+) -> ThreadOption:
+    """Of ``options`` (every thread count, or every core and one fewer), the one whose overlapped phase
+    (:meth:`ThreadOption.overlapped_s`) is shortest; the most threads unless another is at least
+    :data:`LEAVE_CORE_MARGIN` shorter.
+
+    ``training_s``: the training thread's work beside the update of ``elements``; None takes the balance point,
+    where that work alone lasts as long as the update alone on the most threads (the overlap is then tightest and
+    each side's slowdown shows whole in the iteration; before forward and backward are measured it is the case
+    overlap aims for: the update just hidden)."""
+    if not options:
+        raise ValueError("no thread count to choose from")
+    most = max(options, key=lambda option: option.threads)
+    if training_s is None:
+        training_s = elements * most.host_s_per_element
+    best = min(options, key=lambda option: (option.overlapped_s(training_s, elements), -option.threads))
+    if best.overlapped_s(training_s, elements) < (1 - LEAVE_CORE_MARGIN) * most.overlapped_s(training_s, elements):
+        return best
+    return most
+
+
 __all__ = [
     "HostPlacement",
+    "ThreadOption",
+    "choose_update_threads",
     "choose_host_placement",
     "format_cpulist",
     "parse_cpulist",

@@ -30,7 +30,7 @@ from lightning_dos.errors import DOSConfigError
 from lightning_dos.host import quiet
 from lightning_dos.host.cores import HostPlacement
 from lightning_dos.host.disk import check_nvme_path
-from lightning_dos.host.host_threads import apply_host_threads
+from lightning_dos.host.host_threads import apply_host_threads, leave_training_core
 from lightning_dos.host.ranks import Calibration, calibrate_together, reduce_min_over_ranks
 from lightning_dos.integration.cpu_strategy import DeepSpeedCPUStrategy
 from lightning_dos.integration.held_signals import DeliverHeldSignals
@@ -63,9 +63,9 @@ from lightning_dos.integration.zero3 import (
     load_zero3_weights_for_evaluation,
 )
 from lightning_dos.model.perfmodel import HardwareRates
-from lightning_dos.model.plan import FractionSpec, coarse_share_warning
+from lightning_dos.model.plan import FractionSpec, auto_sub_group_size, coarse_share_warning
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
-from lightning_dos.planning.calibrate import HOST_BUFFER_BYTES, calibrate, calibration_numel
+from lightning_dos.planning.calibrate import HOST_BUFFER_BYTES, Contention, calibrate, calibration_numel
 from lightning_dos.planning.scheduler import PlacementScheduler
 
 if TYPE_CHECKING:
@@ -136,7 +136,8 @@ class DeepOptimizerStatesStrategy(StartupChecks, DeepSpeedCPUStrategy):
         host_threads: torch threads of each rank for host Adam and casts. ``"auto"``: the CPUs the local
             ranks may use are split into disjoint sets, one per rank (its accelerator's NUMA node first, where
             sysfs tells), each rank is bound to its set and runs one thread per physical core of it; a binding
-            the launcher already made disjoint is kept. A number: that many threads, binding left as launched.
+            the launcher already made disjoint is kept; with ``overlap`` on an accelerator, one thread fewer (a core
+            for the training thread) where measured faster. A number: that many threads, binding left as launched.
         accelerator: the accelerator, usually chosen by the Trainer.
         stage: ZeRO stage; only 3 is valid (kept so that configs written for DeepSpeedStrategy parse).
         offload_optimizer: must stay True: the optimizer state lives in host memory.
@@ -300,13 +301,24 @@ class DeepOptimizerStatesStrategy(StartupChecks, DeepSpeedCPUStrategy):
             # buffers are freed by then, so they never add to the run's peak host memory (and on a GPU
             # the measurement sees a device with nothing else on it).
             elements = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
-            self._calibration_numel = calibration_numel(-(-elements // max(1, self.world_size)))
+            partition = -(-elements // max(1, self.world_size))
+            self._calibration_numel = calibration_numel(partition)
             # Every rank at once, as they share the node during the update; all then use the slowest rates.
             device, numel = self.root_device, self._calibration_numel
             footprint = config_footprint(self.config, rule_of(optimizer))
-            self.dos_calibration = calibrate_together(
-                lambda: _calibrated_rates(device, numel, footprint), reduce_min_over_ranks(device)
-            )
+            size = self.engine_sub_group_size
+            sub_group = auto_sub_group_size(partition) if size == "auto" else int(size)
+
+            def measure() -> HardwareRates:
+                contention = None
+                if self.host_threads == "auto" and self.overlap != "off" and self.dos_host_placement is not None:
+                    # Before calibrating: the update's rates are then measured on the threads it will run on.
+                    self.dos_host_placement, contention = leave_training_core(
+                        self.dos_host_placement, self.global_rank, device, numel, footprint, sub_group
+                    )
+                return _calibrated_rates(device, numel, footprint, contention, sub_group)
+
+            self.dos_calibration = calibrate_together(measure, reduce_min_over_ranks(device))
         return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
 
     def setup_distributed(self) -> None:
@@ -464,10 +476,17 @@ class DeepOptimizerStatesStrategy(StartupChecks, DeepSpeedCPUStrategy):
 
 
 @functools.lru_cache(maxsize=8)
-def _calibrated_rates(device: torch.device, numel: int, footprint: Footprint = ADAM_FP32) -> HardwareRates:
+def _calibrated_rates(
+    device: torch.device,
+    numel: int,
+    footprint: Footprint = ADAM_FP32,
+    contention: Contention | None = None,
+    sub_group: int | None = None,
+) -> HardwareRates:
     """This machine's rates for ``device`` on host buffers of ``numel`` elements, for the engine's rule and dtypes,
-    measured once per process, size and footprint (they do not change between fits)."""
-    return calibrate(device, numel, footprint=footprint)
+    measured once per process, size and footprint (they do not change between fits), with ``contention`` when
+    measured already."""
+    return calibrate(device, numel, footprint=footprint, contention=contention, sub_group=sub_group)
 
 
 if "dos" not in StrategyRegistry or StrategyRegistry["dos"]["strategy"] is not DeepOptimizerStatesStrategy:
