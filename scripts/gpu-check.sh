@@ -3,7 +3,21 @@
 # 16 cores (a GPU lease may limit one command to that); every table is appended, dated, to bench/RESULTS.md.
 #   bash scripts/gpu-check.sh                      # every step, in order
 #   bash scripts/gpu-check.sh cuda-tests memory    # or any of the steps below, by name
+#   bash scripts/gpu-check.sh capture --out DIR    # the capture, into DIR (options below)
+#   bash scripts/gpu-check.sh capture --out DIR --accelerator cpu   # the same on CPU (tiny preset; CI runs it)
 # Steps:
+#   capture      the performance model's capture, first (on an H100/H200 with 16 cores under 8 minutes): the machine
+#                (GPU, PCIe link, lscpu, NUMA, memlock limit) in env.txt, lightning-dos calibrate (with its contention
+#                measurements) in profile.json, bench/run.py for stock, auto, auto@off and auto@forward with clipping
+#                off and at --clip, one JSON line per step of each in steps.jsonl (bench/steps.py), a trace of two
+#                steady steps of each under traces/, each run's log, and bench/fit.py's table of measured beside
+#                predicted in fit.txt. Options: --out DIR (default $OUT/capture, else the logs folder's; with --out
+#                the other steps' logs go there too),
+#                --accelerator cuda|cpu (cpu: runs without a GPU, tiny preset, 2+3 steps, and appends nothing to
+#                bench/RESULTS.md), --preset P (1b on a GPU), --warmup W and --steps N (3 and 6 on a GPU),
+#                --clip C (default auto: 1.25x the largest gradient norm of the steps run without clipping, which
+#                the clipped run's steps then mostly stay under, as training's past its warm-up; 1.0 if none was
+#                recorded). Commit DIR under bench/captures/<date>-<gpu>/.
 #   cuda-tests   the CUDA pass (tests/test_gpu.py), the delayed-stream test under TORCH_CUDA_SANITIZER=1 included,
 #                the mutation test left to the next three steps (on an H200: 101 s for the other tests, more than
 #                150 s for the sanitizer's)
@@ -33,9 +47,36 @@
 # torch wheel cannot be carried there), under which tests that pin this project's torch internals skip by name
 # (tests/conftest.py, PINNED_TORCH_TESTS). On a bare GPU machine that reaches no registry, ship the missing
 # wheels first (`bash scripts/gpu-wheels.sh` here, then send .whl along): they are installed into /tmp/site.
-# With no GPU it says so and exits 0.
+# With no GPU it says so and exits 0 (the capture with --accelerator cpu runs on the CPU instead).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# Options (the capture's) anywhere among the step names.
+capture_out='' accelerator=cuda preset='' warmup='' measured='' clip=auto
+names=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --out|--accelerator|--preset|--warmup|--steps|--clip)
+      [ $# -ge 2 ] || { echo "gpu-check: $1 takes a value" >&2; exit 2; }
+      case $1 in
+        --out) capture_out=$2 ;; --accelerator) accelerator=$2 ;; --preset) preset=$2 ;;
+        --warmup) warmup=$2 ;; --steps) measured=$2 ;; --clip) clip=$2 ;;
+      esac
+      shift 2 ;;
+    -*) echo "gpu-check: unknown option '$1'; the capture takes --out, --accelerator, --preset, --warmup, --steps," \
+          "--clip" >&2
+        exit 2 ;;
+    *) names+=("$1"); shift ;;
+  esac
+done
+case $accelerator in
+  cuda) ;;
+  cpu)
+    [ ${#names[@]} -eq 0 ] && names=(capture)
+    for name in "${names[@]}"; do
+      [ "$name" = capture ] || { echo "gpu-check: with --accelerator cpu only the capture runs, not '$name'" >&2; exit 2; }
+    done ;;
+  *) echo "gpu-check: --accelerator takes cuda or cpu, got '$accelerator'" >&2; exit 2 ;;
+esac
 py=${PYTHON:-python3}
 [ -x .venv/bin/python ] && py=.venv/bin/python
 if [ -d .whl ] && ! $py -c "import deepspeed" 2>/dev/null; then
@@ -52,7 +93,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # A step cut off by a lease's deadline keeps what it printed: output unbuffered, each test's outcome as it ends,
 # each failure's report at once (tests/conftest.py).
 export PYTHONUNBUFFERED=1 DOS_TEST_FAILURES_AT_ONCE=1
-if ! $py -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+if [ "$accelerator" = cuda ] && ! $py -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null
+then
   echo "gpu-check: no CUDA GPU visible to $py (or no torch); nothing to check here. Run it on a GPU machine."
   exit 0
 fi
@@ -64,7 +106,7 @@ if [ -n "$missing" ]; then
   exit 2
 fi
 
-all_steps=(cuda-tests mutations-1 mutations-2 mutations-3 cpu-tests-1 cpu-tests-2 cpu-tests-3 calibrate bench-1b
+all_steps=(capture cuda-tests mutations-1 mutations-2 mutations-3 cpu-tests-1 cpu-tests-2 cpu-tests-3 calibrate bench-1b
            bench-3b memory startup-memory threads forward-peak peers)
 # The CPU pass in three parts of a few minutes each on 16 cores; part 3 is every file not named in 1 or 2.
 cpu_part1=(test_equivalence test_engine_behaviour test_atomic_training test_stream_sanitizer)
@@ -82,7 +124,7 @@ cpu_files() {  # part number -> its test files
   esac
 }
 
-steps=("$@")
+steps=(${names[@]+"${names[@]}"})
 [ ${#steps[@]} -eq 0 ] && steps=("${all_steps[@]}")
 for step in "${steps[@]}"; do
   [[ " ${all_steps[*]} " == *" $step "* ]] || {
@@ -95,7 +137,7 @@ peer_systems=stock,twinflow:0.3,auto,superoffload:0.9,zenflow:0.1:4,fsdp-offload
 stamp=$(date -u +%Y-%m-%dT%H:%MZ)
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 torch_version=$($py -c "import torch; print(torch.__version__)")
-out=bench/out/gpu-check-$(date -u +%Y%m%d-%H%M%S)
+out=${capture_out:-bench/out/gpu-check-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$out"
 status=0
 section() {  # title, file: append a dated section to bench/RESULTS.md
@@ -108,9 +150,70 @@ run_logged() {  # log file, command...: run it, tee its output, remember a failu
   "$@" 2>&1 | tee "$log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
+environment() {  # the machine a capture ran on: GPU and its PCIe link, CPUs, NUMA nodes, memory, memlock limit
+  echo "# $stamp, commit $(git rev-parse --short HEAD 2>/dev/null) ($(git status --porcelain 2>/dev/null | wc -l)" \
+    "file(s) changed), $($py --version 2>&1), torch $torch_version, deepspeed" \
+    "$($py -c 'import importlib.metadata as m; print(m.version("deepspeed"))' 2>/dev/null)"
+  uname -a
+  if command -v nvidia-smi >/dev/null; then
+    echo "## nvidia-smi"
+    nvidia-smi
+    nvidia-smi --format=csv --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.gen.max,\
+pcie.link.width.current,pcie.link.width.max,clocks.max.sm
+    echo "## PCIe link (nvidia-smi -q)"
+    nvidia-smi -q | sed -n '/GPU Link Info/,/Bridge Chip/p'
+    nvidia-smi topo -m
+  fi
+  if command -v lspci >/dev/null; then
+    echo "## lspci (NVIDIA devices' links)"
+    lspci -vv -d 10de: 2>/dev/null | grep -E '^[0-9a-f]|LnkCap:|LnkSta:'
+  fi
+  echo "## lscpu"
+  lscpu
+  if command -v numactl >/dev/null; then
+    echo "## numactl -H"
+    numactl -H
+  fi
+  echo "## memory"
+  head -n 3 /proc/meminfo
+  echo "## memlock limit (ulimit -l)"
+  ulimit -l
+  echo "## CPUs this process may run on: $(nproc)"
+}
 for step in "${steps[@]}"; do
   echo "== gpu-check: $step"
   case $step in
+    capture)
+      # Everything into one folder, so that a machine lent for minutes hands it back as files; each bench run under a
+      # deadline, so that what it wrote (its systems' lines, appended as each ends) and the fit survive a slow one.
+      cap=${capture_out:-${OUT:-$out}/capture}
+      mkdir -p "$cap"
+      if [ "$accelerator" = cpu ]; then
+        bench_args=(--preset "${preset:-tiny}" --warmup "${warmup:-2}" --steps "${measured:-3}" --precision 32-true
+                    --max-bytes 100000)
+        deadline=300
+      else
+        bench_args=(--preset "${preset:-1b}" --warmup "${warmup:-3}" --steps "${measured:-6}")
+        deadline=200
+      fi
+      environment > "$cap/env.txt" 2>&1
+      run_logged "$cap/calibrate.log" env DS_ACCELERATOR="$accelerator" $py -m lightning_dos calibrate \
+        --device "$accelerator" --out "$cap/profile.json"
+      for clip_value in off "$clip"; do
+        if [ "$clip_value" = auto ]; then
+          clip_value=$($py bench/fit.py "$cap" --clip-under) || clip_value=1.0
+          echo "gpu-check: the capture clips at $clip_value"
+        fi
+        clip_arg=()
+        [ "$clip_value" = off ] || clip_arg=(--clip "$clip_value")
+        run_logged "$cap/bench-clip-$clip_value.log" env DS_ACCELERATOR="$accelerator" timeout "$deadline" \
+          $py bench/run.py --accelerator "$accelerator" "${bench_args[@]}" "${clip_arg[@]}" \
+          --systems stock,auto,auto@off,auto@forward --steps-jsonl "$cap/steps.jsonl" --trace-dir "$cap/traces" \
+          --out "$cap/bench-clip-$clip_value.json"
+        rmdir "$cap/bench-clip-$clip_value-systems" 2>/dev/null  # the isolated systems' logs: none here
+      done
+      run_logged "$cap/fit.txt" $py bench/fit.py "$cap"
+      [ "$accelerator" = cpu ] || section "capture (bench/fit.py $cap)" "$cap/fit.txt" ;;
     cuda-tests)
       run_logged "$out/cuda-tests.txt" $py -m pytest -v --tb=short -rs -p no:cacheprovider --accelerator cuda \
         tests/test_gpu.py -k "not removing_any"
@@ -171,5 +274,9 @@ for step in "${steps[@]}"; do
       done ;;
   esac
 done
-echo "gpu-check: tables appended to bench/RESULTS.md; logs in $out"
+if [ "$accelerator" = cpu ]; then
+  echo "gpu-check: the capture on CPU in $out (nothing appended to bench/RESULTS.md)"
+else
+  echo "gpu-check: tables appended to bench/RESULTS.md; logs in $out"
+fi
 exit $status

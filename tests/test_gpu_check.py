@@ -151,3 +151,19 @@ def test_the_peers_step_runs_bench_command_lines_that_parse_and_name_a_strategy_
     assert any(n.startswith("zenflow:") for n in names) and any(n.startswith("twinflow:") for n in names)
     for name in names:
         assert make_strategy(name, 1000)[0] is not None, name
+
+
+def test_the_capture_is_the_first_step_and_its_options_are_checked_before_anything_runs() -> None:
+    """``gpu-check.sh capture`` (run on CPU by tests/test_fit.py): first among every step, and a bad option is refused
+    at once, saying what is valid, before any measurement (or the no-GPU exit)."""
+    import re
+
+    assert re.search(r"^all_steps=\(capture ", SCRIPT.read_text(), re.M)
+    for argv, says in (
+        (["--accelerator", "tpu"], "--accelerator takes cuda or cpu, got 'tpu'"),
+        (["--accelerator", "cpu", "cuda-tests"], "with --accelerator cpu only the capture runs, not 'cuda-tests'"),
+        (["capture", "--bogus"], "unknown option '--bogus'; the capture takes --out, --accelerator"),
+        (["capture", "--out"], "--out takes a value"),
+    ):
+        done = subprocess.run(["bash", str(SCRIPT), *argv], capture_output=True, text=True, check=False)
+        assert done.returncode == 2 and says in done.stderr, (argv, done.stderr)
