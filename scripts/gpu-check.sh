@@ -6,18 +6,21 @@
 #   bash scripts/gpu-check.sh capture --out DIR    # the capture, into DIR (options below)
 #   bash scripts/gpu-check.sh capture --out DIR --accelerator cpu   # the same on CPU (tiny preset; CI runs it)
 # Steps:
-#   capture      the performance model's capture, first (on an H100/H200 with 16 cores under 8 minutes): the machine
-#                (GPU, PCIe link, lscpu, NUMA, memlock limit) in env.txt, lightning-dos calibrate (with its contention
-#                measurements) in profile.json, bench/run.py for stock, auto, auto@off and auto@forward with clipping
-#                off and at --clip, one JSON line per step of each in steps.jsonl (bench/steps.py), a trace of two
-#                steady steps of each under traces/, each run's log, and bench/fit.py's table of measured beside
-#                predicted in fit.txt. Options: --out DIR (default $OUT/capture, else the logs folder's; with --out
-#                the other steps' logs go there too),
-#                --accelerator cuda|cpu (cpu: runs without a GPU, tiny preset, 2+3 steps, and appends nothing to
-#                bench/RESULTS.md), --preset P (1b on a GPU), --warmup W and --steps N (3 and 6 on a GPU),
-#                --clip C (default auto: 1.25x the largest gradient norm of the steps run without clipping, which
-#                the clipped run's steps then mostly stay under, as training's past its warm-up; 1.0 if none was
-#                recorded). Commit DIR under bench/captures/<date>-<gpu>/.
+#   capture      the performance model's capture, first (meant to end within 8 minutes on an H100/H200 with 16
+#                cores: each bench run has 200 s; not yet timed on one): the machine (GPU, PCIe link, lscpu, NUMA,
+#                memlock limit) in env.txt, lightning-dos calibrate (with its contention measurements) in
+#                profile.json, bench/run.py for stock, auto, auto@off and auto@forward with clipping off and at
+#                --clip, one JSON line per step of each in steps.jsonl (bench/steps.py), a trace of two steady steps
+#                of each under traces/, each run's log, and bench/fit.py's table of measured beside predicted in
+#                fit.txt (appended to bench/RESULTS.md). Commit DIR under bench/captures/<date>-<gpu>/. Options:
+#                --out DIR     the capture's folder (default $OUT/capture, else under the logs folder; given, the
+#                              other steps' logs go there too)
+#                --accelerator cuda|cpu  cpu: run without a GPU (tiny preset, 2+3 steps, 32-bit; CI runs it),
+#                              appending nothing to bench/RESULTS.md
+#                --preset P, --warmup W, --steps N  on a GPU 1b, 3 and 6
+#                --clip C      the clipped runs' threshold; default auto: 1.25x the largest gradient norm of the
+#                              steady steps run without clipping, which the clipped run's steps then mostly stay
+#                              under, as training's do past its warm-up (1.0 if none was recorded)
 #   cuda-tests   the CUDA pass (tests/test_gpu.py), the delayed-stream test under TORCH_CUDA_SANITIZER=1 included,
 #                the mutation test left to the next three steps (on an H200: 101 s for the other tests, more than
 #                150 s for the sanitizer's)
@@ -73,7 +76,9 @@ case $accelerator in
   cpu)
     [ ${#names[@]} -eq 0 ] && names=(capture)
     for name in "${names[@]}"; do
-      [ "$name" = capture ] || { echo "gpu-check: with --accelerator cpu only the capture runs, not '$name'" >&2; exit 2; }
+      [ "$name" = capture ] && continue
+      echo "gpu-check: with --accelerator cpu only the capture runs, not '$name'" >&2
+      exit 2
     done ;;
   *) echo "gpu-check: --accelerator takes cuda or cpu, got '$accelerator'" >&2; exit 2 ;;
 esac
@@ -93,8 +98,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # A step cut off by a lease's deadline keeps what it printed: output unbuffered, each test's outcome as it ends,
 # each failure's report at once (tests/conftest.py).
 export PYTHONUNBUFFERED=1 DOS_TEST_FAILURES_AT_ONCE=1
-if [ "$accelerator" = cuda ] && ! $py -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null
-then
+if [ "$accelerator" = cuda ] &&
+   ! $py -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   echo "gpu-check: no CUDA GPU visible to $py (or no torch); nothing to check here. Run it on a GPU machine."
   exit 0
 fi
