@@ -48,8 +48,9 @@ class _Batch:
     planner_phases: list[float] | None = None
     speculation: dict[str, float] | None = None
     need_order: list[int] | None = None
-    #: The step's global gradient norm before clipping, as DeepSpeed computed it (None: not known).
-    grad_norm: float | None = None
+    #: The step's global gradient norm before clipping, as DeepSpeed computed it (None: not known); a device tensor
+    #: until the lines are written, so that reading it never waits for the device between two steps.
+    grad_norm: Any = None
     #: (phase, began, ended, sub-groups) of each all-gather's wait on the update in flight, host clock.
     waits: list[tuple[str, float, float, list[int]]] = dataclasses.field(default_factory=list)
 
@@ -175,9 +176,8 @@ class StepRecorder(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         batch, self._open = self._open, None
         deepspeed_engine = getattr(trainer.strategy, "deepspeed_engine", None)
-        norm = deepspeed_engine.get_global_grad_norm() if deepspeed_engine is not None else None
-        if batch is not None and norm is not None:
-            batch.grad_norm = float(norm)
+        if batch is not None and deepspeed_engine is not None:
+            batch.grad_norm = deepspeed_engine.get_global_grad_norm()
         if batch is not None and self._scheduler is not None:
             # The plan and prediction of this step are made by now (before backward under overlap="auto", in the step
             # otherwise), from what the estimator holds until the next step's plan observes this one's report.
@@ -268,7 +268,7 @@ class StepRecorder(L.Callback):
             line["phases"] = {k: row[f"dos/{k}"] for k in ("forward_s", "backward_s", "update_s", "step_s") if
                               f"dos/{k}" in row}  # fmt: skip
             if batch is not None:
-                line["grad_norm"] = batch.grad_norm
+                line["grad_norm"] = float(batch.grad_norm) if batch.grad_norm is not None else None
                 line.update(self._engine_line(batch))
             out.append(line)
         return out
