@@ -41,7 +41,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_dos.model.iteration import Speculation, iteration_s, predicted_timeline  # noqa: E402
+from lightning_dos.model.iteration import Speculation, mode_iteration_s, predicted_timeline  # noqa: E402
 from lightning_dos.model.perfmodel import HardwareRates  # noqa: E402
 from lightning_dos.model.plan import Place, Plan  # noqa: E402
 from lightning_dos.model.update_rules import RULES, Footprint  # noqa: E402
@@ -162,7 +162,11 @@ def predicted_phases(run: dict[str, Any], step: dict[str, Any], alone: tuple[flo
     sizes, plan, rates = run["sizes"], _plan(step), _rates(step["rates"]["used"])
     timeline = predicted_timeline(sizes, plan, rates, run["lp_bytes"], footprint=_footprint(run))
     speculation = Speculation(**step["speculation"]) if step.get("speculation") else None
-    iteration = iteration_s(sizes, plan, timeline, forward_s, backward_s, speculation)[mode]
+    # As the planner predicts it: contention charged where the mode overlaps the training thread.
+    iteration = mode_iteration_s(
+        sizes, plan, rates, run["lp_bytes"], forward_s, backward_s, mode, footprint=_footprint(run),
+        speculation=speculation,
+    )  # fmt: skip
     if mode == "off":
         return {**out, "forward": forward_s, "backward": backward_s, "update": timeline.total_s, "iteration": iteration}
     beside = iteration - backward_s

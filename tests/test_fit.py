@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import clean_env
 
 from bench import fit
 
@@ -24,7 +25,7 @@ def test_the_cpu_capture_writes_every_file_and_the_fit_sets_each_mode_beside_the
     capture = tmp_path / "capture"
     done = subprocess.run(
         ["bash", str(SCRIPT), "capture", "--out", str(capture), "--accelerator", "cpu"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900, check=False,
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "nothing appended to bench/RESULTS.md" in done.stdout

@@ -18,12 +18,11 @@ from lightning_dos.model.auto_plan import auto_plan
 from lightning_dos.model.iteration import (
     Speculation,
     UpdateTimeline,
-    iteration_plan,
     iteration_s,
     predicted_timeline,
-    shortest_iteration_plan,
     speculation_of,
 )
+from lightning_dos.model.iteration_plan import iteration_plan, shortest_iteration_plan
 from lightning_dos.model.perfmodel import device_bytes, predict, rates_for
 from lightning_dos.model.plan import Place, Plan, parse_gpu_fraction
 from lightning_dos.model.update_rules import ADAM_FP32
@@ -192,7 +191,7 @@ def test_the_iteration_plan_is_at_least_the_best_count_streamed_first_and_no_sin
 def test_refining_a_plan_moves_only_free_sub_groups_and_stops_at_its_limit() -> None:
     """The refinement never moves a resident sub-group, predicts at most ``limit`` placements, keeps the plan it
     started from when nothing predicts shorter, and leaves host sub-groups for after backward only when asked."""
-    from lightning_dos.model.iteration import DEVICE, HOST, LATE, RESIDENT, _refined
+    from lightning_dos.model.iteration_plan import DEVICE, HOST, LATE, RESIDENT, _refined
 
     start = (RESIDENT, HOST, HOST, DEVICE, HOST, RESIDENT)
     calls: list[tuple[str, ...]] = []
@@ -466,3 +465,23 @@ def test_with_a_budget_the_scheduler_keeps_its_resident_sub_groups_and_places_th
     assert device_bytes(sizes, plan, footprint=fp) <= device_bytes(sizes, update_best, footprint=fp) <= 256_000
     before, after = (_iteration(sizes, p, rates, "auto", f, b) for p in (update_best, plan))
     assert after < 0.9 * before, (before, after)
+
+
+def test_contention_slows_the_overlapped_modes_and_not_off() -> None:
+    """Calibrated contention (issue 52, point 2) in the iteration: the host update beside the training thread at its
+    share (``overlap_host_speed``) and the next forward beside the update at its (``overlap_launch_speed``) lengthen
+    ``forward`` and ``auto``, each by no more than the slowdown itself; ``off`` runs nothing side by side."""
+    from dataclasses import replace
+
+    from lightning_dos.model.iteration import mode_iteration_s
+
+    rates, _ = load_profile("paper-h100x4")
+    sizes = [100_000_000] * 20
+    plan = parse_gpu_fraction(0.4).plan(len(sizes), sizes=sizes)
+    alone = {m: mode_iteration_s(sizes, plan, rates, 2, 1.0, 2.0, m) for m in ("off", "forward", "auto")}
+    for shares in ({"overlap_host_speed": 0.5}, {"overlap_launch_speed": 0.5}):
+        slowed = replace(rates, **shares)
+        charged = {m: mode_iteration_s(sizes, plan, slowed, 2, 1.0, 2.0, m) for m in alone}
+        assert charged["off"] == pytest.approx(alone["off"]), shares
+        for mode in ("forward", "auto"):
+            assert alone[mode] < charged[mode] <= 2 * alone[mode], (shares, mode, alone, charged)

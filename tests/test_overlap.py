@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.engine.atomic import TornStateError, UpdateInFlightError
 from lightning_dos.errors import DOSConfigError
-from lightning_dos.model.iteration import shortest_iteration_plan
+from lightning_dos.model.iteration_plan import shortest_iteration_plan
 from lightning_dos.model.perfmodel import HardwareRates
 from lightning_dos.model.plan import Place, Plan
 from lightning_dos.planning.agree import _RATE_FIELDS

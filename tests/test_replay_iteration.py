@@ -7,7 +7,7 @@ import pytest
 from lightning_dos.commands.options import footprint_of
 from lightning_dos.commands.simulate import replay_iteration, sub_group_sizes
 from lightning_dos.model.auto_plan import auto_plan
-from lightning_dos.model.iteration import shortest_iteration_plan
+from lightning_dos.model.iteration_plan import shortest_iteration_plan
 from lightning_dos.model.plan import Place, Plan
 from lightning_dos.planning.profiles import load_profile
 from lightning_dos.sim import simstreams

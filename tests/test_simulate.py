@@ -262,3 +262,8 @@ def test_simulate_a_recipe_in_the_order_its_forward_needs_the_sub_groups(tmp_pat
         assert replayed == pytest.approx(predicted, rel=0.10), mode
     assert main(args[:-1]) == 0
     assert "order: as the recipe's forward needs them (16, 17, 0, 1, ..." in capsys.readouterr().out
+    # `plan` predicts the same iterations: the same sub-groups, in the same order, planned as the strategy plans.
+    assert main(["plan", *args[1:-3], "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["overlapped"]
+    for mode in ("forward", "auto"):
+        assert planned[mode]["iteration_s"] == pytest.approx(summary["iteration_predicted_s"][mode]), mode

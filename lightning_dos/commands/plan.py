@@ -172,8 +172,12 @@ def plan_rows(
     overlapped = None
     if args.forward_s is not None and args.backward_s is not None and accelerator:
         speculation = speculation_option(args, fp)
+        # The iteration depends on the order the next forward needs the sub-groups in: a recipe's model's own.
+        from lightning_dos.commands.recipe_order import model_layout
+
+        layout, order = model_layout(args, params, gpus, size)
         overlapped = _overlapped_iterations(
-            sizes, rates, lp, budget, resident_ok, args.forward_s, args.backward_s, fp, speculation
+            layout, rates, lp, budget, resident_ok, args.forward_s, args.backward_s, fp, speculation, order
         )
     disk = disk_of(args, meta)
     nvme = None
@@ -215,15 +219,17 @@ def _overlapped_iterations(
     backward_s: float,
     fp: Footprint,
     speculation: Speculation | None = None,
+    order: tuple[int, ...] = (),
 ) -> dict[str, dict[str, float | int]]:
     """Ours, per overlap mode: the predicted iteration and the streamed count of the plan the strategy runs once it
-    has timed forward and backward (``off``: the update's own best after forward and backward); with
-    ``speculation`` (``--clip``), ``auto``'s at its commit rate."""
+    has timed forward and backward (``off``: the update's own best after forward and backward), the sub-groups in
+    ``order`` (as the next forward needs them; empty: index order); with ``speculation`` (``--clip``), ``auto``'s at
+    its commit rate."""
     out = {}
     for mode in MODES:
         chosen = auto_plan(
             sizes, rates, lp, budget, allow_resident=resident_ok, footprint=fp, phases=(forward_s, backward_s),
-            overlap=mode, speculation=speculation,
+            overlap=mode, speculation=speculation, order=order,
         )  # fmt: skip
         out[mode] = {"iteration_s": chosen.iteration_s, "streamed": len(chosen.plan.streamed_indices)}
     return out

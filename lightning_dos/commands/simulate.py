@@ -38,12 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dos.model.auto_plan import auto_plan
-from lightning_dos.model.iteration import (
-    Speculation,
-    iteration_floor,
-    iteration_s,
-    predicted_timeline,
-)
+from lightning_dos.model.iteration import Speculation, iteration_floor, mode_iteration_s
 from lightning_dos.model.overlap import AUTO, FORWARD, MODES
 from lightning_dos.model.perfmodel import (
     HardwareRates,
@@ -177,8 +172,9 @@ def whole_iteration(
                 redone, more = replay_iteration(*args, footprint=footprint, clipped=True) if rate < 1 else (None, 0)
                 replayed[mode] = rate * committed.time_s + (1 - rate) * (redone.time_s if redone else 0.0)
                 races, run = races + more, committed
-        timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
-        predicted[mode] = iteration_s(sizes, plan, timeline, forward_s, backward_s, speculation)[mode]
+        predicted[mode] = mode_iteration_s(
+            sizes, plan, rates, lp_bytes, forward_s, backward_s, mode, footprint=footprint, speculation=speculation
+        )
         streamed = plan.streamed_indices
         plans[mode] = {
             "streamed": len(streamed),

@@ -1,6 +1,6 @@
 """Forward and backward times of one iteration, on the device's own clock.
 
-The placement that minimises the whole iteration (:func:`~lightning_dos.model.iteration.iteration_plan`) needs
+The placement that minimises the whole iteration (:func:`~lightning_dos.model.iteration_plan.iteration_plan`) needs
 how long forward and backward take. On an accelerator both run asynchronously, so the host's clock says when they
 were launched, not how long they ran: each phase boundary records a timing event on the current stream instead,
 and the events are read once the phases are over (DeepSpeed synchronises at the end of backward). Without an

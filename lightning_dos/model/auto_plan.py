@@ -4,7 +4,7 @@ plan`` and ``lightning-dos simulate`` all ask here, so what they show is what th
 First the plan that minimises the update alone within the device budget (:func:`~lightning_dos.model.perfmodel.
 choose_plan`: streaming only by default, resident sub-groups too within an explicit ``gpu_memory_budget``); then,
 once forward and backward have been timed, the placement whose predicted iteration under the overlap mode is
-shortest (:func:`~lightning_dos.model.iteration.shortest_iteration_plan`).
+shortest (:func:`~lightning_dos.model.iteration_plan.shortest_iteration_plan`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_dos.model.iteration import Speculation, iteration_s, predicted_timeline, shortest_iteration_plan
+from lightning_dos.model.iteration import Speculation, mode_iteration_s
+from lightning_dos.model.iteration_plan import shortest_iteration_plan
 from lightning_dos.model.overlap import AUTO, FORWARD, OFF, Overlap
 from lightning_dos.model.perfmodel import HardwareRates, Prediction
 from lightning_dos.model.plan import Plan
@@ -81,8 +82,9 @@ def auto_plan(
         sizes, rates, lp_bytes, update_plan, forward_s, backward_s, searched, footprint=footprint,
         speculation=speculation, budget=budget,
     )  # fmt: skip
-    timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
-    predicted = iteration_s(sizes, plan, timeline, forward_s, backward_s, speculation)[overlap]
+    predicted = mode_iteration_s(
+        sizes, plan, rates, lp_bytes, forward_s, backward_s, overlap, footprint=footprint, speculation=speculation
+    )
     return AutoPlan(update_plan, update, plan, predicted)
 
 

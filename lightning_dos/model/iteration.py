@@ -22,21 +22,20 @@ come first and finish early), and DeepSpeed's own work between the phases. Pure 
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from lightning_dos.model.overlap import MODES
 from lightning_dos.model.perfmodel import (
     HardwareRates,
-    device_bytes,
     least_update_s,
+    overlapped,
     predict,
     rates_for,
     update_bytes,
 )
-from lightning_dos.model.plan import Place, Plan, even_plan
+from lightning_dos.model.plan import Plan
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 
 
@@ -123,9 +122,13 @@ def iteration_s(
     forward_s: float,
     backward_s: float,
     speculation: Speculation | None = None,
+    launch_speed: float = 1.0,
 ) -> dict[str, float]:
     """Iteration time of each mode in :data:`MODES` for ``plan``'s update over sub-groups of ``sizes``; with
-    ``speculation`` (gradient clipping), ``auto`` is the mean over committed and clipped steps at its commit rate."""
+    ``speculation`` (gradient clipping), ``auto`` is the mean over committed and clipped steps at its commit rate.
+    ``launch_speed``: the next forward's share of its speed alone while the update runs beside it
+    (``HardwareRates.overlap_launch_speed``); the update's own slowdown is ``timeline``'s
+    (:func:`predicted_timeline` ``beside_training``). :func:`mode_iteration_s` puts both together."""
     total = sum(sizes)
     sequence = plan.sequence
     forward_share = [forward_s * sizes[i] / total for i in sequence]
@@ -138,12 +141,12 @@ def iteration_s(
         final_at[i] = backward_s * after / total
     off = forward_s + backward_s + timeline.total_s
     forward = backward_s + _forward_beside_update(
-        [timeline.land_s[i] for i in sequence], forward_share, timeline.total_s
+        [timeline.land_s[i] for i in sequence], forward_share, timeline.total_s, launch_speed
     )
 
     def auto_when(committed: bool | None) -> float:
         land, end = _auto_update(plan, timeline, final_at, backward_s, speculation, committed)
-        return backward_s + _forward_beside_update([land[i] for i in sequence], forward_share, end)
+        return backward_s + _forward_beside_update([land[i] for i in sequence], forward_share, end, launch_speed)
 
     if speculation is None:
         auto = auto_when(None)
@@ -153,6 +156,27 @@ def iteration_s(
         rate = speculation.commit_rate
         auto = rate * auto_when(True) + (1 - rate) * (auto_when(False) if rate < 1.0 else 0.0)
     return {"off": off, "forward": forward, "auto": auto}
+
+
+def mode_iteration_s(
+    sizes: Sequence[int],
+    plan: Plan,
+    rates: HardwareRates,
+    lp_bytes: int,
+    forward_s: float,
+    backward_s: float,
+    mode: str,
+    *,
+    footprint: Footprint = ADAM_FP32,
+    speculation: Speculation | None = None,
+) -> float:
+    """The model's iteration for ``plan`` under overlap ``mode``: the update's schedule (:func:`predicted_timeline`,
+    beside the training thread when the mode overlaps it) and the iteration around it (:func:`iteration_s`, the next
+    forward slowed beside the update), with the contention ``rates`` measured (``overlap_*_speed``)."""
+    beside = mode != MODES[0]
+    timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint, beside_training=beside)
+    launch = rates.overlap_launch_speed if beside else 1.0
+    return iteration_s(sizes, plan, timeline, forward_s, backward_s, speculation, launch)[mode]
 
 
 def iteration_floor(
@@ -221,12 +245,21 @@ def forward_beside_update_s(
     )
 
 
-def _forward_beside_update(land_s: Sequence[float], forward_share: Sequence[float], update_end_s: float) -> float:
-    """From the update's start: the next forward, each sub-group's layers after its landing, and the update's end,
-    whichever comes last (the next backward waits for both)."""
+def _forward_beside_update(
+    land_s: Sequence[float], forward_share: Sequence[float], update_end_s: float, launch_speed: float = 1.0
+) -> float:
+    """From the update's start: the next forward, each sub-group's layers after its landing (at ``launch_speed`` of
+    their speed alone until the update ends), and the update's end, whichever comes last (the next backward waits
+    for both)."""
     done = 0.0
     for landed, work in zip(land_s, forward_share, strict=True):
-        done = max(done, landed) + work
+        start = max(done, landed)
+        if start >= update_end_s or launch_speed >= 1.0:
+            done = start + work
+        elif start + work / launch_speed <= update_end_s:
+            done = start + work / launch_speed
+        else:  # slowed until the update's end, at full speed after it
+            done = update_end_s + work - (update_end_s - start) * launch_speed
     return max(done, update_end_s)
 
 
@@ -264,200 +297,26 @@ def _auto_update(
     return timeline.landings(ready)
 
 
-def iteration_plan(
-    sizes: Sequence[int],
-    rates: HardwareRates,
-    lp_bytes: int,
-    buffers: int,
-    forward_s: float,
-    backward_s: float,
-    mode: str,
-    *,
-    footprint: Footprint = ADAM_FP32,
-    resident: Sequence[int] = (),
-    speculation: Speculation | None = None,
-    order: Sequence[int] = (),
-) -> Plan:
-    """The streamed/host placement that minimises ``mode``'s predicted iteration (not the update alone), through
-    ``buffers`` staging buffers (what fits the device, as the update-only plan found), the sub-groups in
-    ``resident`` staying resident: the best of every count of streamed sub-groups placed first (the next forward
-    needs them first; backward makes their gradients final last, so the host ones are updated during backward under
-    ``auto``) or last among the others and, under ``auto``, of the spread placements (:func:`_spread_candidates`),
-    then improved a sub-group at a time (:func:`_refined`); "first", "last" and "spread" in ``order`` (the order the
-    next forward needs them; empty: index order), which the plan keeps."""
-    n, fixed, order = len(sizes), set(resident), tuple(order)
-    free = [i for i in (order or range(n)) if i not in fixed]
-    roles = [RESIDENT if i in fixed else HOST for i in range(n)]
-
-    def predicted(candidate: Sequence[str]) -> float:
-        plan = _plan_of(candidate, buffers, order)
-        timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
-        return iteration_s(sizes, plan, timeline, forward_s, backward_s, speculation)[mode]
-
-    candidates = []
-    # Under "auto", the host sub-groups are also tried all left for after backward (as "forward" runs them): the
-    # gradients backward makes final first are those the next forward needs last, and with a large sub-group the
-    # forward needs first made final at backward's very end (a GPT's embeddings), updating during backward can only
-    # delay the update after it (20B on paper-h100x4 in its recorded order: 3.97 s predicted without these, the
-    # forward's 3.62 s with them).
-    host_roles = (HOST, LATE) if mode == "auto" else (HOST,)
-    for streamed, first, host in itertools.product(range(len(free) + 1), (True, False), host_roles):
-        device = set(free[:streamed] if first else free[len(free) - streamed :])
-        candidates.append([DEVICE if i in device else (host if i in free else role) for i, role in enumerate(roles)])
-    if mode == "auto":
-        per_element = rates_for(rates, footprint).host_s_per_element
-        if speculation is not None:  # a speculative update may cost more than one in place (torch's kernels)
-            per_element *= 1 + speculation.copy_share
-        candidates += _spread_candidates(sizes, roles, free, backward_s, per_element)
-    best = min(((predicted(c), c) for c in candidates), key=lambda pair: pair[0])
-    return _plan_of(_refined(best[1], best[0], free, predicted, late=mode == "auto"), buffers, order)
-
-
-#: A sub-group's role in a placement being searched: streamed, resident, a host sub-group, and (under ``auto``) a
-#: host sub-group left for after backward (:attr:`~lightning_dos.model.plan.Plan.after_backward`).
-DEVICE, RESIDENT, HOST, LATE = "streamed", "resident", "host", "late"
-_PLACE_OF = {DEVICE: Place.DEVICE, RESIDENT: Place.RESIDENT, HOST: Place.HOST, LATE: Place.HOST}
-
-
-def _plan_of(roles: Sequence[str], buffers: int, order: tuple[int, ...] = ()) -> Plan:
-    after = frozenset(i for i, role in enumerate(roles) if role == LATE)
-    return Plan(tuple(_PLACE_OF[role] for role in roles), max(1, buffers), after, order)
-
-
-#: Counts of streamed sub-groups :func:`_spread_candidates` tries for each count of host sub-groups updated during
-#: backward (all of them when there are fewer).
-SPREAD_COUNTS = 30
-
-
-def _spread_candidates(
-    sizes: Sequence[int], roles: Sequence[str], free: Sequence[int], backward_s: float, per_element: float
-) -> list[list[str]]:
-    """Placements for ``auto`` that spread the CPU's work during backward over the whole partition.
-
-    Backward makes the last sub-groups' gradients final first, and the CPU can update only part of the partition
-    before backward ends (``per_element`` CPU seconds each). If it updated the first that came, the sub-groups the
-    next forward reaches last would all be done, and the forward would wait for every other sub-group before running
-    through them. Spread instead - every few sub-groups one the CPU updates during backward, the others streamed or
-    left to the CPU after backward, each spread too - the forward finds something ready all along. Tried: as many
-    host sub-groups during backward as the CPU has time for, two fewer to two more, and for each every count of
-    streamed ones (up to :data:`SPREAD_COUNTS` counts)."""
-    if not free:
-        return []
-    per_sub_group = per_element * sum(sizes[i] for i in free) / len(free)
-    fits = round(backward_s / per_sub_group) if per_sub_group > 0 else len(free)
-    candidates = []
-    for early_count in range(max(1, fits - 2), min(len(free), fits + 2) + 1):
-        early = _spread(free, early_count)
-        rest = [i for i in free if i not in early]
-        counts = sorted({round(k * len(rest) / SPREAD_COUNTS) for k in range(SPREAD_COUNTS + 1)})
-        for streamed_count in counts if len(rest) > SPREAD_COUNTS else range(len(rest) + 1):
-            device = _spread(rest, streamed_count)
-            placed = {**dict.fromkeys(rest, LATE), **dict.fromkeys(device, DEVICE), **dict.fromkeys(early, HOST)}
-            candidates.append([placed.get(i, role) for i, role in enumerate(roles)])
-    return candidates
-
-
-def _spread(indices: Sequence[int], count: int) -> set[int]:
-    """``count`` of ``indices`` spread evenly, as :func:`~lightning_dos.model.plan.even_plan` spreads them."""
-    if not indices or count <= 0:
-        return set()
-    return {indices[i] for i in even_plan(len(indices), count / len(indices)).device_indices}
-
-
-#: Predictions :func:`_refined` may make (each one pass over the sub-groups): a whole re-plan takes about 0.3-0.4 s at
-#: 50 sub-groups and 1.2-1.3 s at 219 on a 2-core CPU, paid at each re-plan (every 50th iteration with overlap on).
-REFINE_PREDICTIONS = 1000
-
-
-def _refined(
-    roles: Sequence[str],
-    seconds: float,
-    free: Sequence[int],
-    predicted: Callable[[Sequence[str]], float],
-    limit: int = REFINE_PREDICTIONS,
-    late: bool = False,
-) -> list[str]:
-    """``roles`` improved by single moves among the ``free`` sub-groups while one shortens the ``predicted``
-    iteration: one sub-group between streamed and host (and, with ``late``, between a host sub-group updated during
-    backward and one left for after it), or two neighbours trading roles. Each round takes its best move (the first
-    on a tie, so the result is deterministic); it stops when none shortens the prediction or after ``limit``
-    predictions.
-
-    Why not only the best count of streamed sub-groups placed first: after backward the CPU and the upload link
-    both deliver sub-groups to the next forward, the CPU one per host update and the link one per streamed upload,
-    each several times slower than the forward uses them. Streamed sub-groups spread among the later host ones
-    keep both busy until the end (with clipping, when the host updates nothing during backward, by several
-    percent: 20B on ``paper-h100x4`` at forward 1 s + backward 2 s, 3.73 s -> 3.63 s simulated)."""
-    choices = (DEVICE, HOST, LATE) if late else (DEVICE, HOST)
-    current, used = list(roles), 0
-    while used < limit:
-        moves = []
-        for k, i in enumerate(free):
-            for role in choices:
-                if role != current[i] and (late or current[i] != LATE):
-                    moved = list(current)
-                    moved[i] = role
-                    moves.append(moved)
-            if k + 1 < len(free) and current[i] != current[free[k + 1]]:
-                traded = list(current)
-                traded[i], traded[free[k + 1]] = current[free[k + 1]], current[i]
-                moves.append(traded)
-        best = None
-        for move in moves[: limit - used]:
-            candidate = predicted(move)
-            if candidate < seconds * (1 - 1e-9) and (best is None or candidate < best[0]):
-                best = (candidate, move)
-        used += len(moves)
-        if best is None:
-            break
-        seconds, current = best
-    return current
-
-
-def shortest_iteration_plan(
-    sizes: Sequence[int],
-    rates: HardwareRates,
-    lp_bytes: int,
-    update_best: Plan,
-    forward_s: float,
-    backward_s: float,
-    mode: str,
-    *,
-    footprint: Footprint = ADAM_FP32,
-    speculation: Speculation | None = None,
-    budget: int | None = None,
-) -> Plan:
-    """Of ``update_best`` (the plan that minimises the update alone) and :func:`iteration_plan` with the same
-    resident sub-groups through as many staging buffers, if it needs no more device memory than ``update_best`` or
-    the ``budget`` (device bytes the update may use; None: no limit), the one whose predicted ``mode`` iteration is
-    shorter (``update_best`` on a tie): what ``gpu_fraction="auto"`` runs once forward and backward are measured;
-    with ``speculation`` (clipping), ``auto``'s iteration at its commit rate. (Sub-groups differ in size by a few
-    elements, so a candidate streaming other ones may need a few bytes more than ``update_best`` and still fit.)"""
-    if mode not in MODES[1:]:
-        return update_best
-    buffers, resident = update_best.device_buffers, update_best.resident_indices
-    candidate = iteration_plan(
-        sizes, rates, lp_bytes, buffers, forward_s, backward_s, mode, footprint=footprint, resident=resident,
-        speculation=speculation, order=update_best.order,
-    )  # fmt: skip
-    needed = device_bytes(sizes, candidate, footprint=footprint)
-    if needed > device_bytes(sizes, update_best, footprint=footprint) and budget is not None and needed > budget:
-        return update_best
-
-    def iteration(plan: Plan) -> float:
-        timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint)
-        return iteration_s(sizes, plan, timeline, forward_s, backward_s, speculation)[mode]
-
-    return candidate if iteration(candidate) < iteration(update_best) else update_best
-
-
 def predicted_timeline(
-    sizes: Sequence[int], plan: Plan, rates: HardwareRates, lp_bytes: int, *, footprint: Footprint = ADAM_FP32
+    sizes: Sequence[int],
+    plan: Plan,
+    rates: HardwareRates,
+    lp_bytes: int,
+    *,
+    footprint: Footprint = ADAM_FP32,
+    beside_training: bool = False,
 ) -> UpdateTimeline:
     """The performance model's :class:`UpdateTimeline` for ``plan``: :func:`~lightning_dos.model.perfmodel.predict`'s
     rates and byte counts, kept per sub-group, the host sub-groups worked through in order from the update's start
-    (:meth:`UpdateTimeline.landings`)."""
+    (:meth:`UpdateTimeline.landings`). Where host sub-groups run beside the copies, the copies at their measured
+    share (:func:`~lightning_dos.model.perfmodel.overlapped`), as ``predict`` charges them; ``beside_training`` (the
+    update overlaps forward or backward), the host update at its share beside the training thread too."""
     total = predict(sizes, plan, rates, lp_bytes, footprint=footprint).time_s
+    if plan.host_indices:
+        charged = overlapped(rates, beside_training=beside_training)
+        if beside_training and charged.host_adam_eps < rates.host_adam_eps:  # predict charged the copies alone
+            total = predict(sizes, plan, charged, lp_bytes, footprint=footprint).time_s
+        rates = charged
     rates = rates_for(rates, footprint)
     streaming = bool(plan.streamed_indices)
     up = rates.duplex_h2d_bps if streaming else rates.h2d_bps
