@@ -267,3 +267,16 @@ def test_simulate_a_recipe_in_the_order_its_forward_needs_the_sub_groups(tmp_pat
     planned = json.loads(capsys.readouterr().out)["overlapped"]
     for mode in ("forward", "auto"):
         assert planned[mode]["iteration_s"] == pytest.approx(summary["iteration_predicted_s"][mode]), mode
+
+
+def test_the_replay_charges_the_copies_share_beside_the_host_update_as_the_model_does() -> None:
+    """A calibrated profile whose copies run at 60% beside the host update (``overlap_copy_speed``): the replayed
+    update stays within 5% of the performance model's, which charges that share where host sub-groups run."""
+    rates = replace(load_profile("paper-h100x4")[0], overlap_copy_speed=0.6)
+    sizes = sub_group_sizes(int(20e9), 4, int(1e8))
+    plan = auto_plan(sizes, rates, 2, None).plan
+    assert plan.host_indices and plan.streamed_indices
+    result = simulate(sizes, plan, rates, 2)
+    assert result.replayed.time_s == pytest.approx(result.predicted.time_s, rel=0.05), result.ratio
+    plain = simulate(sizes, plan, replace(rates, overlap_copy_speed=1.0), 2)
+    assert result.replayed.time_s > plain.replayed.time_s

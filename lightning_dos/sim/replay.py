@@ -44,7 +44,7 @@ from typing import Any
 
 from lightning_dos.model.iteration import write_allocate_share
 from lightning_dos.model.nvme import DiskRates
-from lightning_dos.model.perfmodel import HardwareRates, rates_for, update_bytes
+from lightning_dos.model.perfmodel import HardwareRates, overlapped, rates_for, update_bytes
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 from lightning_dos.sim.findings import HOST, LoggedOp
 
@@ -327,6 +327,11 @@ def replay(
     if disk is None and any(e.kind == "op" and e.lane in DRIVE_LANES for e in entries):
         raise ValueError("the log has the NVMe tier's drive requests: give the drive's rates (disk=DiskRates(...))")
     recorded = {e.event for e in entries if e.kind in ("record", "host_record")}
+    if any(e.kind == "op" and e.lane == "host_adam" for e in entries):
+        # The copies beside the host update at their calibrated share, as the performance model charges them
+        # (perfmodel.overlapped: throughout, where the plan has host sub-groups). The training thread's slowdown
+        # beside the update (overlap_launch_speed, overlap_host_speed) is the model's alone: not replayed.
+        rates = overlapped(rates)
     device = _Device(rates, disk)
     threads: dict[int, deque[LoggedOp]] = {}
     for entry in entries:
