@@ -77,7 +77,7 @@ class WatchGathers(L.Callback):
             wait(indices, stream)
 
         engine._land, engine.wait_sub_groups = landing, waiting
-        engine.on_point = lambda point, index: time.sleep(0.004) if point == "done" and on_host(index) else None
+        engine.on_point = lambda point, index: time.sleep(0.006) if point == "done" and on_host(index) else None
 
 
 def waited_for(watch: WatchGathers) -> list[tuple[frozenset[int], set[int]]]:
