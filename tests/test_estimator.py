@@ -244,3 +244,27 @@ def test_the_prediction_check_ci_runs_on_the_main_job_fails_a_step_off_by_more_t
     assert main([str(write([1.0] * 10)), "--rows", "40"]) == 1
     assert main([str(write([5.0] * 40)), "--engine", "--rows", "40"]) == 0  # the engine's pair is its own columns
     assert "--every 4 --rows 40" in (Path(__file__).parents[1] / ".ci" / "run").read_text()
+
+
+def test_the_update_phase_is_predicted_from_the_steps_before_in_its_regime() -> None:
+    """A step whose updates begun during backward are redone (clipped) runs its own work beside more of the update:
+    its phase is predicted from earlier redone steps' (from the others' until there is one), the others' from the
+    others'; under overlap="off" the engine loop's prediction made at planning is added."""
+    import torch
+
+    from lightning_dos.engine.loop import InterleavedUpdate
+    from lightning_dos.model.plan import parse_gpu_fraction
+    from lightning_dos.planning.scheduler import PlacementScheduler
+
+    engine = InterleavedUpdate([256], [0], 64, torch.device("cpu"), torch.float32, pin=False)
+    for overlap, loop in (("auto", 0.0), ("off", 0.5)):
+        scheduler = PlacementScheduler(parse_gpu_fraction(0.0), engine, lambda device: None, overlap=overlap)
+        scheduler._predict_update_phase(7, 0.5)
+        assert scheduler.update_phase_predicted_s(7) is None, "nothing measured yet"
+        scheduler.observe_update_phase(0.01 + loop, 0.5)
+        assert scheduler.update_phase_predicted_s(7, redone=True) == pytest.approx(loop + 0.01)
+        for _ in range(3):
+            scheduler.observe_update_phase(0.04 + loop, 0.5, redone=True)
+        assert scheduler.update_phase_predicted_s(7, redone=True) == pytest.approx(loop + 0.04)
+        assert scheduler.update_phase_predicted_s(7) == pytest.approx(loop + 0.01)
+        assert scheduler.update_phase_predicted_s(8) is None, "not planned"

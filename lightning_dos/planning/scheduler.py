@@ -115,6 +115,8 @@ class PlacementScheduler:
         self._base_predicted: dict[int, float] = {}
         #: The update phase's own work (DeepSpeed's step around the engine's loop), from the phases measured so far.
         self.own_time = OwnTimeEstimator()
+        #: The same, of steps whose updates begun during backward were redone (clipped).
+        self.own_time_redone = OwnTimeEstimator()
         #: The update phase predicted for each recent step planned (:meth:`update_phase_predicted_s`).
         self._phase_predicted: dict[int, float] = {}
 
@@ -199,26 +201,30 @@ class PlacementScheduler:
         return self._plan, predicted
 
     def _predict_update_phase(self, step: int, engine_update_s: float) -> None:
-        """Keep ``step``'s update phase predicted now, before it runs (none until a phase has been measured)."""
+        """Keep the engine loop's part of ``step``'s update phase, predicted now, before it runs."""
         for old in [s for s in self._phase_predicted if s <= step - PHASE_PREDICTIONS_KEPT]:
             del self._phase_predicted[old]
-        own = self.own_time.value
-        if own is not None:
-            self._phase_predicted[step] = update_phase_s(self.overlap, engine_update_s, own)
+        self._phase_predicted[step] = update_phase_s(self.overlap, engine_update_s, 0.0)
 
-    def update_phase_predicted_s(self, step: int) -> float | None:
+    def update_phase_predicted_s(self, step: int, redone: bool = False) -> float | None:
         """The update phase (``DOSMonitor``'s ``dos/update_s``: from backward's end to the batch's end) predicted for
-        ``step`` when it was planned: the step's own work as measured over the steps before
-        (:class:`~lightning_dos.planning.estimator.OwnTimeEstimator`) and, under ``overlap="off"``, the engine's
-        update loop as the model predicted it (:func:`~lightning_dos.model.update_phase.update_phase_s`). None for a
-        step not planned here, or planned before any phase was measured."""
-        return self._phase_predicted.get(step)
+        ``step`` before it ran: under ``overlap="off"`` the engine's update loop as the model predicted it when the
+        step was planned (:func:`~lightning_dos.model.update_phase.update_phase_s`), and the step's own work as
+        measured over the steps before (:class:`~lightning_dos.planning.estimator.OwnTimeEstimator`) in its regime:
+        ``redone``, a step whose updates begun during backward are redone (it was clipped: known when backward ends,
+        as the phase begins), whose own work runs beside more of the update on the same cores, or any other. None for
+        a step not planned here, or before any phase was measured."""
+        loop = self._phase_predicted.get(step)
+        ways = (self.own_time_redone, self.own_time) if redone else (self.own_time, self.own_time_redone)
+        own = next((way.value for way in ways if way.value is not None), None)
+        return None if loop is None or own is None else loop + own
 
-    def observe_update_phase(self, phase_s: float, engine_update_s: float) -> None:
+    def observe_update_phase(self, phase_s: float, engine_update_s: float, redone: bool = False) -> None:
         """One step's update phase as measured (``DOSMonitor`` hands it over) and its engine's loop
         (``StepReport.update_s``): what the phase held beyond that loop is the step's own work, which later steps'
-        predictions count."""
-        self.own_time.observe(own_time_s(self.overlap, phase_s, engine_update_s))
+        predictions in the same regime (``redone``: see :meth:`update_phase_predicted_s`) count."""
+        way = self.own_time_redone if redone else self.own_time
+        way.observe(own_time_s(self.overlap, phase_s, engine_update_s))
 
     def _any_rank_drifted(self, step: int) -> bool:
         if self._reduce_min is None or step % DRIFT_CHECK_EVERY:

@@ -355,11 +355,13 @@ class DOSMonitor(Callback):
         scheduler, row = self._scheduler, {}
         if scheduler is None or not hasattr(scheduler, "update_phase_predicted_s"):
             return row
-        predicted = scheduler.update_phase_predicted_s(report.step)
+        # Whether the updates begun during backward are redone (the step was clipped) is known as the phase begins.
+        redone = report.speculated > 0 and report.committed is False
+        predicted = scheduler.update_phase_predicted_s(report.step, redone)
         if predicted is not None and math.isfinite(predicted):
             row["dos/update_predicted_s"] = float(predicted)
         if measured_s is not None and not report.skipped:
-            scheduler.observe_update_phase(measured_s, report.update_s)
+            scheduler.observe_update_phase(measured_s, report.update_s, redone)
         return row
 
     def _report_metrics(self, report: StepReport, measured_update_s: float) -> dict[str, float]:
