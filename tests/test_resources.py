@@ -269,7 +269,7 @@ def test_deepspeed_accessors_see_and_keep_resident_state() -> None:
 
     host_read, host_final, _ = run(Place.HOST)
     resident_read, resident_final, engine = run(Place.RESIDENT)
-    assert engine.last_report.plan.resident_indices == list(range(len(engine.sub_groups)))
+    assert sorted(engine.last_report.plan.resident_indices) == list(range(len(engine.sub_groups)))
     assert host_read.keys() == resident_read.keys()
     for key, value in host_read.items():
         assert torch.equal(resident_read[key], value), f"stale read of {key}"

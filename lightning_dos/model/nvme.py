@@ -270,7 +270,7 @@ def predict_tiered(
             writes.append((d2h_free, sizes[i] * state, slot))
     cpu_free = host_s = link_free = 0.0
     host_indices = plan.host_indices if host_order is None else list(host_order)
-    if sorted(host_indices) != plan.host_indices:
+    if sorted(host_indices) != sorted(plan.host_indices):
         raise ValueError("host_order must list the plan's host sub-groups, each once")
     for i in host_indices:
         landed, slot = read(i) if i in on_nvme else (0.0, -1)

@@ -162,13 +162,16 @@ class PlacementScheduler:
     def __call__(self, step: int) -> tuple[Plan, float | None]:
         self._observe_last_report()
         n = len(self.engine.sub_groups)
+        # The order the next forward needs the sub-groups in, once recorded (the same on every rank: same model).
+        order = self.engine.need_order
         if self.spec.mode != "auto":
-            self._plan = self._plan or self.spec.plan(n, sizes=self.engine.sizes)
+            self._plan = (self._plan or self.spec.plan(n, sizes=self.engine.sizes)).in_order(order)
         elif not self.has_accelerator:
             # No accelerator: the host is the only place worth using; no search is needed.
-            self._plan = self._plan or all_host(n)
+            self._plan = (self._plan or all_host(n)).in_order(order)
         elif (
             self._plan is None
+            or self._plan.order != order
             or self._new_phases is not None
             or step - self._planned_at >= REPLAN_EVERY
             or self._any_rank_drifted(step)
