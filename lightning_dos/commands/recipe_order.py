@@ -30,12 +30,10 @@ class RecipeLayout:
     Attributes:
         sizes: elements of each sub-group, in the engine's (index) order.
         order: the sub-groups in the order the next forward needs them (``Plan.order``).
-        params: the model's parameters.
     """
 
     sizes: list[int]
     order: tuple[int, ...]
-    params: int
 
 
 def recipe_layout(path: str | Path, gpus: int, sub_group_size: int) -> RecipeLayout:
@@ -77,7 +75,7 @@ def recipe_layout(path: str | Path, gpus: int, sub_group_size: int) -> RecipeLay
         model(torch.zeros((1, model.hparams.block_size), dtype=torch.long, device="meta"))
     recorder.remove()
     order = need_order(len(sub_groups), recorder.gathers(sub_groups_of))
-    return RecipeLayout([sg.numel for sg in sub_groups], order, model.num_parameters())
+    return RecipeLayout([sg.numel for sg in sub_groups], order)
 
 
 def model_layout(

@@ -311,12 +311,9 @@ def predicted_timeline(
     (:meth:`UpdateTimeline.landings`). Where host sub-groups run beside the copies, the copies at their measured
     share (:func:`~lightning_dos.model.perfmodel.overlapped`), as ``predict`` charges them; ``beside_training`` (the
     update overlaps forward or backward), the host update at its share beside the training thread too."""
+    if plan.host_indices:  # charged once: predict leaves rates it is given charged as they are
+        rates = overlapped(rates, beside_training=beside_training)
     total = predict(sizes, plan, rates, lp_bytes, footprint=footprint).time_s
-    if plan.host_indices:
-        charged = overlapped(rates, beside_training=beside_training)
-        if beside_training and charged.host_adam_eps < rates.host_adam_eps:  # predict charged the copies alone
-            total = predict(sizes, plan, charged, lp_bytes, footprint=footprint).time_s
-        rates = charged
     rates = rates_for(rates, footprint)
     streaming = bool(plan.streamed_indices)
     up = rates.duplex_h2d_bps if streaming else rates.h2d_bps

@@ -42,11 +42,3 @@ def need_order(count: int, gathers: Iterable[Iterable[int]], final: Sequence[int
         return first.get(index, math.inf), finality.get(index, count), index
 
     return tuple(sorted(range(count), key=key))
-
-
-def positions(order: Sequence[int]) -> list[int]:
-    """Each sub-group's position in ``order`` (the inverse permutation)."""
-    where = [0] * len(order)
-    for position, index in enumerate(order):
-        where[index] = position
-    return where

@@ -153,14 +153,16 @@ class Plan:
 
     def indices(self, *places: Place) -> list[int]:
         """Indices of the sub-groups placed at any of ``places``, in :attr:`sequence`."""
-        return [i for i in self.sequence if self.places[i] in places]
+        return [i for i in self.order or range(len(self.places)) if self.places[i] in places]
 
     def in_order(self, order: Sequence[int]) -> Plan:
         """The same placement taken in ``order`` (empty: index order); ``order`` must hold every sub-group once."""
         order = tuple(order)
+        if order == self.order:  # every step, for the plan in force: nothing to check again
+            return self
         if order and sorted(order) != list(range(len(self.places))):
             raise ValueError(f"an order of {len(self.places)} sub-groups must hold each once, got {order}")
-        return self if order == self.order else replace(self, order=order)
+        return replace(self, order=order)
 
     @property
     def device_indices(self) -> list[int]:

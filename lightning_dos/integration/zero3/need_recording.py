@@ -8,6 +8,8 @@ each sub-group's gradient final; :func:`~lightning_dos.model.need_order.need_ord
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from lightning_dos.model.need_order import need_order
 from lightning_dos.planning.forward_order import ForwardRecorder
 
@@ -56,7 +58,7 @@ class NeedRecording:
             self._set_need_order(self._final_record)
             self._final_record = None
 
-    def _set_need_order(self, final: list[int] = ()) -> None:
+    def _set_need_order(self, final: Sequence[int] = ()) -> None:
         record = self._forward_record
         gathers = record.gathers(self._sub_groups_of_params)
         if any(gathers):
