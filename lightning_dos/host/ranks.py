@@ -9,9 +9,6 @@ all at once) and use the slowest rate of each kind over the ranks.
 
 from __future__ import annotations
 
-import atexit
-import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,43 +18,6 @@ import torch
 from lightning_dos.model.nvme import DiskRates
 from lightning_dos.model.perfmodel import HardwareRates
 from lightning_dos.planning.agree import ReduceMin, min_rates
-
-_destroy_registered = False
-
-
-def destroy_process_group_at_exit() -> None:
-    """Destroy the default process group when the process exits, while the interpreter is still whole.
-
-    DeepSpeed initialises the process group and neither it nor Lightning's DeepSpeedStrategy destroys it (Lightning
-    registers this only for NCCL groups it creates itself). Left to interpreter finalisation, a gloo group whose
-    worker threads still hold an asynchronous collective's tensors (ZeRO-3 issues its all-gathers asynchronously)
-    frees them after the interpreter is gone and the process aborts with "terminate called without an active
-    exception" (pytorch/pytorch#190489): a finished run that exits with SIGABRT. Registered once per process; a
-    group the user destroyed already is left alone.
-
-    Destroying waits for this rank's collectives in flight. A collective no other rank will ever join (a rank whose
-    run failed mid-collective) keeps the process from exiting with or without this (measured on gloo: the
-    interpreter's own teardown waits for it too), until the other ranks exit or the group's timeout passes.
-    """
-    global _destroy_registered
-    if not _destroy_registered:
-        _destroy_registered = True
-        atexit.register(_destroy_default_process_group)
-
-
-def _destroy_default_process_group() -> None:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    on_main = threading.current_thread() is threading.main_thread()
-    # A Ctrl-C here would leave the group half destroyed: ignored for the moment it takes (as Lightning does).
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if on_main else None
-    try:
-        dist.destroy_process_group()
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
 
 
 def reduce_min_over_ranks(device: torch.device, group: object = None) -> ReduceMin | None:

@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning_dos.errors import DOSConfigError
 from lightning_dos.host import quiet
 from lightning_dos.host.extensions import announce_op_builds
-from lightning_dos.host.ranks import destroy_process_group_at_exit
+from lightning_dos.host.rank_exit import settle_collectives_at_exit
 
 
 class DeepSpeedCPUStrategy(DeepSpeedStrategy):
@@ -55,8 +55,9 @@ class DeepSpeedCPUStrategy(DeepSpeedStrategy):
         )
 
     def setup_distributed(self) -> None:
-        # Destroyed at exit, before the interpreter is torn down (see destroy_process_group_at_exit).
-        destroy_process_group_at_exit()
+        # At exit, the collectives in flight end and the process group goes while the interpreter is whole (a finished
+        # gloo run aborted with SIGABRT without: lightning_dos/host/rank_exit.py).
+        settle_collectives_at_exit()
         announce_op_builds()  # DeepSpeed's ops build from here on (its collectives' first), minutes on a small machine
         if isinstance(self.accelerator, CUDAAccelerator):
             super().setup_distributed()
