@@ -75,7 +75,7 @@ def test_simulate_with_clipping_weighs_committed_and_clipped_steps(capsys: pytes
     race; the spare slots' host memory is reported."""
     runs = {}
     for rate in ("1.0", "0.0"):
-        runs[rate] = _simulate(capsys, "--forward-s", "0.5", "--backward-s", "1.0", "--clip", "--commit-rate", rate)
+        runs[rate] = _simulate(capsys, "--forward-s", "0.5", "--backward-s", "1.0", "--commit-rate", rate)
     committed, clipped = runs["1.0"], runs["0.0"]
     assert committed["iteration_s"]["auto"] < committed["iteration_s"]["forward"]
     assert clipped["iteration_s"]["auto"] <= 1.02 * clipped["iteration_s"]["forward"]
@@ -90,8 +90,8 @@ def test_simulate_with_clipping_weighs_committed_and_clipped_steps(capsys: pytes
     exact = iteration_floor(sizes, rates, 2, 0.5, 1.0)["auto"]
     assert committed["iteration_floor_s"]["auto"] > exact
     assert clipped["iteration_floor_s"]["auto"] == pytest.approx(clipped["iteration_floor_s"]["forward"])
-    assert cli_main(["simulate", "--params", "20e9", "--commit-rate", "0.5"]) == 2  # needs --clip
-    assert "--commit-rate needs --clip" in capsys.readouterr().err
+    assert cli_main(["simulate", "--params", "20e9", "--commit-rate", "1.5"]) == 2
+    assert "--commit-rate=1.5 is not valid" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

@@ -106,7 +106,14 @@ def test_the_next_forwards_gathers_wait_for_their_own_sub_groups_only(overlap: s
     L.seed_everything(0, verbose=False)
     model = GPT(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=256)
     strategy = DeepOptimizerStatesStrategy(
-        gpu_fraction=0.5, sub_group_size=50_000, overlap=overlap, streams_factory=lambda device: SimStreams(device)
+        gpu_fraction=0.5,
+        sub_group_size=50_000,
+        overlap=overlap,
+        streams_factory=lambda device: SimStreams(device),
+        # Two spare slots (a slot holds the largest sub-group's state and 16-bit result, 0.7 MB): "auto" speculates
+        # on two host sub-groups during backward and commits them, in need order, before the step's device side is
+        # launched; the other host sub-groups are updated after it, where the next forward can catch up with them.
+        speculation_memory=2_000_000,
     )
     watch = WatchGathers()
     trainer(strategy, steps=4, clip=None, callbacks=(watch,)).fit(model, loader())

@@ -215,7 +215,9 @@ def test_the_pre_flight_figure_matches_what_a_real_run_holds(precision: str, tmp
     params = result["params"]
     assert params == 20 * (1024 * 1024 + 1024)
     expected = {"32-true": 20, "bf16-mixed": 18}[precision]  # 4 + lp + 12 B/param, nothing pinned on CPU
-    assert result["preflight"] == expected * params
+    # Beside the state, overlap="auto" (the default) holds spare slots for its speculative updates, in the figure.
+    assert result["spare"] > 0
+    assert result["preflight"] - result["spare"] == expected * params
     assert abs(result["state_held"] / result["preflight"] - 1) < 0.10, result
 
 
@@ -244,6 +246,11 @@ def test_bf16_mixed_host_memory_is_no_more_than_stock_offloads(tmp_path: Path) -
     against stock's 24.4 measured here). 1% allows for noise (measured: ours 0.99-1.00x stock's once fixed)."""
     ours, stock = (_fit_in_own_process("bf16-mixed", system, tmp_path) for system in ("ours", "stock"))
     assert ours["params"] == stock["params"]
+    # The spare slots of overlap="auto"'s speculative updates (issue 61: every update begun during backward is
+    # speculative, clipping or not) are host memory stock does not hold, bounded by speculation_memory ("auto":
+    # half the node's spare) and shown in the pre-flight figure; the rest is held to stock's.
+    assert ours["spare"] > 0
+    ours["peak_added"] -= ours["spare"]
     per_param = {name: r["peak_added"] / r["params"] for name, r in (("ours", ours), ("stock", stock))}
     assert per_param["ours"] <= 1.01 * per_param["stock"], (per_param, ours["trace"], stock["trace"])
 
@@ -256,6 +263,8 @@ def test_start_up_host_peak_on_the_simulated_accelerator_is_the_pre_flight_figur
     result = _fit_in_own_process("bf16-mixed", "sim", tmp_path)
     params = result["params"]
     # 4 (DeepSpeed's fp32 gradients) + 2 (its bf16 gradient partitions) + 12 (slabs) + the 16-bit ring: a slot of
-    # the largest sub-group per sub-group, 2 B/param and a little more.
-    assert 20 <= result["preflight"] / params < 20.5, result["items"]
-    assert abs(result["startup_added"] / result["preflight"] - 1) < 0.10, result
+    # the largest sub-group per sub-group, 2 B/param and a little more; and the spare slots of speculation.
+    assert 20 <= (result["preflight"] - result["spare"]) / params < 20.5, result["items"]
+    # The spare slots are allocated at set-up and first written by a speculative update, after it: start-up holds the
+    # rest of the figure.
+    assert abs(result["startup_added"] / (result["preflight"] - result["spare"]) - 1) < 0.10, result

@@ -188,3 +188,18 @@ def test_one_process_measures_the_drive_alone_and_a_rank_with_nothing_to_measure
     assert entered == [[0.0], [float("inf"), float("inf")]]
     agreed = measure_drive_together(lambda: drive, least_with_another_rank)
     assert agreed is not None and agreed.agreed == DiskRates(1.5e9, 1e9)
+
+
+@pytest.mark.parametrize(
+    ("ranks", "launcher", "precision", "overlap"),
+    [(2, "lightning", "bf16-mixed", "auto"), (4, "torchrun", "32-true", "off")],
+)
+def test_every_rank_of_a_short_run_exits_0(ranks: int, launcher: str, precision: str, overlap: str) -> None:
+    """One run of scripts/rank_exits.py's job (train, gather the weights, exit) per launcher: every rank's exit status
+    is 0 and none printed "terminate" (under Lightning's launcher rank 0 reads the other ranks' statuses). The script
+    runs it 20 times in a row per setting; here once each, to keep the suite short."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from rank_exits import run_once
+
+    ok, why, out = run_once("exit", ranks, launcher, precision, overlap, 300.0, Path("unused"))
+    assert ok, f"{why}:\n{out[-3000:]}"

@@ -32,6 +32,7 @@ def _train_ranks(devices: int, out: Path, torchrun: bool = False) -> dict:
         job = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}", *job]
     done = subprocess.run([sys.executable, *job], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "terminate" not in done.stderr, done.stderr[-3000:]  # a rank torn down by std::terminate (issue 60)
     result = torch.load(out)
     result["ranks"] = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(devices)]
     result["planning"] = [json.loads(Path(f"{out}.rank{r}.planning.json").read_text()) for r in range(devices)]

@@ -42,15 +42,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--forward-s", type=float, help="forward seconds per iteration and rank: time the iteration")
     parser.add_argument("--backward-s", type=float, help="backward seconds per iteration and rank (with --forward-s)")
     parser.add_argument(
-        "--clip",
-        action="store_true",
-        help="gradient clipping is on: under overlap 'auto' the updates begun during backward are speculative",
-    )
-    parser.add_argument(
         "--commit-rate",
         type=float,
         default=1.0,
-        help="with --clip: the share of steps not clipped, whose speculative updates are kept (default 1.0)",
+        help="under overlap 'auto' (whose updates begun during backward are speculative): the share of steps "
+        "neither clipped nor skipped, whose speculative updates are kept (default 1.0)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -165,13 +161,10 @@ def recipe_parameters(path: str) -> int:
     )
 
 
-def speculation_option(args: argparse.Namespace, footprint: Footprint) -> Speculation | None:
-    """``--clip`` and ``--commit-rate`` as the iteration model takes them (None without ``--clip``); a commit rate
-    outside [0, 1] raises ValueError."""
-    if not args.clip:
-        if args.commit_rate != 1.0:
-            raise ValueError("--commit-rate needs --clip (without clipping nothing is speculative)")
-        return None
+def speculation_option(args: argparse.Namespace, footprint: Footprint) -> Speculation:
+    """``--commit-rate`` as the iteration model takes it: every update ``auto`` begins during backward is speculative
+    (DeepSpeed skips a step whose gradient norm is not finite; clipping may change its factor). A commit rate outside
+    [0, 1] raises ValueError."""
     if not 0.0 <= args.commit_rate <= 1.0:
         raise ValueError(f"--commit-rate={args.commit_rate:g} is not valid: use a share of steps in [0, 1]")
     return speculation_of(args.commit_rate, footprint)

@@ -223,8 +223,8 @@ def _overlapped_iterations(
 ) -> dict[str, dict[str, float | int]]:
     """Ours, per overlap mode: the predicted iteration and the streamed count of the plan the strategy runs once it
     has timed forward and backward (``off``: the update's own best after forward and backward), the sub-groups in
-    ``order`` (as the next forward needs them; empty: index order); with ``speculation`` (``--clip``), ``auto``'s at
-    its commit rate."""
+    ``order`` (as the next forward needs them; empty: index order); with ``speculation`` (``--commit-rate``),
+    ``auto``'s at its commit rate."""
     out = {}
     for mode in MODES:
         chosen = auto_plan(

@@ -92,7 +92,7 @@ def _print_iteration(console: Any, s: dict[str, Any]) -> None:
     console.print(table)
     if "commit_rate" in s:
         console.print(
-            f"auto with clipping: speculative updates during backward, commit rate {s['commit_rate']:g}, spare slots "
+            f"auto: speculative updates during backward, commit rate {s['commit_rate']:g}, spare slots "
             f"{s['speculation_bytes'] / 1e9:.2f} GB of host memory per rank",
             markup=False,
         )

@@ -83,6 +83,7 @@ class HostSubGroups:
         if arrivals.proceed == GradientArrivals.RUN:
             if error is not None:
                 raise error
+            report.early = tuple(early)  # the list the commits appended to as well
             return report
         if progress.touched:
             abandoned = arrivals.proceed == GradientArrivals.ABANDON
@@ -141,7 +142,9 @@ class HostSubGroups:
         """Backward is over: commit the speculated sub-groups when the step runs with the factor they were updated
         with, else drop their speculative results, their current state untouched (clipped, loss scale changed:
         they are updated again after backward with the real factor; skipped or abandoned: nothing of the step
-        remains)."""
+        remains). Committed in the order the next forward needs them (backward made them final in about the
+        reverse), before the step's device side is launched: their 16-bit results hold slots of the staging ring
+        that the device side takes too."""
         real = arrivals.inv_grad_scale
         commit = arrivals.proceed == GradientArrivals.RUN and (real is None or real == inputs.inv_grad_scale)
         report.committed = commit
@@ -150,8 +153,9 @@ class HostSubGroups:
             if real is not None:
                 inputs.inv_grad_scale = real
             return
+        position = {index: place for place, index in enumerate(self.need_order)}
         try:
-            for index in list(self.spare.pending):
+            for index in sorted(self.spare.pending, key=lambda i: position.get(i, i)):
                 landed = self._commit(index, inputs, report)
                 self._land(index, landed)
                 self.updated_early.append(index)

@@ -1,5 +1,6 @@
 """What ``overlap`` runs as, decided once DeepSpeed is up: "auto" begins the step during backward where it can
-(speculatively with gradient clipping or fp16 loss scaling, in spare host memory), else runs as "forward"; said once.
+(speculatively, in spare host memory: DeepSpeed skips a step whose global gradient norm is not finite, which only
+backward's end tells), else runs as "forward"; said once.
 
 Every line said fits 80 columns after Lightning's ``INFO: `` prefix.
 """
@@ -19,16 +20,11 @@ from lightning_dos.model.overlap import AUTO, FORWARD, OFF, Overlap
 from lightning_dos.planning.scheduler import PlacementScheduler
 
 
-def speculation_budget(
-    config: dict[str, Any], overlap: str, speculation_memory: int | str, rank_bytes: int, local_ranks: int
-) -> int:
+def speculation_budget(overlap: str, speculation_memory: int | str, rank_bytes: int, local_ranks: int) -> int:
     """Host bytes a rank may hold for speculative updates (the pre-flight's part): none unless ``overlap="auto"``
-    runs with gradient clipping or fp16 loss scaling (``config``, DeepSpeed's); ``speculation_memory`` bytes, or
-    under ``"auto"`` half of what the node has spare beyond every local rank's ``rank_bytes``, shared by the
-    ``local_ranks``."""
-    clips = float(config.get("gradient_clipping") or 0.0) > 0.0
-    scales = bool((config.get("fp16") or {}).get("enabled", False))
-    if overlap != AUTO or not (clips or scales):
+    (every update it begins during backward is speculative); ``speculation_memory`` bytes, or under ``"auto"`` half
+    of what the node has spare beyond every local rank's ``rank_bytes``, shared by the ``local_ranks``."""
+    if overlap != AUTO:
         return 0
     if speculation_memory != "auto":
         return int(speculation_memory)
@@ -39,8 +35,8 @@ def speculation_budget(
 
 
 def resolve_overlap(asked: str, ds_optimizer: Any, speculation_bytes: int, speculation_memory: int | str) -> Overlap:
-    """What runs for ``overlap=asked``: "auto" only where the step may begin during backward (exactly, or
-    speculatively within ``speculation_bytes``), else "forward"; said once, except for "auto" whose line
+    """What runs for ``overlap=asked``: "auto" only where the step may begin during backward (speculatively,
+    within ``speculation_bytes``), else "forward"; said once, except for "auto" whose line
     :func:`reserve_speculation` says once the engine exists."""
     if asked == OFF:
         rank_zero_info("lightning-dos: overlap='off': each step waits for its update")
@@ -49,7 +45,7 @@ def resolve_overlap(asked: str, ds_optimizer: Any, speculation_bytes: int, specu
         rank_zero_info("lightning-dos: overlap='forward': the update overlaps the next forward")
         return FORWARD
     blocker = backward_overlap_blocker(ds_optimizer)
-    if blocker is None and (needs_global_norm(ds_optimizer) is None or speculation_bytes > 0):
+    if blocker is None and speculation_bytes > 0:
         return AUTO
     if blocker is None:
         spare = "speculation_memory=0" if speculation_memory == 0 else "no host memory is spare"
@@ -59,7 +55,7 @@ def resolve_overlap(asked: str, ds_optimizer: Any, speculation_bytes: int, specu
 
 
 def reserve_speculation(adapter: ZeRO3Adapter, ds_optimizer: Any, speculation_bytes: int) -> int:
-    """Under "auto": reserve the engine's spare slots where updates begun during backward are speculative, one at
+    """Under "auto": reserve the engine's spare slots for the updates begun during backward (all speculative), one at
     most per sub-group such an update may take (:func:`updatable_during_backward`), or run as "forward" when not
     one fits in ``speculation_bytes`` or no sub-group may be taken during backward; say what runs; return the host
     bytes reserved."""
@@ -71,12 +67,6 @@ def reserve_speculation(adapter: ZeRO3Adapter, ds_optimizer: Any, speculation_by
     if early == 0:  # all of the state in files: nothing to begin during backward, speculatively or not
         adapter.overlap = FORWARD
         _say_forward("every sub-group's state is on NVMe, read only once backward is over")
-        return 0
-    if reason is None:
-        rank_zero_info(
-            "lightning-dos: overlap='auto': host sub-groups are updated during backward\n"
-            "as their gradients become final; the rest overlaps the next forward"
-        )
         return 0
     slot = engine.speculation_slot_bytes()
     slots = min(early, speculation_bytes // max(1, slot))
@@ -94,7 +84,7 @@ def reserve_speculation(adapter: ZeRO3Adapter, ds_optimizer: Any, speculation_by
         "lightning-dos: overlap='auto': host sub-groups are updated during backward\n"
         "as their gradients become final, speculatively, as\n"
         f"{reason}:\n"
-        "each update is kept if the step is not clipped, else redone after it\n"
+        f"{_kept_if(reason)}\n"
         f"({slots} of {_sub_groups(engine, early)}, {_size(held)} of host memory)"
     )
     return held
@@ -118,6 +108,13 @@ def plan_for_speculation(scheduler: PlacementScheduler, adapter: ZeRO3Adapter) -
         policy, footprint = adapter.commit_policy, adapter.engine.footprint
         out_of_place = native.available()  # else torch's kernels copy the state before a speculative update
         scheduler.speculation = lambda: speculation_of(policy.expected_rate, footprint, out_of_place)
+
+
+def _kept_if(reason: str) -> str:
+    """What decides whether a speculative update is kept, as the console says it."""
+    if reason.startswith("gradient clipping"):
+        return "each update is kept if the step is not clipped, else redone after it"
+    return "each update is kept if the step is taken, else dropped with it"
 
 
 def _say_forward(why: str) -> None:

@@ -76,9 +76,7 @@ class StartupChecks:
             engine_on_accelerator=on_cuda or getattr(self.streams_factory, "is_async", False) is True,
         )
         local_ranks = max(1, len(self.parallel_devices or [None]))
-        self._speculation_bytes = speculation_budget(
-            self.config, self.overlap, self.speculation_memory, figure.total, local_ranks
-        )
+        self._speculation_bytes = speculation_budget(self.overlap, self.speculation_memory, figure.total, local_ranks)
         counted = self._speculation_bytes if self.speculation_memory != "auto" else 0  # "auto" fits by construction
         if self.dos_nvme is not None:
             self._plan_nvme_tier(figure, per_rank, footprint, local_ranks)

@@ -117,22 +117,23 @@ class DeepOptimizerStatesStrategy(StartupChecks, DeepSpeedCPUStrategy):
             results; on a GPU placement depends on the mode, timings and free memory, so modes agree to float
             precision, and bit for bit only for the same placement. ``"auto"`` (the
             default): ``"forward"``, and the step begins during backward: each host sub-group is updated on a
-            background thread as soon as backward has made its gradient final (the last layers' first); with
-            gradient clipping or fp16 loss scaling, speculatively (see ``speculation_memory``); where it cannot
-            (no speculation memory, optimizer state on NVMe) it runs as ``"forward"`` and says why once.
+            background thread as soon as backward has made its gradient final (the last layers' first),
+            speculatively (see ``speculation_memory``); where it cannot (no speculation memory, optimizer state on
+            NVMe) it runs as ``"forward"`` and says why once.
             ``"forward"``: the step returns while the update runs (host sub-groups on a background thread,
             device work on the engine's streams), and every all-gather of the next forward first waits for
             exactly the sub-groups holding the parameters it gathers; the next backward, evaluation, checkpoints,
             DeepSpeed's accessors and teardown wait for the whole update.
             ``"off"``: the step returns once the update is over.
         speculation_memory: host bytes per rank for speculative updates, which let ``overlap="auto"`` begin the
-            update during backward with gradient clipping or fp16 loss scaling on: each host sub-group whose gradient
-            is final is updated as if the step were not clipped, its untouched state kept in a spare slot; backward's
-            end keeps the update (not clipped: most steps after warm-up) or restores the state and updates it again
-            (clipped), so every outcome is bit-identical to ``overlap="off"``. ``"auto"``: up to half the host memory
-            the pre-flight finds spare, at most one slot per sub-group; a number of bytes: that much (counted by the
-            pre-flight); 0: off (``"auto"`` then runs as ``"forward"`` with clipping). A run whose steps are all
-            clipped stops speculating by itself (and says so).
+            update during backward: each host sub-group whose gradient is final is updated as if the step were taken
+            and not clipped, out of place into a spare slot, its current state untouched; backward's end keeps the
+            update (most steps) or drops it (a step DeepSpeed skips, its gradient norm not finite: nothing of it
+            remains; a clipped step: updated again with the real factor), so every outcome is bit-identical to
+            ``overlap="off"``. ``"auto"``: up to half the host memory the pre-flight finds spare, at most one slot
+            per sub-group (about the optimizer state's size again); a number of bytes: that much (counted by the
+            pre-flight); 0: off (``"auto"`` then runs as ``"forward"``). A run whose steps are all clipped stops
+            speculating by itself (and says so).
         host_threads: torch threads of each rank for host Adam and casts. ``"auto"``: the CPUs the local
             ranks may use are split into disjoint sets, one per rank (its accelerator's NUMA node first, where
             sysfs tells), each rank is bound to its set and runs one thread per physical core of it; a binding

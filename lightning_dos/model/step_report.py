@@ -62,10 +62,12 @@ class StepReport:
         pinned_bytes: host bytes held by the engine's buffer pool (pinned when pinning works).
         fallback_host: sub-groups the plan put on the device but that ran on the host because device
             staging could not be allocated.
-        speculated: host sub-groups updated during backward before the gradient norm was known (gradient
-            clipping or fp16 loss scaling).
-        committed: whether those speculative updates were kept (the step was not clipped); None when none was
-            made. When False they were undone and updated again with the real factor (or the step was skipped).
+        speculated: host sub-groups updated during backward, before the step's fate was known (whether it is taken,
+            and with which gradient factor: clipping, fp16 loss scaling).
+        committed: whether those speculative updates were kept (the step was taken and not clipped); None when none
+            was made. When False they were undone and updated again with the real factor (or the step was skipped).
+        early: the host sub-groups whose update begun during backward is the step's (committed, or exact where the
+            engine ran without speculation), in the order they were kept.
         spans: one :class:`Span` per operation, only when timing is enabled.
     """
 
@@ -85,6 +87,7 @@ class StepReport:
     fallback_host: list[int] = field(default_factory=list)
     speculated: int = 0
     committed: bool | None = None
+    early: tuple[int, ...] = ()
     spans: list[Span] = field(default_factory=list)
 
     @property

@@ -59,8 +59,18 @@ class Record(L.Callback):
             dp_group=str(group.group_name) if group is not None else None,
         )
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
-        self.record["early"].append(len(trainer.strategy.dos_engine.updated_early))
+    def _record_early(self, trainer: L.Trainer) -> None:
+        # From each step's report, issued once its update is over (commits of speculative updates run on the
+        # update thread after the step returned).
+        engine = trainer.strategy.dos_engine
+        for number in range(len(self.record["early"]) + 1, engine.reports_issued + 1):
+            self.record["early"].append(len(engine.report_number(number).early))
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+        self._record_early(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, *args: object) -> None:
+        self._record_early(trainer)
 
 
 def main(devices: int, overlap: str, out: str) -> None:

@@ -178,6 +178,9 @@ def main(precision: str, layers: int, width: int, out: str, system: str = "ours"
         "startup_added": baseline.startup_peak - before_state["rss"],
         "state_held": baseline.held - before_state["rss"],
         "preflight": figure.total,
+        # Host memory for speculative updates during backward (overlap="auto", the default), part of the figure:
+        # bounded by speculation_memory ("auto": half the node's spare), on top of the optimizer state itself.
+        "spare": sum(size for name, size in figure.items if name == "spare slots for speculative updates"),
         "trace": baseline.trace,
         "items": figure.items,
         "deepspeed_sub_groups": [int(f.numel()) for f in flats],

@@ -1,8 +1,8 @@
 """Forward and backward as the adapter sees them: gradients becoming final, backward's end, phases.
 
-Under ``overlap="auto"`` the step begins during backward (speculatively under gradient clipping or fp16 loss
-scaling): the adapter watches DeepSpeed's boundary copies of each gradient partition, hands each engine sub-group
-whose gradient is final to the update, and marks
+Under ``overlap="auto"`` the step begins during backward, speculatively (committed once backward's end shows the
+step is taken with the factor it began with): the adapter watches DeepSpeed's boundary copies of each gradient
+partition, hands each engine sub-group whose gradient is final to the update, and marks
 the end of backward with an event on the stream its copies ran on. It also times forward and backward for
 the planner and measures their peak device memory for the engine's budget.
 """
@@ -108,8 +108,8 @@ class BackwardHooks:
                 "ZeRO3Adapter.before_backward before each backward"
             )
         _, plan, predicted = upcoming
-        # The factor of a step that is not clipped (a norm of 0): exact without clipping and fp16 loss scaling; with
-        # them, a guess that backward's end confirms or refutes (speculative).
+        # The factor of a step that is not clipped (a norm of 0): a guess that backward's end confirms or refutes
+        # (the step may be clipped, or skipped for a norm that is not finite).
         steps, inputs = self._inputs(predicted, 0.0)
         inputs.speculative = self.speculative
         self._early = (plan, inputs, steps)
@@ -117,13 +117,14 @@ class BackwardHooks:
         self.engine.begin_early(lambda arrivals: self._apply(plan, inputs, steps, arrivals))
 
     def _begins_early(self) -> bool:
-        """Whether this step begins during backward: always when its updates need no global norm; with gradient
-        clipping or fp16 loss scaling (speculative updates), while the commit rate says it pays."""
+        """Whether this step begins during backward: while the commit rate of its speculative updates says it pays
+        (always where no spare slot was reserved: an engine driven without speculation)."""
         if not self.speculative:
             return True
         last = self.engine.last_report
         if last is not None:
-            self.commit_policy.observe(last.step, last.committed)
+            # A skipped step redoes nothing (its updates are dropped with it): only clipped steps count against.
+            self.commit_policy.observe(last.step, None if last.skipped else last.committed)
         return self.commit_policy.speculates(self.engine.steps_taken + 1)
 
     def _measure_peak(self, begins: bool = False) -> None:

@@ -161,11 +161,8 @@ def _accelerator_device() -> str:
 
 
 def backward_overlap_blocker(zero_optimizer: object) -> str | None:
-    """Why the step cannot begin during backward with this ZeRO-3 optimizer at all (None: it can; exactly, or
-    speculatively where :func:`needs_global_norm` says so).
-
-    (A non-finite norm makes DeepSpeed skip the step: the engine stops at the first non-finite gradient it meets,
-    and undoes or says what it had updated by then.)"""
+    """Why the step cannot begin during backward with this ZeRO-3 optimizer at all (None: it can, speculatively:
+    :func:`needs_global_norm`)."""
     z = zero_optimizer
     if getattr(z, "swap_optimizer", False):
         return "the optimizer state is swapped to NVMe"
@@ -174,14 +171,17 @@ def backward_overlap_blocker(zero_optimizer: object) -> str | None:
     return None
 
 
-def needs_global_norm(zero_optimizer: object) -> str | None:
-    """What makes a sub-group's update depend on the whole gradient (None: nothing; its own gradient suffices).
+def needs_global_norm(zero_optimizer: object) -> str:
+    """What makes a sub-group's update begun during backward provisional until backward ends: always something.
 
-    Gradient clipping scales every gradient by the global norm, and fp16 loss scaling may skip the step on an
-    overflow anywhere: an update begun during backward is then speculative (:mod:`lightning_dos.engine.speculation`)."""
+    DeepSpeed skips a step whose global gradient norm is not finite, in every precision (``is_invalid_grad_norm``),
+    and only the whole gradient tells: an update begun during backward is therefore speculative
+    (:mod:`lightning_dos.engine.speculation`), committed once the step is known to be taken and dropped when it is
+    skipped. Gradient clipping also scales every gradient by the global norm, and fp16 loss scaling may skip the
+    step on an overflow anywhere; the reason said names the first that applies."""
     z = zero_optimizer
     if z.clip_grad > 0.0:
         return f"gradient clipping (gradient_clip_val={z.clip_grad:g}) needs the global gradient norm"
     if z.dtype == torch.float16:
         return "fp16 loss scaling may skip the step on an overflow anywhere"
-    return None
+    return "DeepSpeed skips a step whose global gradient norm is not finite"
