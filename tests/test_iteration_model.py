@@ -246,14 +246,16 @@ def test_simulate_times_the_whole_iteration_replayed_and_predicted(
 
 def test_the_overlap_targets_on_the_papers_node_at_the_default_settings(capsys: pytest.CaptureFixture) -> None:
     """20B on paper-h100x4, forward 0.5 s + backward 1 s, default settings, simulated (the engine's schedule replayed
-    on the virtual node): "auto" (no clipping) within 0.75x of "off" and within 1.3x of forward + backward alone (the
-    update almost wholly hidden), "forward" (what "auto" does with clipping) within 0.88x of "off", each replay
-    within 10% of the model's prediction and above what no schedule could beat."""
+    on the virtual node): "auto" within 0.75x of "off" and within 1.4x of forward + backward alone (the update mostly
+    hidden), "forward" within 0.88x of "off", each replay within 10% of the model's prediction and above what no
+    schedule could beat. Since issue 61 "auto"'s updates during backward are speculative with clipping or without:
+    out of place, they pay the CPU's write-allocate (2.089 s, 1.39x, where the exact ones of before gave 1.918 s,
+    1.28x, but ended a run on a step DeepSpeed skips)."""
     got = _simulate(capsys, "--forward-s", "0.5", "--backward-s", "1.0")
     replayed, predicted, floor = got["iteration_s"], got["iteration_predicted_s"], got["iteration_floor_s"]
     assert replayed["auto"] <= 0.75 * replayed["off"], replayed
     assert replayed["forward"] <= 0.88 * replayed["off"], replayed
-    assert replayed["auto"] <= 1.3 * got["forward_backward_s"], replayed
+    assert replayed["auto"] <= 1.4 * got["forward_backward_s"], replayed
     for mode in ("off", "forward", "auto"):
         assert replayed[mode] == pytest.approx(predicted[mode], rel=0.10), mode
         assert floor[mode] <= replayed[mode], mode
@@ -444,7 +446,9 @@ def test_with_a_budget_the_iteration_plan_keeps_the_resident_sub_groups_and_thei
     fp = footprint_of()
     update_best = auto_plan(sizes, rates, 2, int(25.6e9), allow_resident=True, footprint=fp).update_plan
     assert update_best.resident_indices and update_best.streamed_indices
-    plan = shortest_iteration_plan(sizes, rates, 2, update_best, 0.5, 1.0, "auto", footprint=fp)
+    # "auto" is speculative (issue 61), as simulate plans it: every step committed.
+    spec = speculation_of(1.0, fp)
+    plan = shortest_iteration_plan(sizes, rates, 2, update_best, 0.5, 1.0, "auto", footprint=fp, speculation=spec)
     assert plan.resident_indices == update_best.resident_indices
     assert device_bytes(sizes, plan, footprint=fp) <= device_bytes(sizes, update_best, footprint=fp) <= 25.6e9
     assert len(plan.streamed_indices) < len(update_best.streamed_indices)

@@ -142,9 +142,8 @@ class HostSubGroups:
         """Backward is over: commit the speculated sub-groups when the step runs with the factor they were updated
         with, else drop their speculative results, their current state untouched (clipped, loss scale changed:
         they are updated again after backward with the real factor; skipped or abandoned: nothing of the step
-        remains). Committed in the order the next forward needs them (backward made them final in about the
-        reverse), before the step's device side is launched: their 16-bit results hold slots of the staging ring
-        that the device side takes too."""
+        remains). Committed in the order they were made (their 16-bit results hold slots of the staging ring, given
+        back in the order taken), before the step's device side is launched, which the next forward waits for."""
         real = arrivals.inv_grad_scale
         commit = arrivals.proceed == GradientArrivals.RUN and (real is None or real == inputs.inv_grad_scale)
         report.committed = commit
@@ -153,9 +152,8 @@ class HostSubGroups:
             if real is not None:
                 inputs.inv_grad_scale = real
             return
-        position = {index: place for place, index in enumerate(self.need_order)}
         try:
-            for index in sorted(self.spare.pending, key=lambda i: position.get(i, i)):
+            for index in list(self.spare.pending):
                 landed = self._commit(index, inputs, report)
                 self._land(index, landed)
                 self.updated_early.append(index)
