@@ -249,7 +249,7 @@ class NonFiniteAt(TinyLM):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
         if self.where == "embedding" and self.trainer.global_step == self.at:
-            h = _InfGradient.apply(h)
+            h = NonFiniteGradient.apply(h, float("inf"))
         h = h + self.mlp(self.norm(h))
         return self.head(h)
 
@@ -258,14 +258,17 @@ class NonFiniteAt(TinyLM):
         return loss * float("nan") if self.where == "loss" and self.trainer.global_step == self.at else loss
 
 
-class _InfGradient(torch.autograd.Function):
+class NonFiniteGradient(torch.autograd.Function):
+    """The identity forward; backward multiplies the gradient flowing through by ``value`` (inf, NaN)."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, x: torch.Tensor, value: float) -> torch.Tensor:  # noqa: ANN001
+        ctx.value = value
         return x.clone()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        return grad * float("inf")
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        return grad * ctx.value, None
 
 
 def fit_non_finite(overlap: str, where: str, callbacks=()) -> tuple[TinyLM, KeepState]:  # noqa: ANN001

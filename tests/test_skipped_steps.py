@@ -26,6 +26,7 @@ from lightning_dos.integration.cpu_strategy import DeepSpeedCPUStrategy
 from lightning_dos.model.plan import Place
 from tests.helpers import RandomPlacement, TinyLM, full_parameters, loader, trainer
 from tests.test_non_finite_batch import KeepOptimizerState
+from tests.test_overlap import NonFiniteGradient
 
 SUB_GROUP = 700
 STEPS = 5
@@ -48,7 +49,7 @@ class BadBatchAt(TinyLM):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
         if self.kind == "nan in last gradient" and self._bad():
-            h = _NaNGradient.apply(h)
+            h = NonFiniteGradient.apply(h, float("nan"))
         h = h + self.mlp(self.norm(h))
         return self.head(h)
 
@@ -69,16 +70,6 @@ class StockScaledOnce(DeepSpeedCPUStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: object, *args: object, **kwargs: object) -> object:
         kwargs.setdefault("scale_wrt_gas", False)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-
-class _NaNGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        return grad * float("nan")
 
 
 class SpeculatedAtTheBadStep(L.Callback):
