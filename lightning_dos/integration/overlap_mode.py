@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_dos.engine import native
 from lightning_dos.engine.loop import InterleavedUpdate
 from lightning_dos.host.hostmem import host_memory
-from lightning_dos.integration.zero3 import ZeRO3Adapter, backward_overlap_blocker, needs_global_norm
+from lightning_dos.integration.zero3 import ZeRO3Adapter, backward_overlap_blocker, speculation_reason
 from lightning_dos.model.iteration import speculation_of
 from lightning_dos.model.overlap import AUTO, FORWARD, OFF, Overlap
 from lightning_dos.planning.scheduler import PlacementScheduler
@@ -49,7 +49,7 @@ def resolve_overlap(asked: str, ds_optimizer: Any, speculation_bytes: int, specu
         return AUTO
     if blocker is None:
         spare = "speculation_memory=0" if speculation_memory == 0 else "no host memory is spare"
-        blocker = f"{needs_global_norm(ds_optimizer)},\nand {spare} for speculative updates"
+        blocker = f"{speculation_reason(ds_optimizer)},\nand {spare} for speculative updates"
     _say_forward(blocker)
     return FORWARD
 
@@ -62,7 +62,7 @@ def reserve_speculation(adapter: ZeRO3Adapter, ds_optimizer: Any, speculation_by
     if adapter.overlap != AUTO:
         return 0
     engine = adapter.engine
-    reason = needs_global_norm(ds_optimizer)
+    reason = speculation_reason(ds_optimizer)
     early = updatable_during_backward(engine)
     if early == 0:  # all of the state in files: nothing to begin during backward, speculatively or not
         adapter.overlap = FORWARD

@@ -24,7 +24,7 @@ from lightning_dos.integration.zero3.compat import (
     backward_overlap_blocker,
     check_zero3_optimizer,
     engine_device,
-    needs_global_norm,
+    speculation_reason,
 )
 from lightning_dos.integration.zero3.evaluation import load_zero3_weights_for_evaluation
 
@@ -37,7 +37,7 @@ __all__ = [
     "Planner",
     "ZeRO3Adapter",
     "backward_overlap_blocker",
-    "needs_global_norm",
+    "speculation_reason",
     "check_zero3_optimizer",
     "engine_device",
     "load_zero3_weights_for_evaluation",

@@ -67,8 +67,9 @@ class ZeRO3Adapter(ForwardGathers, BackwardHooks, NeedRecording, StateAccess):
             :meth:`finish_update` (called by the framework before backward, evaluation, checkpoints, teardown)
             waits for the whole update. ``"auto"``: ``"forward"``, and the step begins during backward: each
             host sub-group is updated once backward has made its gradient final (only valid when
-            :func:`backward_overlap_blocker` finds nothing; speculatively, see :attr:`speculative`, where
-            :func:`needs_global_norm` finds something). ``"off"``: the step returns once the update is over.
+            :func:`backward_overlap_blocker` finds nothing; speculatively where the strategy reserved spare
+            slots, see :attr:`speculative` and :func:`speculation_reason`). ``"off"``: the step returns once the
+            update is over.
             (:mod:`lightning_dos.model.overlap`: what runs, after the strategy resolved its setting.)
     """
 

@@ -162,7 +162,7 @@ def _accelerator_device() -> str:
 
 def backward_overlap_blocker(zero_optimizer: object) -> str | None:
     """Why the step cannot begin during backward with this ZeRO-3 optimizer at all (None: it can, speculatively:
-    :func:`needs_global_norm`)."""
+    :func:`speculation_reason`)."""
     z = zero_optimizer
     if getattr(z, "swap_optimizer", False):
         return "the optimizer state is swapped to NVMe"
@@ -171,7 +171,7 @@ def backward_overlap_blocker(zero_optimizer: object) -> str | None:
     return None
 
 
-def needs_global_norm(zero_optimizer: object) -> str:
+def speculation_reason(zero_optimizer: object) -> str:
     """What makes a sub-group's update begun during backward provisional until backward ends: always something.
 
     DeepSpeed skips a step whose global gradient norm is not finite, in every precision (``is_invalid_grad_norm``),
