@@ -35,7 +35,7 @@ _PLACEMENT_BITS = (
 )
 _KERNEL_TESTS = {
     "test_native_kernel.py": (
-        "test_bit_identical_to_torchs_fused_adam_vector_path_then_cast",
+        "test_bit_identical_to_torchs_fused_adam_then_cast",
         "test_the_engine_host_path_is_the_compiled_kernel_and_agrees_with_torchs_tiles",
     ),
     "test_kernels.py": (

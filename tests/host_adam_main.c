@@ -4,7 +4,7 @@
  *
  * Input (native byte order, 4-byte floats and ints): int64 numel; int32 rule, dtypes, lp_kind, threads, steps,
  * states (the rule's state count); param, then each state (numel elements each, 4 bytes or bf16's 2 as dtypes
- * says); then per step: float inv_scale, the Step struct of host_adam.c (eleven 4-byte fields) and the step's
+ * says); then per step: float inv_scale, the Step struct of host_adam.c (twelve 4-byte fields) and the step's
  * gradient (numel elements of param's size).
  * Output: param, each state, then the copy (numel elements of 2 or 4 bytes; none for lp_kind 0). */
 #include <stdint.h>
@@ -12,7 +12,7 @@
 #include <stdlib.h>
 
 typedef struct {
-    int32_t fields[11]; /* host_adam.c's Step: ints and floats, 4 bytes each, passed through as they came */
+    int32_t fields[12]; /* host_adam.c's Step: ints and floats, 4 bytes each, passed through as they came */
 } Step;
 
 int dos_host_update(int rule, int dtypes, void *param, const void *grad, void *state0, void *state1,

@@ -325,9 +325,14 @@ def test_a_sigterm_during_backward_after_speculation_began_stops_after_a_whole_s
     assert same(saved, contents(tmp_path / "off" / "step=3.ckpt"))
 
 
-def test_speculation_memory_zero_runs_as_forward_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("clip", [0.5, None], ids=["clipping", "no-clipping"])
+def test_speculation_memory_zero_runs_as_forward_and_says_why(
+    clip: float | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No spare memory for speculation: host sub-groups wait for backward's end (as "forward" does), clipping on or
+    off (without clipping a step can still be skipped on its global norm), and the console says so once."""
     with caplog.at_level("INFO"):
-        model, outcomes = fit("auto", 0.5, steps=2, speculation_memory=0)
+        model, outcomes = fit("auto", clip, steps=2, speculation_memory=0)
     assert model.trainer.strategy.dos_adapter.overlap == "forward"
     said = [r.getMessage() for r in caplog.records if "overlap='auto'" in r.getMessage()]
     assert len(said) == 1 and "speculation_memory=0" in said[0], said

@@ -12,9 +12,10 @@
  * and tests/test_native_rules.py. Lion's is DeepSpeed's DeepSpeedCPULion as DeepSpeed builds it for this CPU (see
  * its loop; checked bit for bit against DeepSpeed's op in tests/test_native_rules.py). The unscale is a multiply
  * by the inverse scale, as DeepSpeed unscales. Built with -ffp-contract=off, so the compiler fuses nothing else,
- * and every element (vector body or scalar remainder) rounds the same way: the result does not depend on where a
- * sub-group starts, how it is split over threads, or the machine's vector width. (Lion's last few elements of a
- * call round as DeepSpeed's scalar loop rounds them, as DeepSpeed's op does.) lightning_dos/engine/native.py
+ * and every element rounds the same way wherever a thread's share starts: the result does not depend on how a
+ * call is split over threads, or on the machine's vector width. (The last few elements of a call round as the
+ * reference's own remainder loop rounds them, as the reference called on the same tensor does: torch's scalar
+ * remainder for Adam, adam_scalar_from; DeepSpeed's scalar loop for Lion.) lightning_dos/engine/native.py
  * builds this file with the system C compiler on first use; without one the engine runs torch's kernels.
  *
  * Master weights and gradient are fp32 or bf16, the states fp32 or (beside bf16 master weights) bf16: a bf16
@@ -60,6 +61,9 @@ typedef struct {
     float eps;          /* Adam, Adagrad */
     float neg_step_size; /* Adam: float(-lr / (1 - beta1^step)); Adagrad: float(-lr / (1 + (step - 1) * lr_decay));
                           * Lion: float(lr) */
+    int torch_width;    /* Adam, fp32 storage: the float vector width of the torch kernel reproduced (16 under torch's
+                         * AVX-512 build, 8 under its AVX2 build), whose scalar remainder the last elements of a call
+                         * take (adam_scalar_from); 0: every element as the vector body */
 } Step;
 
 typedef struct {
@@ -75,6 +79,7 @@ typedef struct {
     int unscale;        /* 0: inv_scale is 1, skip the multiply */
     Step s;
     int64_t lion_vector_end; /* Lion: elements before this take DeepSpeed's vector body, the rest its scalar loop */
+    int64_t adam_scalar_from; /* Adam: elements from this one on take torch's scalar remainder (adam_scalar_from) */
 } Job;
 
 /* fmaf, correctly rounded, where it is not one instruction (x86 before FMA3: x86-64-v2 and older). glibc's
@@ -250,7 +255,27 @@ static inline float from_bf16(uint16_t h) {
         else OUT(param)[I] = (P);                                                                         \
     } while (0)
 
-/* Adam's block, the formula of the header: the same statements for every element. `unscale`, `decoupled`,
+/* Adam's element i, the formula of the header, in torch's vector body's form or (REMAINDER) its scalar
+ * remainder's: the body's contraction fuses the gradient's product into the second moment's add; the remainder's
+ * (`v = v * beta2; v = v + c * g * g`, contracted by torch's compiler the other way) fuses the decay's. */
+#define ADAM_ELEMENT(I, REMAINDER)                                                                        \
+    do {                                                                                                  \
+        float g = LOAD(master16, grad, grad_h, I);                                                        \
+        if (unscale) g = g * inv_scale;                                                                   \
+        float p = LOAD(master16, param, param_h, I);                                                      \
+        if (decoupled) p = p * decay_factor;                                                              \
+        else g = FMA(p, weight_decay, g);                                                                 \
+        float m = LOAD(states16, state0, state0_h, I);                                                    \
+        m = lerp_small ? FMA(lerp_coeff, g - m, m) : FMA(lerp_coeff, g - m, g);                           \
+        const float v0 = LOAD(states16, state1, state1_h, I);                                             \
+        float v = (REMAINDER) ? FMA(v0, beta2, sq_coeff * g * g) : FMA(sq_coeff * g, g, v0 * beta2);      \
+        STORE(states16, OUT(state0), OUT(state0_h), I, m);                                                \
+        STORE(states16, OUT(state1), OUT(state1_h), I, v);                                                \
+        float denom = sqrtf(v) / bc2_sqrt + eps;                                                          \
+        STORE_WEIGHT(master16, I, p + neg_step_size * m / denom);                                         \
+    } while (0)
+
+/* Adam's block in torch's vector body's form: the same statements for every element. `unscale`, `decoupled`,
  * `lerp_small` and the two storage choices are constants in each caller below (this is inlined into each), so
  * every combination is its own loop without a test in it, which the compilers vectorize on every target. */
 static inline __attribute__((always_inline)) void adam_block(const Job *job, float *restrict fresh, int64_t begin,
@@ -265,19 +290,21 @@ static inline __attribute__((always_inline)) void adam_block(const Job *job, flo
      * the pragma GCC versions the loop for aliasing and, past its limit of checks (x86-64-v2), keeps it scalar. */
 #pragma GCC ivdep
     for (int64_t i = begin; i < end; i++) { /* vectorized: adam loop */
-        float g = LOAD(master16, grad, grad_h, i);
-        if (unscale) g = g * inv_scale;
-        float p = LOAD(master16, param, param_h, i);
-        if (decoupled) p = p * decay_factor;
-        else g = FMA(p, weight_decay, g);
-        float m = LOAD(states16, state0, state0_h, i);
-        m = lerp_small ? FMA(lerp_coeff, g - m, m) : FMA(lerp_coeff, g - m, g);
-        float v = FMA(sq_coeff * g, g, LOAD(states16, state1, state1_h, i) * beta2);
-        STORE(states16, OUT(state0), OUT(state0_h), i, m);
-        STORE(states16, OUT(state1), OUT(state1_h), i, v);
-        float denom = sqrtf(v) / bc2_sqrt + eps;
-        STORE_WEIGHT(master16, i, p + neg_step_size * m / denom);
+        ADAM_ELEMENT(i, 0);
     }
+}
+
+/* Adam's elements [begin, end) in torch's scalar remainder's form: at most 15 of a call, so one loop out of line
+ * with the choices tested inside (inlined into every variant, it kept GCC from vectorizing other loops there). */
+static __attribute__((noinline)) void adam_remainder(const Job *job, float *restrict fresh, int64_t begin,
+                                                     int64_t end, const int unscale, const int decoupled,
+                                                     const int lerp_small, const int master16, const int states16,
+                                                     const int outplace) {
+    VIEWS(job);
+    const float decay_factor = job->s.decay_factor, weight_decay = job->s.weight_decay;
+    const float lerp_coeff = job->s.lerp_coeff, beta2 = job->s.beta2, sq_coeff = job->s.sq_coeff;
+    const float bc2_sqrt = job->s.bc2_sqrt, eps = job->s.eps, neg_step_size = job->s.neg_step_size;
+    for (int64_t i = begin; i < end; i++) ADAM_ELEMENT(i, 1);
 }
 
 /* Adagrad's block: torch.optim.Adagrad's single-tensor step as ATen's AVX2 kernels compute it (checked bit for
@@ -350,6 +377,18 @@ static int64_t lion_vector_end(int dtypes, int64_t numel) {
     return width ? numel - numel % width : 0;
 }
 
+/* The first element of an Adam call of `numel` elements stored as `dtypes` that torch's fused Adam (whose float
+ * vector width is `width`) updates in its scalar remainder. torch runs its vector body over all but the last
+ * numel % width; its compiler vectorizes the remainder loop once more at half the width where that is 8 (AVX-512:
+ * 8 elements as the body rounds them, when 8 or more remain), and the rest is scalar. Measured on torch 2.13's
+ * AVX-512 and AVX2 builds for every remainder (tests/test_native_kernel.py checks every element). bf16 storage is
+ * computed as fp32 copies of it would be (the header), so the same cut applies. */
+static int64_t adam_scalar_from(int width, int64_t numel) {
+    if (width <= 0) return numel;
+    const int64_t remainder = numel % width;
+    return numel - remainder + (width == 16 && remainder >= 8 ? 8 : 0);
+}
+
 /* Lion's block [begin, end), all of it in DeepSpeed's vector body or all in its scalar loop (`form`). */
 static inline __attribute__((always_inline)) void lion_block(const Job *job, float *restrict fresh, int64_t begin,
                                                              int64_t end, const int unscale, const int decays,
@@ -410,9 +449,15 @@ static inline __attribute__((always_inline)) void run_blocks(const Job *const gi
             staged.state1_out = (void *)((uintptr_t)out_block[2] - (uintptr_t)(begin * sizes[2]));
         }
 #endif
-        if (rule == RULE_ADAM)
-            adam_block(job, fresh, begin, end, unscale, flag0, flag1, master16, states16, outplace);
-        else if (rule == RULE_ADAGRAD)
+        if (rule == RULE_ADAM) {
+            /* torch's vector body before job->adam_scalar_from, its scalar remainder from there */
+            int64_t cut = job->adam_scalar_from;
+            cut = cut < begin ? begin : cut > end ? end : cut;
+            adam_block(job, fresh, begin, cut, unscale, flag0, flag1, master16, states16, outplace);
+            if (cut < end)
+                adam_remainder(job, fresh + (cut - begin), cut, end, unscale, flag0, flag1, master16, states16,
+                               outplace);
+        } else if (rule == RULE_ADAGRAD)
             adagrad_block(job, fresh, begin, end, unscale, flag0, master16, states16, outplace);
         else {
             /* DeepSpeed's vector body before job->lion_vector_end, its scalar loop from there (fresh[k] is
@@ -493,7 +538,8 @@ int dos_host_update(int rule, int dtypes, void *param, const void *grad, void *s
     for (int t = 0; t < threads; t++) {
         Job job = {param, grad, state0, state1, param_out, state0_out, state1_out, lp, lp_kind, rule, dtypes,
                    t * share < numel ? t * share : numel, (t + 1) * share < numel ? (t + 1) * share : numel,
-                   inv_scale, inv_scale != 1.0f, *step, lion_vector_end(dtypes, numel)};
+                   inv_scale, inv_scale != 1.0f, *step, lion_vector_end(dtypes, numel),
+                   adam_scalar_from(step->torch_width, numel)};
         jobs[t] = job;
     }
 #if defined(_OPENMP)

@@ -152,7 +152,15 @@ class Step(ctypes.Structure):
         ("bc2_sqrt", ctypes.c_float),
         ("eps", ctypes.c_float),
         ("neg_step_size", ctypes.c_float),
+        ("torch_width", ctypes.c_int),
     ]
+
+
+def torch_float_width() -> int:
+    """The float vector width of the fused Adam torch runs here (16 under its AVX-512 kernels, 8 under AVX2): the
+    last elements of each call take torch's scalar remainder, which rounds the second moment its own way
+    (host_adam.c, ``adam_scalar_from``). 0 under torch's generic kernels, which the engine does not reproduce."""
+    return {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability(), 0)
 
 
 def supports(rule: str, master_dtype: torch.dtype, state_dtype: torch.dtype) -> bool:
@@ -173,7 +181,7 @@ def step_scalars(rule: str, step: float, hyper: Hyper) -> Step:
         constants = step_constants(step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled)[1:]
         decoupled, decay_factor, weight_decay, lerp_small, lerp_coeff, beta2, sq_coeff, bc2_sqrt, eps, neg = constants
         return Step(decoupled, decay_factor, weight_decay, lerp_small, lerp_coeff, 0.0, beta2, sq_coeff, bc2_sqrt,
-                    eps, neg)  # fmt: skip
+                    eps, neg, torch_float_width())  # fmt: skip
     if rule == "adagrad":  # torch's Adagrad: decay when weight_decay != 0; clr from the step as a Python float
         clr = h.lr / (1 + (step - 1) * h.lr_decay)
         return Step(int(h.weight_decay != 0), 1.0, h.weight_decay, 0, 0.0, 0.0, 0.0, 0.0, 1.0, h.eps, -clr)
