@@ -9,7 +9,9 @@ installed; a ``TORCH_EXTENSIONS_DIR`` already set is kept. The ``lightning-dos``
 the test suite before it imports anything.
 
 An op build that will really happen (torch's JIT finds no library built from these sources in the op's folder)
-announces itself first, in one notice (:mod:`lightning_dos.engine.announce`): :func:`announce_op_builds`.
+announces itself first, in one notice (:mod:`lightning_dos.engine.announce`): :func:`announce_op_builds`, which
+also has each load find out first whether the op's build lock was left by a killed build or load, and remove it or
+say what it waits for (:mod:`lightning_dos.host.build_locks`).
 
 Only the standard library is imported here: the command's help and its other subcommands stay fast.
 """
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dos.engine.announce import about, announce_build
+from lightning_dos.host import build_locks
 
 #: The environment variable torch reads for its extensions folder.
 ENV = "TORCH_EXTENSIONS_DIR"
@@ -54,12 +57,15 @@ def use_own_extensions_dir() -> str | None:
 
 #: DeepSpeed's ops this project's runs build: name -> (what, why, CPU seconds of its compiler jobs, low and high).
 #: The figures are from the builds' ninja logs on a busy 2-core machine (async I/O: 12 jobs; shared memory: 2;
-#: pinned memory: 3), and from the first NVMe run, which took about ten minutes for async I/O and pinned memory.
+#: pinned memory: 3), and from the first NVMe run, which took about ten minutes for async I/O and pinned memory;
+#: CPU Adagrad's and Lion's from their ninja logs on the same machine (Adagrad: 43 s, one job; Lion: 155-390 s).
 OPS: dict[str, tuple[str, str, tuple[float, float]]] = {
     "async_io": ("DeepSpeed's async I/O op", "for the NVMe tier", (300.0, 900.0)),
     "pin_memory": ("DeepSpeed's pinned-memory op", "for the NVMe tier", (30.0, 100.0)),
     "deepspeed_shm_comm": ("DeepSpeed's shared-memory op", "for CPU collectives", (80.0, 220.0)),
     "cpu_adam": ("DeepSpeed's CPU Adam op", "for DeepSpeedCPUAdam", (60.0, 240.0)),
+    "cpu_adagrad": ("DeepSpeed's CPU Adagrad op", "for DeepSpeedCPUAdagrad", (30.0, 120.0)),
+    "cpu_lion": ("DeepSpeed's CPU Lion op", "for DeepSpeedCPULion", (120.0, 400.0)),
 }
 _UNKNOWN_OP_SECONDS = (60.0, 600.0)
 _ANNOUNCES = "_lightning_dos_announces_builds"
@@ -97,7 +103,9 @@ def _build_directory(name: str) -> str | None:
 
 
 def _announcing(load: Any) -> Any:
-    """torch's ``cpp_extension.load``, announcing a build that :func:`pending_build` says will happen."""
+    """torch's ``cpp_extension.load``, first clearing or waiting for the op's build lock
+    (:func:`build_locks.clear_or_wait`: torch would wait for a lock a killed build left for ever, without a word),
+    then announcing a build that :func:`pending_build` says will happen."""
 
     @functools.wraps(load)
     def announcing_load(*args: Any, **kwargs: Any) -> Any:
@@ -105,9 +113,11 @@ def _announcing(load: Any) -> Any:
         sources = kwargs.get("sources", args[1] if len(args) > 1 else None)
         if isinstance(name, str) and isinstance(sources, (list, tuple)):
             folder = kwargs.get("build_directory") or _build_directory(name)
+            what, why, seconds = OPS.get(name, (f"DeepSpeed's {name} op", "for this run", _UNKNOWN_OP_SECONDS))
+            if folder:
+                build_locks.clear_or_wait(os.path.join(folder, build_locks.LOCK_NAME), what)
             when = pending_build(name, sources, folder) if folder else None
             if when is not None:
-                what, why, seconds = OPS.get(name, (f"DeepSpeed's {name} op", "for this run", _UNKNOWN_OP_SECONDS))
                 announce_build(what, why, when, about(seconds, jobs=len(sources)))
         return load(*args, **kwargs)
 
@@ -115,10 +125,12 @@ def _announcing(load: Any) -> Any:
 
 
 def announce_op_builds() -> None:
-    """Have DeepSpeed's JIT op builds announce themselves (:func:`pending_build`); installs once per process.
+    """Have DeepSpeed's JIT op builds announce themselves (:func:`pending_build`), and each of its JIT op loads
+    first clear or wait for a build lock a killed build or load left (:mod:`~lightning_dos.host.build_locks`);
+    installs once per process.
 
     DeepSpeed's ``OpBuilder.jit_load`` (every op it builds, for its own modules and ours) calls torch's
-    ``cpp_extension.load`` once it has checked the op can be built here: that call is announced, for its duration.
+    ``cpp_extension.load`` once it has checked the op can be built here: that call is wrapped, for its duration.
     Imports DeepSpeed: call it where a run is about to use it.
     """
     from deepspeed.ops.op_builder.builder import OpBuilder
