@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_dos.engine import native
 from lightning_dos.host import build_locks, extensions
 from tests.helpers import clean_env
 
@@ -202,6 +203,15 @@ def test_a_process_that_cannot_be_looked_into_keeps_a_lock_only_if_it_could_have
         other.wait()
 
 
+def test_partial_kernel_libraries_killed_builds_left_are_removed_an_hour_on(tmp_path: Path) -> None:
+    fresh, old = tmp_path / "host_adam-0123.so.11.22.tmp", tmp_path / "host_adam-0123.so.33.44.tmp"
+    fresh.write_bytes(b"x")
+    old.write_bytes(b"x")
+    os.utime(old, (time.time() - native.PARTIAL_LEFT_S - 60,) * 2)
+    native.remove_partials_left(tmp_path)
+    assert fresh.exists() and not old.exists()
+
+
 # -- end to end: a run killed mid-build, then the next run --------------------------------------------------------
 
 #: The killed run: it compiles the engine's host kernel (in a thread, as the engine would) while loading DeepSpeed's
@@ -210,6 +220,7 @@ def test_a_process_that_cannot_be_looked_into_keeps_a_lock_only_if_it_could_have
 _KILLED_RUN = """
 import threading
 from deepspeed.ops.op_builder import CPUAdamBuilder
+from lightning_dos.engine import native
 threading.Thread(target=native.build, daemon=True).start()
 CPUAdamBuilder().load(verbose=False)
 """

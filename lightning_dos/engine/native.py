@@ -12,7 +12,9 @@ OpenMP runtime is torch's and the sub-group is split over torch's threads, and i
 ``lightning_dos::host_update`` (every rule and storage: :func:`host_update`), so dispatch modes see its reads and
 writes. The library is cached under
 ``~/.cache/lightning_dos/native`` (``$XDG_CACHE_HOME`` is honoured), keyed by the source, the compiler and this
-CPU's flags, so a machine never loads a library built for another CPU. Where there is no compiler, or the build
+CPU's flags, so a machine never loads a library built for another CPU. It takes no lock: each build compiles into
+a file of its own and renames it into place whole, so a build killed mid-way stops no later one (which builds it
+again) and leaves only its partial file (removed an hour later). Where there is no compiler, or the build
 fails, the engine uses torch's kernels (the same formulas, slower; Lion's rounds as DeepSpeed's does only where it
 fuses nothing: see ``update_rules``) and warns once. ``LIGHTNING_DOS_NATIVE=0`` turns the compiled kernel off
 without a warning.
@@ -20,6 +22,7 @@ without a warning.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import math
@@ -27,6 +30,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,6 +59,8 @@ _DTYPES = {
 
 #: The kernel's build, one compiler job: 27 s on a busy 2-core machine (tests/test_native_kernel.py), seconds on most.
 BUILD_TIME = about((5, 40))
+#: A partial library this much older than the compiler's time limit (300 s) is one a killed build left.
+PARTIAL_LEFT_S = 3600.0
 _lock = threading.Lock()
 _kernel: HostUpdateKernel | None = None
 _failure: str | None = None
@@ -109,6 +115,16 @@ def compile_library(compiler: str, flags: list[str], target: Path) -> None:
     os.replace(partial, target)
 
 
+def remove_partials_left(folder: Path) -> None:
+    """Remove the partial libraries that builds killed mid-way left in ``folder`` (no lock is taken: a killed build
+    leaves only its ``.tmp``, which stops nothing, and is removed once :data:`PARTIAL_LEFT_S` old, whoever made
+    it: no build, on this host or one sharing the folder, still writes it)."""
+    for partial in folder.glob("host_adam-*.so.*.tmp"):
+        with contextlib.suppress(OSError):
+            if time.time() - partial.stat().st_mtime > PARTIAL_LEFT_S:
+                partial.unlink()
+
+
 def build() -> Path:
     """Build ``host_adam.c`` for this CPU (or find it built) and return the library's path.
 
@@ -126,6 +142,7 @@ def build() -> Path:
     target = cache_dir() / f"host_adam-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
+    remove_partials_left(target.parent)
     announce_build("the host update kernel (host_adam.c)", "for the engine", "once per compiler and CPU", BUILD_TIME)
     errors = []
     for flags in (["-march=native", "-fopenmp"], ["-march=native"], ["-fopenmp"], []):
