@@ -107,6 +107,20 @@ def test_a_lock_its_holder_left_when_killed_is_removed_in_one_line(tmp_path: Pat
     assert len(out.getvalue().splitlines()) == 1
 
 
+def test_ranks_finding_the_same_abandoned_lock_remove_it_once(tmp_path: Path) -> None:
+    """Each rank of a run checks the lock before its own load: they take turns (flock on the op's folder), the
+    first removes it, the others find none."""
+    lock = tmp_path / "cpu_adam" / "lock"
+    _kill(_holder(lock))
+    outs = [io.StringIO() for _ in range(3)]
+    ranks = [_waiting(lock, out) for out in outs]
+    for rank in ranks:
+        rank.join(10)
+    assert not any(rank.is_alive() for rank in ranks) and not lock.exists()
+    lines = [line for out in outs for line in out.getvalue().splitlines()]
+    assert len(lines) == 1 and re.fullmatch(_REMOVED.format(lock=re.escape(str(lock))), lines[0]), lines
+
+
 def test_a_held_lock_is_waited_for_quietly_until_released(tmp_path: Path) -> None:
     lock = tmp_path / "cpu_adam" / "lock"
     holder = _holder(lock)
