@@ -404,8 +404,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tiles = sorted({int(t) for t in args.tiles.split(",")} | {HOST_TILE_ELEMENTS})
     threads = [int(t) for t in args.threads.split(",")] if args.threads else [torch.get_num_threads()]
-    if args.optimizers:
-        return _optimizers_main(args.numel, args.rounds, threads)
+    before = torch.get_num_threads()
+    try:  # each table sets torch's thread count: a caller in the same process (a test) gets its own back
+        if args.optimizers:
+            return _optimizers_main(args.numel, args.rounds, threads)
+        return _adam_main(args, tiles, threads)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _adam_main(args: argparse.Namespace, tiles: list[int], threads: list[int]) -> int:
     deepspeed = _deepspeed_op()
     reason = native.unavailable_reason()
     print(f"CPU: {cpu_description()}")

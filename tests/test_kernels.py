@@ -91,6 +91,13 @@ def test_fused_update_is_bit_identical_to_three_passes(one_thread, path, lp_dtyp
         assert torch.equal(mine, theirs), name
 
 
+#: The workers pin themselves with OpenMP's per-thread count; under another threading backend the caller runs the tiles.
+needs_openmp = pytest.mark.skipif(
+    "OpenMP" not in torch.__config__.parallel_info(), reason="torch is not built with OpenMP threading: no workers"
+)
+
+
+@needs_openmp
 def test_worker_threads_give_the_one_thread_result_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
     """Several host threads, each on its own aligned share of tiles, compute what one thread computes."""
     monkeypatch.setattr(host_workers, "ENABLED", True)  # opt-in (LIGHTNING_DOS_HOST_WORKERS=1)
@@ -99,8 +106,7 @@ def test_worker_threads_give_the_one_thread_result_bit_for_bit(monkeypatch: pyte
         torch.set_num_threads(1)
         _, ref = _run_both(5007, 256, ADAMW, 3.7 * 2.0**12, torch.bfloat16, update=TILED_ADAM)
         torch.set_num_threads(2)
-        if host_workers.workers() is None:
-            pytest.skip("torch is not built with OpenMP threading: the caller runs every tile")
+        assert host_workers.workers() is not None
         ours, _ = _run_both(5007, 256, ADAMW, 3.7 * 2.0**12, torch.bfloat16, update=TILED_ADAM)
         assert host_workers.workers() is not None and 5007 > 256 * torch.get_num_threads(), "workers ran"
     finally:
@@ -109,14 +115,20 @@ def test_worker_threads_give_the_one_thread_result_bit_for_bit(monkeypatch: pyte
         assert torch.equal(mine, theirs), name
 
 
+@needs_openmp
 def test_worker_threads_keep_one_torch_thread_and_leave_the_callers_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller has 2 threads (set here, whatever an earlier test or the machine left): 2 workers, each at
+    one thread, and the caller's 2 left as they were."""
     monkeypatch.setattr(host_workers, "ENABLED", True)  # opt-in (LIGHTNING_DOS_HOST_WORKERS=1)
-    threads = torch.get_num_threads()
-    pool = host_workers.workers()
-    if pool is None:
-        pytest.skip("one torch thread, or torch is not built with OpenMP threading: no workers")
-    assert [f.result() for f in [pool.submit(torch.get_num_threads) for _ in range(threads)]] == [1] * threads
-    assert torch.get_num_threads() == threads
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        pool = host_workers.workers()
+        assert pool is not None, "two caller threads under OpenMP: workers"
+        assert [f.result() for f in [pool.submit(torch.get_num_threads) for _ in range(2)]] == [1, 1]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
     assert host_workers.shares(1000, 3, 64) == [(0, 384), (384, 768), (768, 1000)]
 
 

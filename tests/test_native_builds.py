@@ -304,7 +304,9 @@ def test_the_kernel_bench_builds_and_times_each_target(capsys: pytest.CaptureFix
     runnable = sorted(x86_levels_this_cpu_runs())[:1]  # one level is enough to show a row per target built
     targets = [*runnable, "no-such-cpu"]
     argv = ["--numel", "40000", "--rounds", "1", "--threads", "1", "--march", ",".join(targets)]
+    threads = torch.get_num_threads()
     assert bench_kernels.main(argv) == 0
+    assert torch.get_num_threads() == threads, "the bench gives its caller's thread count back (tests run after)"
     printed = capsys.readouterr().out
     assert "CPU: " in printed and "flags: " in printed
     assert "-march=no-such-cpu: left out, the compiler refused it" in printed

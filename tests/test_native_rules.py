@@ -312,7 +312,9 @@ def test_the_kernel_bench_times_every_optimizer_against_deepspeeds_op(capsys: py
     plus the cast, with the ratio (DeepSpeed's CPU ops build on first use, as they do for training)."""
     from bench import kernels as bench_kernels
 
+    threads = torch.get_num_threads()
     assert bench_kernels.main(["--optimizers", "--numel", "40000", "--rounds", "1", "--threads", "1"]) == 0
+    assert torch.get_num_threads() == threads, "the bench gives its caller's thread count back (tests run after)"
     printed = capsys.readouterr().out
     assert "CPU: " in printed and "DeepSpeed's time / ours" in printed
     for name in bench_kernels.OPTIMIZER_CASES:
