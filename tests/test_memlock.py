@@ -3,16 +3,19 @@ the pre-flight with one line naming the limit and the fix, where DeepSpeed's all
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import resource
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from lightning_dos.errors import DOSConfigError
-from lightning_dos.host.memlock import LockLimit, check_lock_limit, lock_limit
+from lightning_dos.host.memlock import CAP_IPC_LOCK, LockLimit, check_lock_limit, lock_limit
 from lightning_dos.integration.nvme_tier import CALIBRATION_BYTES, check_locked_memory
 from lightning_dos.integration.preflight import HostFigure
 from tests.helpers import clean_env
@@ -31,8 +34,68 @@ def test_the_limit_is_read_with_the_capability_and_what_is_locked() -> None:
     )
     assert not lock_limit("CapEff:\t000001fffeffbfff\n").exempt  # bit 14, CAP_IPC_LOCK, cleared
     assert lock_limit("").locked == 0 and not lock_limit("").exempt
-    here = lock_limit()  # this thread's own status is readable and parsed
-    assert isinstance(here.exempt, bool) and here.locked >= 0
+    # Read from this thread's own status: the pages it locks, and its own capability (capabilities are per thread).
+    _assert_reads_what_this_process_locks()
+    _assert_reads_this_threads_capability()
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _ipc_lock_effective(drop: bool = False) -> bool | None:
+    """Whether the calling thread has CAP_IPC_LOCK in its effective set, from ``capget`` (after taking it out of
+    that set when ``drop``: this thread only, and needing no privilege); None where the calls are refused."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, data = _CapHeader(0x20080522, 0), (_CapData * 2)()  # _LINUX_CAPABILITY_VERSION_3, this thread
+    if libc.capget(ctypes.byref(header), data) != 0:
+        return None
+    if drop:
+        data[0].effective &= ~(1 << CAP_IPC_LOCK)
+        if libc.capset(ctypes.byref(header), data) != 0 or libc.capget(ctypes.byref(header), data) != 0:
+            return None
+    return bool(data[0].effective >> CAP_IPC_LOCK & 1)
+
+
+def _assert_reads_what_this_process_locks() -> None:
+    """Four pages locked with ``mlock`` show in ``locked`` (``VmLck``), exactly, and leave it when unlocked; where
+    the limit allows them the lock succeeds, and where it does not it fails."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = 4 * mmap.PAGESIZE
+    pages = mmap.mmap(-1, size)  # anonymous, page-aligned
+    view = ctypes.c_char.from_buffer(pages)
+    address, length = ctypes.c_void_p(ctypes.addressof(view)), ctypes.c_size_t(size)
+    try:
+        before = lock_limit()
+        locked = libc.mlock(address, length) == 0
+        assert locked == before.allows(size), (before, ctypes.get_errno())
+        if locked:
+            assert lock_limit().locked == before.locked + size
+            assert libc.munlock(address, length) == 0
+        assert lock_limit().locked == before.locked
+    finally:
+        del view
+        pages.close()
+
+
+def _assert_reads_this_threads_capability() -> None:
+    """``exempt`` is the calling thread's CAP_IPC_LOCK, as ``capget`` gives it: in a thread that dropped it, False
+    (the process's other threads keep theirs)."""
+    mine = _ipc_lock_effective()
+    seen: list[tuple[bool | None, LockLimit]] = []
+    thread = threading.Thread(target=lambda: seen.append((_ipc_lock_effective(drop=True), lock_limit())))
+    thread.start()
+    thread.join()
+    dropped, limit = seen[0]
+    if mine is None or dropped is None:
+        pytest.skip("this process may not read or drop its capabilities (capget/capset refused)")
+    assert lock_limit().exempt is mine
+    assert dropped is False and limit.exempt is False, limit
+    assert _ipc_lock_effective() is mine, "the dropping thread's capability was its own"
 
 
 def test_the_check_refuses_past_the_limit_in_one_line_naming_it_and_the_fix() -> None:
