@@ -151,6 +151,9 @@ def test_speculative_updates_are_bit_identical_to_off_whether_committed_or_redon
 
 def test_the_committed_steps_are_those_under_the_threshold(threshold: float) -> None:
     _, outcomes = fit("auto", threshold, steps=10)
+    # Every step reported, and steps were speculated on: some committed, some redone (so the loop checks both).
+    assert sorted(outcomes.committed) == list(range(1, 11)), outcomes.committed
+    _assert_both_outcomes(outcomes)
     for step, committed in outcomes.committed.items():
         if committed is not None:
             # DeepSpeed's norm of optimizer step `step` is recorded at global_step == step.
