@@ -46,6 +46,11 @@ def test_parameter_offload_runs_and_matches_without_it() -> None:
         model = TinyLM()
         strategy = DeepOptimizerStatesStrategy(gpu_fraction=0.5, sub_group_size=SUB_GROUP, offload_parameters=offload)
         trainer(strategy, steps=4).fit(model, loader())
+        # DeepSpeed's ZeRO-3 ran with its 16-bit partitions offloaded to host memory (or not), as asked.
+        assert (strategy.config["zero_optimization"].get("offload_param") or {}).get("device") == (
+            "cpu" if offload else None
+        )
+        assert strategy.deepspeed_engine.optimizer.offload_param is offload
         assert strategy.dos_engine.device == torch.device("cpu")
         assert strategy.dos_engine.last_report.device_elements > 0
         return full_parameters(model)
