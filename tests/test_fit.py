@@ -50,6 +50,8 @@ def test_the_cpu_capture_writes_every_file_and_the_fit_sets_each_mode_beside_the
             if run["overlap"] is None:  # stock offload: the monitor's phases only
                 continue
             assert step["predicted"]["update_loop_s"] > 0 and step["rates"]["used"]["host_adam_eps"] > 0
+            # The monitor's predictions since issue 52: the engine's loop, and the update phase (the planner's).
+            assert {"dos/engine_update_predicted_s", "dos/update_predicted_s"} <= set(step["metrics"]), run["system"]
             assert len(step["plan"]["places"]) == len(run["sizes"]) == len(step["landed_s"])
             # Every sub-group landed, and its update is a span (begun during backward under clipping: speculated).
             assert None not in step["landed_s"]
@@ -71,8 +73,7 @@ def test_the_cpu_capture_writes_every_file_and_the_fit_sets_each_mode_beside_the
             for phase in fit.LABELS[mode]:
                 if phase not in fit.PLANNER_ROWS:  # the planner times forward and backward on a GPU only
                     assert rows[(system, clip, phase)].steps == MEASURED, (system, phase)
-            if "dos/engine_update_predicted_s" in steps[-1]["metrics"]:  # the phase's own prediction, since issue 52
-                assert rows[(system, clip, "update (planner)")].ratio is not None
+            assert rows[(system, clip, "update (planner)")].ratio is not None  # the phase's own prediction
             assert rows[(system, clip, "iteration")].predicted > 0
             assert rows[(system, clip, "update loop (engine)")].ratio is not None
             assert f"\n{system:<13} {clip:<4} iteration " in printed
