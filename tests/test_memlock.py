@@ -65,21 +65,23 @@ def _assert_reads_what_this_process_locks() -> None:
     """Four pages locked with ``mlock`` show in ``locked`` (``VmLck``), exactly, and leave it when unlocked; where
     the limit allows them the lock succeeds, and where it does not it fails."""
     libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    for call in (libc.mlock, libc.munlock, libc.munmap):
+        call.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     size = 4 * mmap.PAGESIZE
-    pages = mmap.mmap(-1, size)  # anonymous, page-aligned
-    view = ctypes.c_char.from_buffer(pages)
-    address, length = ctypes.c_void_p(ctypes.addressof(view)), ctypes.c_size_t(size)
+    pages = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    assert pages not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
     try:
         before = lock_limit()
-        locked = libc.mlock(address, length) == 0
+        locked = libc.mlock(pages, size) == 0
         assert locked == before.allows(size), (before, ctypes.get_errno())
         if locked:
             assert lock_limit().locked == before.locked + size
-            assert libc.munlock(address, length) == 0
+            assert libc.munlock(pages, size) == 0
         assert lock_limit().locked == before.locked
     finally:
-        del view
-        pages.close()
+        libc.munmap(pages, size)
 
 
 def _assert_reads_this_threads_capability() -> None:
