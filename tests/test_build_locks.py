@@ -37,6 +37,16 @@ _REMOVED = (
 )
 
 
+def said(text: str) -> list[str]:
+    """The messages in ``text``, each wrapped message (later lines indented) joined into one line; every line of
+    this project's messages is at most 80 columns wide (but one word alone: a long path)."""
+    messages = [message for message in re.split(r"\n(?! )", text.strip()) if message]
+    for message in messages:
+        if message.startswith("lightning-dos:"):
+            assert all(len(line) <= 80 or " " not in line.strip() for line in message.splitlines()), message
+    return [message.replace("\n  ", " ") for message in messages]
+
+
 def _file_baton_source() -> str:
     """torch's own ``torch/utils/file_baton.py`` (found without importing torch: a child holding it starts fast)."""
     import importlib.util
@@ -101,10 +111,10 @@ def test_a_lock_its_holder_left_when_killed_is_removed_in_one_line(tmp_path: Pat
     out = io.StringIO()
     build_locks.clear_or_wait(lock, CPU_ADAM, out)
     assert not lock.exists()
-    (line,) = out.getvalue().splitlines()
+    (line,) = said(out.getvalue())
     assert re.fullmatch(_REMOVED.format(lock=re.escape(str(lock))), line), line
     build_locks.clear_or_wait(lock, CPU_ADAM, out)  # no lock: nothing to say
-    assert len(out.getvalue().splitlines()) == 1
+    assert len(said(out.getvalue())) == 1
 
 
 def test_ranks_finding_the_same_abandoned_lock_remove_it_once(tmp_path: Path) -> None:
@@ -117,7 +127,7 @@ def test_ranks_finding_the_same_abandoned_lock_remove_it_once(tmp_path: Path) ->
     for rank in ranks:
         rank.join(10)
     assert not any(rank.is_alive() for rank in ranks) and not lock.exists()
-    lines = [line for out in outs for line in out.getvalue().splitlines()]
+    lines = [line for out in outs for line in said(out.getvalue())]
     assert len(lines) == 1 and re.fullmatch(_REMOVED.format(lock=re.escape(str(lock))), lines[0]), lines
 
 
@@ -147,7 +157,7 @@ def test_a_wait_says_for_whom_and_how_long_and_takes_over_when_the_holder_is_kil
     out = io.StringIO()
     waiter = _waiting(lock, out)
     _until(lambda: out.getvalue().endswith("\n"))
-    line = out.getvalue().splitlines()[0]
+    line = said(out.getvalue())[0]
     assert line.startswith(f"lightning-dos: waiting for process {holder.pid} (python") and f"{lock}" in line, line
     assert f"which has held the build lock of {CPU_ADAM} for " in line and line.endswith(
         f"building or loading the op ({lock})"
@@ -156,7 +166,7 @@ def test_a_wait_says_for_whom_and_how_long_and_takes_over_when_the_holder_is_kil
     _kill(holder)
     waiter.join(10)
     assert not waiter.is_alive() and not lock.exists()
-    lines = out.getvalue().splitlines()
+    lines = said(out.getvalue())
     assert len(lines) == 2 and re.fullmatch(_REMOVED.format(lock=re.escape(str(lock))), lines[1]), lines
 
 
@@ -174,7 +184,7 @@ def test_a_lock_on_a_filesystem_other_hosts_may_share_is_never_removed(
     _until(lambda: out.getvalue().endswith("\n"))
     time.sleep(build_locks.SETTLE_S + 0.5)
     assert waiter.is_alive() and lock.exists(), "not removed: a process on another host may hold it"
-    (line,) = out.getvalue().splitlines()
+    (line,) = said(out.getvalue())
     assert line.startswith(f"lightning-dos: waiting for the build lock of {CPU_ADAM}, taken ")
     assert line.endswith(
         "its filesystem is nfs4, where a build on another host cannot be seen from here; "
@@ -194,6 +204,7 @@ def test_a_process_that_cannot_be_looked_into_keeps_a_lock_only_if_it_could_have
     lock = tmp_path / "cpu_adam" / "lock"
     _kill(_holder(lock))
     other = subprocess.Popen(["sleep", "60"])
+    _until(lambda: Path(f"/proc/{other.pid}/cmdline").read_bytes() == b"sleep\x0060\x00")  # it runs sleep now
     listdir = os.listdir
 
     def refusing(path):  # noqa: ANN001, ANN202
@@ -352,13 +363,13 @@ def test_the_run_after_one_killed_mid_build_goes_on(tmp_path: Path, next_run: st
     env["PYTHONPATH"] = str(ROOT)
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    said = [line for line in done.stderr.splitlines() if line.startswith("lightning-dos:")]
-    about_locks = [line for line in said if "lock" in line]
+    said_lines = [line for line in said(done.stderr) if line.startswith("lightning-dos:")]
+    about_locks = [line for line in said_lines if "lock" in line]
     assert len(about_locks) == 1, done.stderr[-3000:]
     assert re.fullmatch(_REMOVED.format(lock=re.escape(str(lock))), about_locks[0]), about_locks
-    assert any(line.startswith("lightning-dos: building the host update kernel") for line in said), said
+    assert any(line.startswith("lightning-dos: building the host update kernel") for line in said_lines), said_lines
     assert not lock.exists() and list(kernels.glob("*.so")), "the lock gone, the kernel built again"
     assert "building DeepSpeed" not in done.stderr, "the op was only loaded"
     if next_run == "script":
         assert done.stdout.splitlines()[-1] == "fitted 2", done.stdout
-    print(f"next run ({next_run}): {time.monotonic() - start:.1f} s", *said, sep="\n")
+    print(f"next run ({next_run}): {time.monotonic() - start:.1f} s", *said_lines, sep="\n")

@@ -31,6 +31,7 @@ import fcntl
 import os
 import stat
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -227,6 +228,12 @@ def remove_if_abandoned(lock: str | os.PathLike[str]) -> LockState:
         return second
 
 
+def _wrapped(message: str) -> str:
+    """``message`` in lines of at most 80 columns (as the build notice: lightning_dos.engine.announce), the later ones
+    indented; a path longer than a line is kept whole."""
+    return textwrap.fill(message, 80, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+
+
 def _removed_line(lock: str, what: str, state: LockState) -> str:
     return (
         f"lightning-dos: removed the build lock of {what} ({lock}): the build or load that took it "
@@ -274,12 +281,14 @@ def clear_or_wait(lock: str | os.PathLike[str], what: str, out: TextIO | None = 
         if state.kind == "abandoned":
             state = remove_if_abandoned(lock)
             if state.kind == "abandoned":
-                print(_removed_line(lock, what, state), file=stream, flush=True)
+                print(_wrapped(_removed_line(lock, what, state)), file=stream, flush=True)
                 return
             continue
         waited = time.monotonic() - start
         if (said_at is None and waited >= QUIET_S) or (said_at is not None and waited - said_at >= REMIND_S):
-            print(_waiting_line(lock, what, state, waited, still=said_at is not None), file=stream, flush=True)
+            print(
+                _wrapped(_waiting_line(lock, what, state, waited, still=said_at is not None)), file=stream, flush=True
+            )
             said_at = waited
         # Until the next look at who holds it, only whether this same file is still there.
         looked = time.monotonic()
