@@ -5,7 +5,7 @@
 
 The figures come from RESULTS.md's "Summary: iteration time per system" table, whose every row names the entry
 (the start of a `## ` heading) it repeats a figure of; a figure its entry does not hold is refused, so the
-summary cannot drift from the measurements. Needs matplotlib (the ``plot`` extra).
+summary cannot drift from the measurements. Needs matplotlib (a dependency of the project).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print("plot_results: needs matplotlib: pip install -e '.[plot]'", file=sys.stderr)
+        print("plot_results: needs matplotlib (a dependency of the project): pip install -e .", file=sys.stderr)
         return 2
     print(f"wrote {plot(rows, args.out)}")
     return 0

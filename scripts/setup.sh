@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install the project with its dev, plot and tensorboard extras into it.
+# Create .venv (if missing) and install the project with its dev and tensorboard extras into it.
 # torch is installed first and pinned, so that pip never resolves an unpinned torch
 # (which would pull several GB of CUDA packages on a machine with no GPU).
 # The install is skipped when nothing it depends on changed since the last one: the stamp records
@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
-EXTRAS="dev,plot,tensorboard"
+EXTRAS="dev,tensorboard"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 py=.venv/bin/python
 stamp_file=.venv/.lightning-dos-installed

@@ -7,7 +7,7 @@ and validation), the learning rate of each param group, the forward/backward/upd
 the update time against the performance model's prediction, memory per phase, PCIe throughput and bytes
 per direction, the share of the update done on the device, and the run's medians. A panel whose metrics
 the run did not log (or logged as zero throughout, like PCIe on a CPU run) is left out. Drawing needs
-matplotlib, the optional ``plot`` extra.
+matplotlib, which installs with the package (a dependency, not an extra).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from typing import Any
 from lightning_dos.host.console import wrapped
 from lightning_dos.integration.metrics import MEDIANS, PREFIX
 
-INSTALL_HINT = "pip install 'lightning-dos[plot]'"
+#: matplotlib is a dependency: missing, the install was broken or partial (installed with --no-deps, or removed).
+INSTALL_HINT = "pip install 'matplotlib>=3.8.0'"
 PHASES = ("forward", "backward", "update")
 PHASE_COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "update": "#55A868"}
 
@@ -369,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print(f"lightning-dos report needs matplotlib; install it with:\n  {INSTALL_HINT}", file=sys.stderr)
+        missing = "lightning-dos report needs matplotlib, a dependency missing here (installed with --no-deps?)"
+        print(f"{wrapped(missing)}; install it with:\n  {INSTALL_HINT}", file=sys.stderr)
         return 2
     if not args.run_dir.is_dir():
         print(wrapped(f"lightning-dos report: {args.run_dir} is not a folder"), file=sys.stderr)
