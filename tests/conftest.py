@@ -20,66 +20,52 @@ from lightning_dos.host.extensions import use_own_extensions_dir
 # the lightning-dos command gives it, so each checkout's ops stay built.
 use_own_extensions_dir()
 
-#: The torch CI runs (pyproject pins it). A GPU machine may only have its own preinstalled torch (a CUDA wheel
-#: cannot be carried there), under which the tests below, which pin this torch's internals, skip by name.
-PINNED_TORCH = "2.13"
-_KERNEL_BITS = (
-    "compares the compiled host update bit for bit with torch {pinned}'s fused Adam CPU kernel "
-    "(torch._fused_adamw_/_fused_adam_), whose rounding another torch may change; "
-    "tests/test_equivalence.py still holds every placement to torch.optim.AdamW(fused=True) at 1e-5"
-)
-_PLACEMENT_BITS = (
-    "resumes or finishes sub-groups on another side than the straight run, so is bit-exact only while the compiled "
-    "host update equals torch {pinned}'s fused Adam CPU kernel bit for bit; tests/test_equivalence.py and "
-    "tests/test_gpu.py's resume test hold the same paths to float precision"
-)
-_KERNEL_TESTS = {
-    "test_native_kernel.py": (
-        "test_bit_identical_to_torchs_fused_adam_then_cast",
-        "test_the_engine_host_path_is_the_compiled_kernel_and_agrees_with_torchs_tiles",
-    ),
-    "test_kernels.py": (
-        "test_fused_update_is_bit_identical_to_three_passes",
-        "test_non_finite_gradients_propagate_exactly_as_in_the_three_pass_path",
-        "test_host_and_device_sides_compute_bit_identical_results",
-    ),
+#: Tests that compare the engine's arithmetic with torch's kernels bit for bit: "file::name" -> the probes
+#: (tests/torch_probes.py) of what they assume of torch's rounding, by the value of their ``path`` parameter where
+#: it changes which kernels they compare ("*": whatever it is). A test skips only where one of its probes, run once
+#: at the start of the test run, finds torch rounding otherwise, and the skip says what the probe found.
+#:
+#: Tests that compare the engine with itself assume nothing of torch's rounding and are not here: on a CPU device
+#: every placement runs the host's update (engine/loop.py, ``device_update``), so resuming or finishing sub-groups
+#: on another side (test_engine_behaviour's checkpoint reloaded with another placement, test_atomic_training's
+#: resumes, test_kernels' host and device sides) gives the same bits under any torch.
+EXACTNESS_TESTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "test_native_kernel.py::test_bit_identical_to_torchs_fused_adam_then_cast": {"*": ("compiled",)},
+    "test_native_kernel.py::test_the_engine_host_path_is_the_compiled_kernel_and_agrees_with_torchs_tiles": {
+        "*": ("compiled", "tiles")
+    },
+    "test_kernels.py::test_fused_update_is_bit_identical_to_three_passes": {"engine": ("engine",), "tiles": ("tiles",)},
+    "test_kernels.py::test_non_finite_gradients_propagate_exactly_as_in_the_three_pass_path": {
+        "engine": ("engine non-finite",),
+        "tiles": ("tiles non-finite",),
+    },
 }
-_PLACEMENT_TESTS = {
-    "test_engine_behaviour.py": ("test_checkpoint_written_mid_run_reloads_with_another_placement",),
-    "test_atomic_training.py": (
-        "test_a_signal_handler_that_saves_a_checkpoint_mid_update_saves_a_whole_step_that_resumes",
-        "test_ctrl_c_mid_update_with_on_exception_checkpoint_saves_a_whole_step_that_resumes",
-        "test_an_exception_mid_update_leaves_a_whole_step_as_reported_and_resumes",
-        "test_a_device_out_of_memory_mid_stream_completes_the_step_on_the_host_and_training_goes_on",
-    ),
-}
-#: Test ("file::name", any parametrisation) -> why it needs torch PINNED_TORCH.
-PINNED_TORCH_TESTS = {
-    f"{module}::{name}": why
-    for tests, why in ((_KERNEL_TESTS, _KERNEL_BITS), (_PLACEMENT_TESTS, _PLACEMENT_BITS))
-    for module, names in tests.items()
-    for name in names
-}
-#: Modules that use torch's private CUDA-sanitizer classes (lightning_dos.sim.sanitizer); skipped under another
-#: torch only where those classes changed (the checker then refuses with SanitizerUnavailableError).
+#: Modules that use torch's private CUDA-sanitizer classes (lightning_dos.sim.sanitizer); skipped only where those
+#: classes are not as the checker needs them (it then refuses with SanitizerUnavailableError, which the skip quotes).
 SANITIZER_MODULES = ("test_stream_sanitizer.py", "test_simulate.py", "test_device_memory.py")
 
 
-def pinned_torch_skip(nodeid: str, version: str) -> str | None:
-    """Why test ``nodeid`` skips under torch ``version`` (None: it runs)."""
-    if version.split("+")[0].startswith(PINNED_TORCH + "."):
-        return None
+def probes_of(nodeid: str, params: dict[str, object]) -> tuple[str, ...]:
+    """The probes test ``nodeid`` (with parameters ``params``) needs to hold; () for a test that assumes none."""
     name = nodeid.split("/")[-1].split("[")[0]
-    why = PINNED_TORCH_TESTS.get(name)
-    if why is not None:
-        return f"pins torch {PINNED_TORCH}: {why.format(pinned=PINNED_TORCH)} (torch {version} here)"
-    if name.split("::")[0] in SANITIZER_MODULES:
+    by_path = EXACTNESS_TESTS.get(name, {})
+    return by_path.get(str(params.get("path")), by_path.get("*", ()))
+
+
+def torch_skip(nodeid: str, params: dict[str, object]) -> str | None:
+    """Why test ``nodeid`` skips under this torch (None: it runs): a probe of what it assumes found otherwise."""
+    probes = probes_of(nodeid, params)
+    if probes:
+        from tests.torch_probes import skip_reason
+
+        return skip_reason(probes)
+    if nodeid.split("/")[-1].split("::")[0] in SANITIZER_MODULES:
         from lightning_dos.sim.torch_csan import SanitizerUnavailableError, torch_sanitizer
 
         try:
             torch_sanitizer()
         except SanitizerUnavailableError as error:
-            return f"pins torch {PINNED_TORCH}'s torch.cuda._sanitizer classes: {error}"
+            return f"needs torch.cuda._sanitizer's private classes as the race checker knows them: {error}"
     return None
 
 
@@ -98,18 +84,30 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    import torch
-
     accelerator = config.getoption("--accelerator")
     for item in items:
-        pinned = pinned_torch_skip(item.nodeid, torch.__version__)
-        if pinned is not None:
-            item.add_marker(pytest.mark.skip(reason=pinned))
+        callspec = getattr(item, "callspec", None)
+        reason = torch_skip(item.nodeid, callspec.params if callspec is not None else {})
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
         is_cuda = item.get_closest_marker("cuda") is not None
         if is_cuda and accelerator != "cuda":
             item.add_marker(pytest.mark.skip(reason="CUDA test: runs in the CUDA pass (pytest --accelerator cuda)"))
         elif not is_cuda and accelerator == "cuda":
             item.add_marker(pytest.mark.skip(reason="CPU-DeepSpeed test: runs in the CPU pass (plain pytest)"))
+
+
+def pytest_report_collectionfinish(config: pytest.Config, start_path: object, items: list[pytest.Item]) -> list[str]:
+    """One line saying what the probes of torch's rounding found, where the collected tests needed any."""
+    import sys
+
+    torch_probes = sys.modules.get("tests.torch_probes")  # imported by torch_skip only where a test needs a probe
+    if torch_probes is None:
+        return []
+    import torch
+
+    found = [f"{name}: {'holds' if torch_probes.result(name) is None else 'differs'}" for name in torch_probes.PROBES]
+    return [f"torch {torch.__version__} kernel probes (tests/torch_probes.py): " + ", ".join(found)]
 
 
 #: Set (as scripts/gpu-check.sh does) to print each failure's report the moment it happens: a run cut off by a

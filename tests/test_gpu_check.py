@@ -1,10 +1,12 @@
-"""The GPU checks themselves, on CPU: the delayed-stream harness on the simulated accelerator, the torch-version
-skips, and scripts/gpu-check.sh's steps (the CUDA tests cannot run here; they must collect and skip cleanly)."""
+"""The GPU checks themselves, on CPU: the delayed-stream harness on the simulated accelerator, the exactness
+tests' probes of torch's rounding (a GPU machine runs its own torch), and scripts/gpu-check.sh's steps (the CUDA
+tests cannot run here; they must collect and skip cleanly)."""
 
 from __future__ import annotations
 
 import ast
 import inspect
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +15,10 @@ import pytest
 import torch
 
 import lightning_dos.engine.loop as loop_module
+from lightning_dos.engine import native
 from lightning_dos.sim.sanitizer import StreamSanitizer
-from tests.conftest import PINNED_TORCH, PINNED_TORCH_TESTS, pinned_torch_skip
+from tests import torch_probes
+from tests.conftest import EXACTNESS_TESTS, probes_of, torch_skip
 from tests.delayed_streams import run
 from tests.test_stream_sanitizer import SYNC_MODULES, all_mutations, mutant_engine
 
@@ -70,16 +74,37 @@ def test_the_delayed_stream_harness_reaches_every_synchronisation_of_the_engine(
     assert not unreached, f"the harness never needs these: {unreached}"
 
 
-def test_tests_pinning_torch_internals_skip_by_name_only_under_another_torch() -> None:
-    for key in PINNED_TORCH_TESTS:
+def test_exactness_tests_skip_only_where_a_probe_finds_torch_rounding_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for key, by_path in EXACTNESS_TESTS.items():
         module, name = key.split("::")
         assert f"def {name}(" in (ROOT / "tests" / module).read_text(), f"{key} names no test"
-    pinned = "tests/test_kernels.py::test_fused_update_is_bit_identical_to_three_passes[engine-x]"
-    reason = pinned_torch_skip(pinned, "2.11.0+cu128")
-    assert reason is not None and f"torch {PINNED_TORCH}" in reason and "2.11.0+cu128" in reason
-    assert pinned_torch_skip(pinned, f"{PINNED_TORCH}.0+cpu") is None
-    assert pinned_torch_skip("tests/test_planner.py::test_unknown_profile_is_refused", "2.11.0") is None
-    assert torch.__version__.startswith(PINNED_TORCH + "."), "CI runs the pinned torch: nothing is skipped here"
+        assert all(probe in torch_probes.PROBES for probes in by_path.values() for probe in probes), key
+    fused = "tests/test_kernels.py::test_fused_update_is_bit_identical_to_three_passes[engine-x]"
+    assert probes_of(fused, {"path": "engine"}) == ("engine",) and probes_of(fused, {"path": "tiles"}) == ("tiles",)
+    assert probes_of("tests/test_planner.py::test_unknown_profile_is_refused", {}) == ()
+    # No version string decides: a torch whose fused AdamW rounds one element otherwise is caught by the probes,
+    # and the skip says what they found.
+    kernel = torch._fused_adamw_
+
+    def rounds_otherwise(params, *args, **kwargs) -> None:  # noqa: ANN001
+        kernel(params, *args, **kwargs)
+        for param in params:
+            param[20] = torch.nextafter(param[20], torch.tensor(math.inf))
+
+    monkeypatch.setattr(torch, "_fused_adamw_", rounds_otherwise)
+    found = torch_probes.tiles()
+    assert found is not None and "tiles of 64" in found and "param[84]" in found, found  # element 20 of tile 2
+    if native.available():
+        assert "param[20]" in (torch_probes.compiled() or "")
+    monkeypatch.setattr(torch_probes, "result", lambda name: torch_probes.PROBES[name][1]())  # uncached
+    reason = torch_skip(fused, {"path": "tiles"})
+    assert reason is not None and f"torch {torch.__version__}" in reason and "probe 'tiles' found" in reason, reason
+    monkeypatch.undo()
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):  # torch's vector path, as on CI's CPU
+        failing = {name: torch_probes.result(name) for name in torch_probes.PROBES if torch_probes.result(name)}
+        assert failing == {}, "this torch rounds as the exactness tests assume: nothing may skip here"
 
 
 def test_gpu_check_script_parses_and_says_so_without_a_gpu() -> None:
