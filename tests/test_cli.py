@@ -140,15 +140,35 @@ def _error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.strip() and not line.startswith("Seed set to")]
 
 
-def test_a_refused_strategy_setting_is_one_line_from_the_command() -> None:
+def test_a_refused_strategy_setting_is_one_message_in_80_columns_from_the_command() -> None:
     """jsonargparse types ``trainer.strategy`` as ``str | Strategy`` and buried the strategy's refusal under
-    "Does not validate against any of the Union subtypes" and a 1,400-character dump of every init argument."""
+    "Does not validate against any of the Union subtypes" and a 1,400-character dump of every init argument; then
+    it was one line of 121 characters."""
     done = _run("fit", "--config", TINY, "--trainer.strategy.init_args.gpu_fraction", "1.5", script=True, timeout=120)
     assert done.returncode == 2, done.stderr[-3000:]
     assert _error_lines(done.stderr) == [
-        "lightning-dos: error: gpu_fraction=1.5 is not valid; use 'auto', a number in [0, 1], or 'stride:K' with an "
-        "integer K >= 1"
+        "lightning-dos: error: gpu_fraction=1.5 is not valid; use 'auto', a number in",
+        "  [0, 1], or 'stride:K' with an integer K >= 1",
     ]
+
+
+def test_a_refusal_wraps_at_80_columns_keeping_values_and_paths_whole() -> None:
+    from lightning_dos.commands.main import refusal
+
+    overlap = "overlap='bogus' is not valid for DeepOptimizerStatesStrategy; use one of 'off', 'forward', 'auto'"
+    assert refusal(ValueError(overlap)).splitlines() == [
+        "lightning-dos: error: overlap='bogus' is not valid for",
+        "  DeepOptimizerStatesStrategy; use one of 'off', 'forward', 'auto'",
+    ]
+    path = "/data/" + "x" * 90 + ".json"
+    lines = refusal(ValueError(f"config={path} does not exist\nsee the user guide")).splitlines()
+    assert lines == ["lightning-dos: error:", f"  config={path}", "  does not exist", "see the user guide"]
+    assert refusal(ValueError("short")) == "lightning-dos: error: short"
+
+
+def _message(lines: list[str]) -> str:
+    """A refusal's wrapped lines as the one sentence they wrap."""
+    return " ".join(line.strip() for line in lines)
 
 
 #: Runs the command's entry point in one process for every bad setting the strategy's own tests cover (a process
@@ -177,7 +197,7 @@ print(json.dumps(results))
 """
 
 
-def test_every_refused_strategy_setting_is_one_line_naming_it_and_what_is_valid() -> None:
+def test_every_refused_strategy_setting_is_one_message_in_80_columns_naming_it_and_what_is_valid() -> None:
     done = subprocess.run(
         [sys.executable, "-c", _EVERY_BAD_SETTING, TINY],
         cwd=ROOT,
@@ -192,8 +212,10 @@ def test_every_refused_strategy_setting_is_one_line_naming_it_and_what_is_valid(
     wrong = []
     for result in results:
         lines = _error_lines(result["stderr"])
-        one_line = len(lines) == 1 and lines[0].startswith("lightning-dos: error: ")
-        if result["rc"] != 2 or not one_line or result["setting"] not in lines[0] or result["valid"] not in lines[0]:
+        message = _message(lines)
+        one_message = bool(lines) and lines[0].startswith("lightning-dos: error: ")
+        in_80 = one_message and all(len(line) <= 80 or " " not in line.strip() for line in lines)  # a path stays whole
+        if result["rc"] != 2 or not in_80 or result["setting"] not in message or result["valid"] not in message:
             wrong.append(f"{' '.join(result['argv'])}: rc {result['rc']}, {lines}")
     assert not wrong, "\n".join(wrong)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import sys
 import textwrap
 from typing import Any
@@ -118,10 +119,29 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as done:
         return int(done.code or 0) if not isinstance(done.code, str) else 1
     except (SettingError, DOSConfigError) as error:
-        # A refused setting is one line naming it, not a traceback through Lightning.
-        print(f"lightning-dos: error: {error}", file=sys.stderr)
+        # A refused setting is one message naming it, wrapped at 80 columns, not a traceback through Lightning.
+        print(refusal(error), file=sys.stderr)
         return 2
     return 0
+
+
+def refusal(error: Exception) -> str:
+    """How the command prints a refused setting: ``lightning-dos: error:`` and the refusal, each of its lines wrapped
+    at 80 columns (continued lines indented two spaces). A quoted value or a bracketed range (``'stride:K'``,
+    ``[0, 1]``) is not split across lines, and a word longer than a line (a path) is kept whole."""
+    from lightning_dos.host.console import wrapped
+
+    def unbroken(match: re.Match[str]) -> str:
+        return match.group().replace(" ", _NO_BREAK)
+
+    lines = f"lightning-dos: error: {error}".splitlines()
+    return "\n".join(wrapped(_KEPT_TOGETHER.sub(unbroken, line)).replace(_NO_BREAK, " ") for line in lines)
+
+
+#: What a refusal's wrapping keeps on one line: a quoted value, a bracketed range (at most 20 characters each).
+_KEPT_TOGETHER = re.compile(r"'[^'\n]{1,20}'|\[[^\]\n]{1,20}\]")
+#: A space textwrap does not break at (it breaks only at ASCII whitespace).
+_NO_BREAK = "\u00a0"
 
 
 def _has_omegaconf() -> bool:
