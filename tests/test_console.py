@@ -321,3 +321,42 @@ def test_lightnings_note_about_the_summary_is_dropped_only_for_ours() -> None:
         return all(f.filter(record) for f in log.filters)
 
     assert (shown(ours), shown(theirs)) == (False, True)
+
+
+#: A CUDA build of torch on a machine without a GPU, in a fresh process: torch.utils.cpp_extension, imported by
+#: DeepSpeed's op builder on every run, finds CUDA_HOME and logs that no CUDA runtime is found (this torch is a CPU
+#: build, so the test makes it look like a CUDA one: the same condition, `_find_cuda_home`'s, as on such a machine).
+_CUDA_BUILD_WITHOUT_A_GPU = """
+import logging, sys
+import torch
+torch.cuda._is_compiled = lambda: True
+torch.version.cuda = "12.8"
+torch.cuda.is_available = lambda: False
+if sys.argv[1] == "quiet":
+    from lightning_dos.host import quiet
+    quiet.install()
+elif sys.argv[1] == "op builder":
+    from lightning_dos.host.extensions import announce_op_builds
+    announce_op_builds()
+import torch.utils.cpp_extension
+logging.getLogger("torch.utils.cpp_extension").warning("another warning of the same logger")
+print("CUDA_HOME", torch.utils.cpp_extension.CUDA_HOME)
+"""
+
+
+@pytest.mark.parametrize("how", ["none", "quiet", "op builder"])
+def test_no_cuda_runtime_message_of_a_cuda_torch_is_silenced_on_cpu_runs(how: str) -> None:
+    """Exactly that message: another warning of torch's logger still shows, and without the filters it is there."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CUDA_BUILD_WITHOUT_A_GPU, how],
+        cwd=ROOT,
+        env={**clean_env(), "CUDA_HOME": "/usr/local"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert "CUDA_HOME /usr/local" in done.stdout, "torch.utils.cpp_extension took the CUDA build's path"
+    said = "No CUDA runtime is found, using CUDA_HOME='/usr/local'" in done.stderr
+    assert said == (how == "none"), done.stderr
+    assert "another warning of the same logger" in done.stderr

@@ -131,8 +131,12 @@ def announce_op_builds() -> None:
 
     DeepSpeed's ``OpBuilder.jit_load`` (every op it builds, for its own modules and ours) calls torch's
     ``cpp_extension.load`` once it has checked the op can be built here: that call is wrapped, for its duration.
-    Imports DeepSpeed: call it where a run is about to use it.
+    Imports DeepSpeed: call it where a run is about to use it. The known noise of an op's load (:mod:`quiet`: torch's
+    "No CUDA runtime is found" as DeepSpeed's op builder imports ``torch.utils.cpp_extension``) is silenced first.
     """
+    from lightning_dos.host import quiet
+
+    quiet.install()
     from deepspeed.ops.op_builder.builder import OpBuilder
 
     if getattr(OpBuilder.jit_load, _ANNOUNCES, False):

@@ -10,6 +10,8 @@ when it is built (and the CLI before it builds its parser); installing again add
 - ``isinstance(treespec, LeafSpec)`` is deprecated in torch 2.13 (Lightning 2.6's own pytree copy).
 - DeepSpeed's "Setting accelerator to CPU" on a machine without a GPU (Lightning already says "GPU
   available: False"), and its "... deepspeed_shm_comm_op built successfully" on every start.
+- torch's "No CUDA runtime is found, using CUDA_HOME='...'" under a CUDA build of torch on a machine without a GPU
+  (``torch.utils.cpp_extension`` logs it as it is imported, which DeepSpeed's op builder does on every CPU run).
 - Lightning's litlogger tip and its "TPU available: False" line.
 - Lightning's note that it skips its default model summary because the CLI gave it
   :class:`~lightning_dos.integration.callbacks.DOSModelSummary` (a user's own summary callback is still named).
@@ -44,6 +46,9 @@ KNOWN_LOG_LINES: tuple[tuple[str, str], ...] = (
     # DeepSpeed's advice on SSD wear, one line of 365 characters: a run on the NVMe tier says it in 80 columns
     # (host.disk.ssd_wear_notice).
     ("DeepSpeed", "Offloading to NVMe can generate heavy write traffic"),
+    # A CUDA build of torch without a GPU: torch.utils.cpp_extension finds a CUDA_HOME (the CUDA_HOME variable, nvcc
+    # on the PATH, /usr/local/cuda) while torch.cuda.is_available() is False, and logs this as it is imported.
+    ("torch.utils.cpp_extension", "No CUDA runtime is found, using CUDA_HOME="),
     ("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging"),
     ("lightning.pytorch.utilities.rank_zero", "TPU available: False"),
     (
