@@ -116,7 +116,7 @@ class ZeRO3Adapter(ForwardGathers, BackwardHooks, NeedRecording, StateAccess):
             master_dtype=self.flats[0].dtype,
             state_dtype=state_dtype(self.inner, self.flats[0].dtype),
             # Resident sub-groups' gradients are copied on the device as backward makes them final (below), where
-            # DeepSpeed has the boundary copy to watch (0.19.5 to 0.19.8 do).
+            # DeepSpeed has the boundary copy to watch (0.19.5 and later do).
             keep_resident_grads=hasattr(z, "_offload_grad_partition_at_boundary"),
         )
         files = self._open_files(nvme, rank) if nvme is not None else None

@@ -65,7 +65,7 @@ OPTIONAL_ATTRIBUTES = (
 )
 
 
-TESTED_DEEPSPEED = "0.19.5 to 0.19.8"
+TESTED_DEEPSPEED = "0.19.8"  # 0.19.0-0.19.7 lack _loss_scale_update_and_overflow_cleanup
 
 
 class DeepSpeedIncompatibleError(RuntimeError):
