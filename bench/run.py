@@ -474,8 +474,8 @@ def run_system(system: str, args: argparse.Namespace) -> Result:
         result.extra["last_grad_norm"] = float(norm)
     if args.exactness:
         result.extra.update(probe.found)
-        commit = [row["dos/commit_rate"] for row in rows if "dos/commit_rate" in row]
-        result.extra["commit_rate"] = commit[-1] if commit else None
+    commit = [row["dos/commit_rate"] for row in rows if "dos/commit_rate" in row]
+    result.extra["commit_rate"] = commit[-1] if commit else None
     result.extra["steady_steps"] = steady
     result.extra.update(recorder.predictions(steady))
     if any("dos/engine_update_predicted_s" in row for row in rows):  # then dos/update_predicted_s is the phase's
@@ -483,7 +483,10 @@ def run_system(system: str, args: argparse.Namespace) -> Result:
     if ours:
         engine = strategy.dos_engine
         staging = engine.files.staging_bytes if engine.files is not None else 0
-        result.optimizer_host_gb = (engine.pool.host_bytes + staging) / GB  # the NVMe tier's staging slabs too
+        # The NVMe tier's staging slabs too, and the spare slots speculative updates write into.
+        result.optimizer_host_gb = (engine.pool.host_bytes + staging + engine.spare.nbytes) / GB
+        result.extra["spare_gb"] = engine.spare.nbytes / GB
+        result.extra["commit_s"] = _median(rows, "dos/commit_s")
         result.extra["engine_update_s"] = _median(rows, "dos/engine_update_s")
         estimator = getattr(getattr(strategy, "dos_scheduler", None), "estimator", None)
         if estimator is not None:
@@ -556,6 +559,14 @@ def table(results: list[Result]) -> str:
             f"{floor_s:.4f} s; update / floor is the engine's update loop over it."
         )
     lines.append("\n" + prediction_table(ran))
+    for r in results:  # what speculation costs: the spare slots (in opt host GB) and the commits after backward
+        if r.extra.get("spare_gb"):
+            commit_s, rate = r.extra.get("commit_s"), r.extra.get("commit_rate")
+            commits = "no step committed" if commit_s is None else f"commits took {commit_s * 1e3:.2f} ms a step"
+            lines.append(
+                f"Speculation of {r.system}: {r.extra['spare_gb']:.3f} GB of spare host slots (in opt host GB); "
+                f"{commits} (median over committed steps, after backward), commit rate {_fmt(rate, 2)}."
+            )
     if any("disk_floor_s" in r.extra for r in results):
         lines.append(
             "\nNVMe systems' update / floor: the median update over the drive's floor for a step's bytes, the lesser "

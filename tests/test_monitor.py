@@ -149,6 +149,11 @@ def test_under_overlap_each_steps_engine_metrics_are_logged_once_its_update_is_o
     assert strategy.dos_adapter.speculative  # the updates begun in backward speculate, with clipping or without
     for step, row in rows.items():
         assert row["dos/speculated"] >= 0 and ("dos/committed" in row) == (row["dos/speculated"] > 0), (step, row)
+        # The time committing is logged on the steps whose speculative updates were kept, and only there.
+        assert ("dos/commit_s" in row) == (row.get("dos/committed") == 1.0), (step, row)
+        assert row.get("dos/commit_s", 0.0) >= 0.0
+    if not clip:  # nothing clips: every step that speculated kept its updates, and committing them took time
+        assert any(row.get("dos/committed") == 1.0 and row["dos/commit_s"] > 0.0 for row in rows.values()), rows
     if clip:  # TinyLM's steps clip at 0.5: every speculation is redone, and the running rate says so
         assert any(row["dos/speculated"] > 0 for row in rows.values())
         assert all(row.get("dos/commit_rate", 0.0) == 0.0 for row in rows.values())

@@ -152,12 +152,14 @@ class HostSubGroups:
             if real is not None:
                 inputs.inv_grad_scale = real
             return
+        started = time.perf_counter()
         try:
             for index in list(self.spare.pending):
                 landed = self._commit(index, inputs, report)
                 self._land(index, landed)
                 self.updated_early.append(index)
                 self._early_tail = landed if landed is not None else self._early_tail
+            report.commit_s = time.perf_counter() - started
         except BaseException:
             # Those not committed yet keep their current state: the recovery updates them like any other
             # sub-group the interrupted step had not reached.

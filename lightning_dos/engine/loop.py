@@ -431,6 +431,7 @@ class InterleavedUpdate(
             report.host_elements, report.h2d_bytes = early.host_elements, early.h2d_bytes
             report.update_s = early.update_s
             report.speculated, report.committed, report.early = early.speculated, early.committed, early.early
+            report.commit_s = early.commit_s
         report.fallback_host = [i for i in requested.device_indices if plan.places[i] == Place.HOST]
         if report.fallback_host:
             self._warn_fallback(f"{len(report.fallback_host)} sub-group(s) did not fit the device memory budget")

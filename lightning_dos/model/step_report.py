@@ -68,6 +68,8 @@ class StepReport:
             was made. When False they were undone and updated again with the real factor (or the step was skipped).
         early: the host sub-groups whose update begun during backward is the step's (committed, or exact where the
             engine ran without speculation), in the order they were kept.
+        commit_s: seconds the update's thread spent committing the speculative updates once backward ended (each
+            16-bit result copied towards the parameters and its upload issued; the state itself is not copied).
         spans: one :class:`Span` per operation, only when timing is enabled.
     """
 
@@ -88,6 +90,7 @@ class StepReport:
     speculated: int = 0
     committed: bool | None = None
     early: tuple[int, ...] = ()
+    commit_s: float = 0.0
     spans: list[Span] = field(default_factory=list)
 
     @property

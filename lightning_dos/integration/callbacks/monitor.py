@@ -120,8 +120,9 @@ class DOSMonitor(Callback):
     once ``gpu_fraction="auto"`` has timed forward and backward on an accelerator),
     ``dos/pinned_gb`` (host memory really pinned; 0 without CUDA), ``dos/fallback_subgroups`` (sub-groups the
     plan put on the device that ran on the host for lack of device memory), ``dos/speculated`` (host sub-groups
-    updated during backward before the gradient norm was known: gradient clipping under ``overlap="auto"``),
-    ``dos/committed`` (1 when those updates were kept, 0 when the step was clipped and they were redone) and
+    updated during backward before the step's fate was known: ``overlap="auto"``),
+    ``dos/committed`` (1 when those updates were kept, 0 when the step was clipped and they were redone, or
+    skipped), ``dos/commit_s`` (the seconds committing the kept ones took after backward) and
     ``dos/commit_rate`` (the share of such steps committed so far), and ``dos/host_threads``, torch's
     intra-op threads on this rank. Beside them, the learning rate each param group's update of the step used
     (``lr-AdamW/pg1``, ... as Lightning's ``LearningRateMonitor`` names it). When the monitor logs at the trainer's
@@ -379,6 +380,8 @@ class DOSMonitor(Callback):
         }
         if report.committed is not None:
             row["dos/committed"] = float(report.committed)
+            if report.committed:
+                row["dos/commit_s"] = report.commit_s
             self._speculative_steps[report.committed] += 1
         if any(self._speculative_steps):
             row["dos/commit_rate"] = self._speculative_steps[True] / sum(self._speculative_steps)
