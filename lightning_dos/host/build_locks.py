@@ -21,7 +21,9 @@ rank loading the op holds it for a second), then in one line naming the process 
 again every :data:`REMIND_S`; should the holder die meanwhile, the lock is removed as above. A lock it cannot prove
 abandoned is waited for too, in one line saying why and which file to remove if no build of the op is running.
 
-Linux only (``/proc``); elsewhere torch's own wait runs unchanged. Only the standard library is imported here.
+Linux only (``/proc``); elsewhere torch's own wait runs unchanged. From torch 2.14 the JIT holds an OS-level lock on
+the file instead (the kernel releases it when the holder dies, and the file stays), so nothing is cleared there
+(:func:`lightning_dos.host.extensions.lock_files_block`). Only the standard library is imported here.
 """
 
 from __future__ import annotations

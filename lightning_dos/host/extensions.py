@@ -102,10 +102,20 @@ def _build_directory(name: str) -> str | None:
         return None
 
 
+def lock_files_block(load: Any) -> bool:
+    """Whether the JIT ``load`` comes from waits on the mere existence of a ``lock`` file (torch's ``FileBaton``,
+    up to torch 2.13), which a killed build leaves behind. From torch 2.14 it holds an OS-level lock on the file
+    instead (``FileLock``: the kernel releases it when the holder dies, and the file stays): nothing to clear, and
+    a lock file left there is no sign of a killed build."""
+    module = sys.modules.get(getattr(load, "__module__", ""))
+    return module is not None and hasattr(module, "FileBaton") and not hasattr(module, "FileLock")
+
+
 def _announcing(load: Any) -> Any:
-    """torch's ``cpp_extension.load``, first clearing or waiting for the op's build lock
-    (:func:`build_locks.clear_or_wait`: torch would wait for a lock a killed build left for ever, without a word),
-    then announcing a build that :func:`pending_build` says will happen."""
+    """torch's ``cpp_extension.load``, first clearing or waiting for the op's build lock where a lock file blocks
+    (:func:`lock_files_block`; :func:`build_locks.clear_or_wait`: torch would wait for a lock a killed build left for
+    ever, without a word), then announcing a build that :func:`pending_build` says will happen."""
+    clears_locks = lock_files_block(load)
 
     @functools.wraps(load)
     def announcing_load(*args: Any, **kwargs: Any) -> Any:
@@ -114,7 +124,7 @@ def _announcing(load: Any) -> Any:
         if isinstance(name, str) and isinstance(sources, (list, tuple)):
             folder = kwargs.get("build_directory") or _build_directory(name)
             what, why, seconds = OPS.get(name, (f"DeepSpeed's {name} op", "for this run", _UNKNOWN_OP_SECONDS))
-            if folder:
+            if folder and clears_locks:
                 build_locks.clear_or_wait(os.path.join(folder, build_locks.LOCK_NAME), what)
             when = pending_build(name, sources, folder) if folder else None
             if when is not None:
