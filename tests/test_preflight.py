@@ -265,6 +265,6 @@ def test_start_up_host_peak_on_the_simulated_accelerator_is_the_pre_flight_figur
     # 4 (DeepSpeed's fp32 gradients) + 2 (its bf16 gradient partitions) + 12 (slabs) + the 16-bit ring: a slot of
     # the largest sub-group per sub-group, 2 B/param and a little more; and the spare slots of speculation.
     assert 20 <= (result["preflight"] - result["spare"]) / params < 20.5, result["items"]
-    # The spare slots are allocated at set-up and first written by a speculative update, after it: start-up holds the
-    # rest of the figure.
-    assert abs(result["startup_added"] / (result["preflight"] - result["spare"]) - 1) < 0.10, result
+    # The spare slots are allocated and written at set-up (so a node short of memory fails there, not steps in):
+    # start-up holds the whole figure.
+    assert abs(result["startup_added"] / result["preflight"] - 1) < 0.10, result

@@ -62,8 +62,11 @@ class SpareSlabs:
             raise ValueError(f"slots={slots} must be non-negative")
         self.capacity = capacity
         dtypes = (master_dtype, *state_dtypes, lp_dtype)
-        # Allocated once, up front: host memory the run takes at start-up, never in the middle of a step.
-        self._slots = [tuple(torch.empty(capacity, dtype=dtype) for dtype in dtypes) for _ in range(slots)]
+        # Allocated once, up front, and written (zeros): host memory the run takes at start-up, never in the middle of
+        # a step. torch.empty's pages would become resident only when a speculation first writes them, which may be
+        # many steps in (how many sub-groups backward leaves time for varies), so a node short of memory would fail
+        # then rather than here, and the pre-flight figure would not be what the run holds.
+        self._slots = [tuple(torch.zeros(capacity, dtype=dtype) for dtype in dtypes) for _ in range(slots)]
         self._free = list(range(slots))
         #: Sub-groups whose current state is in a slot (a committed speculation), and that slot.
         self.held: dict[int, int] = {}
