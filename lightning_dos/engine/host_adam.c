@@ -61,9 +61,9 @@ typedef struct {
     float eps;          /* Adam, Adagrad */
     float neg_step_size; /* Adam: float(-lr / (1 - beta1^step)); Adagrad: float(-lr / (1 + (step - 1) * lr_decay));
                           * Lion: float(lr) */
-    int torch_width;    /* Adam, fp32 storage: the float vector width of the torch kernel reproduced (16 under torch's
-                         * AVX-512 build, 8 under its AVX2 build), whose scalar remainder the last elements of a call
-                         * take (adam_scalar_from); 0: every element as the vector body */
+    int torch_width;    /* Adam: the float vector width of the torch kernel reproduced (16 under torch's AVX-512
+                         * build, 8 under its AVX2 build), whose scalar remainder the last elements of a call take
+                         * (adam_scalar_from); 0: every element as the vector body */
 } Step;
 
 typedef struct {
@@ -275,6 +275,12 @@ static inline float from_bf16(uint16_t h) {
         STORE_WEIGHT(master16, I, p + neg_step_size * m / denom);                                         \
     } while (0)
 
+/* The step's scalars ADAM_ELEMENT reads, as locals. */
+#define ADAM_SCALARS(JOB)                                                                                 \
+    const float decay_factor = (JOB)->s.decay_factor, weight_decay = (JOB)->s.weight_decay;               \
+    const float lerp_coeff = (JOB)->s.lerp_coeff, beta2 = (JOB)->s.beta2, sq_coeff = (JOB)->s.sq_coeff;   \
+    const float bc2_sqrt = (JOB)->s.bc2_sqrt, eps = (JOB)->s.eps, neg_step_size = (JOB)->s.neg_step_size
+
 /* Adam's block in torch's vector body's form: the same statements for every element. `unscale`, `decoupled`,
  * `lerp_small` and the two storage choices are constants in each caller below (this is inlined into each), so
  * every combination is its own loop without a test in it, which the compilers vectorize on every target. */
@@ -283,9 +289,7 @@ static inline __attribute__((always_inline)) void adam_block(const Job *job, flo
                                                              const int lerp_small, const int master16,
                                                              const int states16, const int outplace) {
     VIEWS(job);
-    const float decay_factor = job->s.decay_factor, weight_decay = job->s.weight_decay;
-    const float lerp_coeff = job->s.lerp_coeff, beta2 = job->s.beta2, sq_coeff = job->s.sq_coeff;
-    const float bc2_sqrt = job->s.bc2_sqrt, eps = job->s.eps, neg_step_size = job->s.neg_step_size;
+    ADAM_SCALARS(job);
     /* Element i reads and writes element i only, and the out-of-place loop's seven arrays are distinct: without
      * the pragma GCC versions the loop for aliasing and, past its limit of checks (x86-64-v2), keeps it scalar. */
 #pragma GCC ivdep
@@ -301,9 +305,7 @@ static __attribute__((noinline)) void adam_remainder(const Job *job, float *rest
                                                      const int lerp_small, const int master16, const int states16,
                                                      const int outplace) {
     VIEWS(job);
-    const float decay_factor = job->s.decay_factor, weight_decay = job->s.weight_decay;
-    const float lerp_coeff = job->s.lerp_coeff, beta2 = job->s.beta2, sq_coeff = job->s.sq_coeff;
-    const float bc2_sqrt = job->s.bc2_sqrt, eps = job->s.eps, neg_step_size = job->s.neg_step_size;
+    ADAM_SCALARS(job);
     for (int64_t i = begin; i < end; i++) ADAM_ELEMENT(i, 1);
 }
 
@@ -377,8 +379,8 @@ static int64_t lion_vector_end(int dtypes, int64_t numel) {
     return width ? numel - numel % width : 0;
 }
 
-/* The first element of an Adam call of `numel` elements stored as `dtypes` that torch's fused Adam (whose float
- * vector width is `width`) updates in its scalar remainder. torch runs its vector body over all but the last
+/* The first element of an Adam call of `numel` elements that torch's fused Adam (whose float vector width is
+ * `width`) updates in its scalar remainder. torch runs its vector body over all but the last
  * numel % width; its compiler vectorizes the remainder loop once more at half the width where that is 8 (AVX-512:
  * 8 elements as the body rounds them, when 8 or more remain), and the rest is scalar. Measured on torch 2.13's
  * AVX-512 and AVX2 builds for every remainder (tests/test_native_kernel.py checks every element). bf16 storage is

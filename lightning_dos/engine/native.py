@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import math
 import os
@@ -173,10 +174,12 @@ class Step(ctypes.Structure):
     ]
 
 
+@functools.cache
 def torch_float_width() -> int:
     """The float vector width of the fused Adam torch runs here (16 under its AVX-512 kernels, 8 under AVX2): the
     last elements of each call take torch's scalar remainder, which rounds the second moment its own way
-    (host_adam.c, ``adam_scalar_from``). 0 under torch's generic kernels, which the engine does not reproduce."""
+    (host_adam.c, ``adam_scalar_from``). 0 under torch's generic kernels, which the engine does not reproduce. Read
+    once: torch picks its kernels once per process."""
     return {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability(), 0)
 
 
