@@ -116,7 +116,7 @@ class StepRecorder(L.Callback):
         self._adapter = getattr(strategy, "dos_adapter", None)
         if engine is None or not self.lines_wanted:
             return
-        engine.timing = True
+        engine.record_timing(True)
         wait, landed, start = engine.wait_sub_groups, engine.streams.landed, engine.streams.start_timeline
 
         def wait_sub_groups(indices: Sequence[int], stream: object = None) -> None:

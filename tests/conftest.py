@@ -26,7 +26,7 @@ use_own_extensions_dir()
 #: at the start of the test run, finds torch rounding otherwise, and the skip says what the probe found.
 #:
 #: Tests that compare the engine with itself assume nothing of torch's rounding and are not here: on a CPU device
-#: every placement runs the host's update (engine/loop.py, ``device_update``), so resuming or finishing sub-groups
+#: every placement runs the host's update (engine/step.py, ``device_update``), so resuming or finishing sub-groups
 #: on another side (test_engine_behaviour's checkpoint reloaded with another placement, test_atomic_training's
 #: resumes, test_kernels' host and device sides) gives the same bits under any torch.
 EXACTNESS_TESTS: dict[str, dict[str, tuple[str, ...]]] = {

@@ -11,7 +11,7 @@ slabs as the host reads them right after the step (no synchronisation in between
 
 ``python -m tests.delayed_streams`` checks the engine (exit status 0: equal in every run); with
 ``TORCH_CUDA_SANITIZER=1`` torch's CUDA sanitizer checks every kernel and copy as well. ``--mutate FILE:LINE``
-runs an engine with the synchronisation at that line of that engine module (``loop.py``, ``streamed.py``, ...)
+runs an engine with the synchronisation at that line of that engine module (``step.py``, ``streamed.py``, ...)
 removed (tests/test_stream_sanitizer.py's mutations), which must fail. tests/test_gpu.py runs both;
 tests/test_gpu_check.py runs the harness itself on the simulated accelerator on CPU (no sleeps there: the
 stream-race checker stands in for them).
@@ -223,7 +223,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.delayed_streams", description=__doc__)
     parser.add_argument(
         "--mutate",
-        help="remove the synchronisation at FILE:LINE of the engine (e.g. streamed.py:52; LINE: loop.py); 'all': each "
+        help="remove the synchronisation at FILE:LINE of the engine (e.g. streamed.py:52; LINE: step.py); 'all': each "
         "in turn, one line per mutation as it is caught or missed (tests/test_gpu.py's mutation test, as it goes)",
     )
     parser.add_argument(
@@ -238,7 +238,7 @@ def main(argv: list[str]) -> int:
         from tests.test_stream_sanitizer import mutant_engine
 
         where, _, line = args.mutate.rpartition(":")
-        engine_class = mutant_engine(int(line), where or "loop.py")
+        engine_class = mutant_engine(int(line), where or "step.py")
     failed = check(engine_class, stop_at_first=args.mutate is not None, verbose=True)
     for outcome in failed:
         where = "host" if outcome.lp_on_host else "GPU"

@@ -64,7 +64,7 @@ def _run(failure: tuple[str, int, int, type[BaseException]] | None = None, devic
             fired.append(point)
             raise failure[3]("injected")
 
-    engine.on_point = on_point
+    engine.watch_points(on_point)
     for step, plan in enumerate(PLANS, start=1):
         states.append(_state(engine, lp))
         try:
@@ -81,7 +81,7 @@ def _run(failure: tuple[str, int, int, type[BaseException]] | None = None, devic
 def _points(device: str = "cpu") -> list[tuple[str, int, int]]:
     seen: list[tuple[str, int, int]] = []
     engine, lp = _engine(device), [torch.zeros(n, device=device) for n in NUMELS]
-    engine.on_point = lambda point, index: seen.append((point, index, engine.steps_taken))
+    engine.watch_points(lambda point, index: seen.append((point, index, engine.steps_taken)))
     for step, plan in enumerate(PLANS, start=1):
         engine.step(plan, _inputs(step, lp))
     return seen
@@ -167,7 +167,7 @@ def test_a_reader_on_another_thread_waits_for_the_update_and_one_inside_it_is_re
                 with engine.guard.reading("a hook's read"):
                     pass
 
-    engine.on_point = on_point
+    engine.watch_points(on_point)
     engine.step(PLANS[0], _inputs(1, lp))
     seen["thread"].join(timeout=10)  # type: ignore[union-attr]
     assert seen["waited"] is True

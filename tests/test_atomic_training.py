@@ -81,7 +81,7 @@ class At(L.Callback):
                     self.fired, self.in_backward = True, engine.arrivals is not None
                     self.action(trainer)
 
-        engine.on_point = on_point
+        engine.watch_points(on_point)
 
 
 def clip_for(overlap: str) -> float | None:

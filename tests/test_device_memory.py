@@ -144,12 +144,12 @@ class HeldAtNextBatch(L.Callback):
                 self._host_side.set()
                 self._read.wait(timeout=60)
 
-        engine.on_point = on_point
+        engine.watch_points(on_point)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:  # noqa: ANN001
         engine = trainer.strategy.dos_engine
         if batch_idx > 0:
-            while engine.in_flight and engine._background.is_alive() and not self._host_side.wait(timeout=0.01):
+            while engine.in_flight and engine.landing.running and not self._host_side.wait(timeout=0.01):
                 pass
             self.held.append(engine.streams.memory.held_bytes)
         self._host_side.clear()
@@ -254,7 +254,7 @@ def test_over_the_iteration_the_engine_never_raises_the_device_peak_above_overla
         assert held <= planned + 256, (overlap, held, planned)
         assert memory.iteration_peak() <= CAPACITY and engine.streams.memory.model_bytes == 0
         peaks[overlap] = memory.iteration_peak()
-    assert engines["auto"].overlapping and engines["auto"].forward_backward_peak is not None
+    assert engines["auto"].budget.overlapping and engines["auto"].budget.forward_backward_peak is not None
     assert peaks["forward"] <= peaks["off"] and peaks["auto"] <= peaks["off"], peaks
 
 
@@ -266,9 +266,9 @@ def test_under_overlap_the_update_is_sized_within_what_was_spare_at_the_forward_
     engine = loop_module.InterleavedUpdate([4000], [0], 1000, torch.device("cpu"), torch.float32, streams=streams)
     streams.memory.model_allocated(10_000)  # what the model still holds after backward (its parameters)
     assert engine.device_budget() == int(90_000 * 0.9)
-    engine.forward_backward_peak = 70_000
+    engine.record_forward_backward_peak(70_000)
     assert engine.device_budget() == int(90_000 * 0.9), "overlap off: the peak does not matter"
-    engine.overlapping = True
+    engine.overlap_forward(True)
     assert engine.device_budget() == int(30_000 * 0.9)
     plan = engine.fit_to_budget(Plan((Place.DEVICE,) * 4, 4), engine.device_budget())
     assert engine.device_bytes(plan, plan.device_buffers) <= 27_000 and plan.device_buffers == 1, plan
@@ -288,13 +288,14 @@ def test_the_next_forward_waits_for_the_update_in_flights_device_side_not_its_ho
             go_on.wait(timeout=60)
 
     # The update's thread stays where it lets the wait go, until the account is read: the staging must be gone by then.
-    issued, read = engine._device_side_issued, threading.Event()
+    issued, read = engine.landing.device_side_issued, threading.Event()
 
     def issued_then_held() -> None:
         issued()
         read.wait(timeout=60)
 
-    engine.on_point, engine._device_side_issued = on_point, issued_then_held
+    engine.watch_points(on_point)
+    engine.landing.device_side_issued = issued_then_held
     gen = torch.Generator().manual_seed(0)
     inputs = StepInputs([torch.randn(4000, generator=gen)], [torch.zeros(4000)], [Hyper(lr=1e-3)], [1])
     engine.start(lambda: engine.step(Plan((Place.DEVICE, Place.HOST) * 2, 1), inputs))
@@ -385,8 +386,9 @@ class ForcedOrder(L.Callback):
             if self._training_waits is None:
                 return None
             name, indices = self._training_waits
-            with engine._landing:  # a wait for sub-groups that have all landed since goes on by itself
-                stuck = name == "device side" or not all(i in (engine._landed or ()) for i in indices)
+            # A wait for sub-groups that have all landed since goes on by itself.
+            pending = engine.landing.not_landed(indices)
+            stuck = name == "device side" or bool(indices if pending is None else pending)
             return name if stuck else None
 
         def waiting(name: str, wait: Callable) -> Callable:
@@ -402,7 +404,8 @@ class ForcedOrder(L.Callback):
 
             return wait_for_the_engine
 
-        streams.record_stream, engine.on_point = held_record, on_point
+        streams.record_stream = held_record
+        engine.watch_points(on_point)
         engine.wait_device_side = waiting("device side", engine.wait_device_side)
         engine.wait_sub_groups = waiting("sub-groups", engine.wait_sub_groups)
 

@@ -114,7 +114,7 @@ def test_timing_records_one_span_per_operation_and_none_when_off() -> None:
         return StepInputs([torch.randn(100)], [torch.zeros(100)], hyper, [1])
 
     assert engine.step(plan, inputs()).spans == []
-    engine.timing = True
+    engine.record_timing(True)
     spans = engine.step(plan, inputs()).spans
     lanes = sorted(s.lane for s in spans)
     assert lanes == sorted(["host_adam"] * 2 + ["upload", "device_adam", "cast", "download"] * 2)

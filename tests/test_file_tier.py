@@ -126,7 +126,7 @@ def _run_interrupted(tmp_path: Path, aio, point: tuple[str, int, int] | None):  
             fired.append(name)
             raise RuntimeError("injected")
 
-    engine.on_point = on_point
+    engine.watch_points(on_point)
     states, outcome, _inputs = [], None, Inputs()
     for step, plan in enumerate([Plan((D, H, D, H, D, H, D, H, H), 2), Plan((H, D, H, D, H, D, H, D, D), 2)], 1):
         states.append(_state(engine))
@@ -184,7 +184,7 @@ def test_the_host_updates_what_it_holds_before_it_waits_for_a_write_back(tmp_pat
     inputs, events = Inputs(), []
     engine.step(Plan((H,) * 9), inputs(1))
     assert engine.files.held == {7, 8}
-    engine.on_point = lambda point, index: events.append(("updated", index)) if point == "updated" else None
+    engine.watch_points(lambda point, index: events.append(("updated", index)) if point == "updated" else None)
     engine.files.on_request = lambda lane, index, *times: events.append((lane.split(",")[0], index))
     engine.step(Plan((H,) * 9), inputs(2))
     first_wait = next(k for k, (what, _) in enumerate(events) if what == "nvme write")
@@ -210,7 +210,7 @@ def test_the_last_records_stay_unwritten_in_their_slabs_for_the_next_step(
     inputs, ref_inputs = Inputs(), Inputs()
     written = []
     for step, order in enumerate(("alternate", "alternate", "forward", "alternate"), 1):
-        engine.files_order = order
+        engine.take_files_in(order)
         before = files.written_bytes
         engine.step(Plan((H,) * 9), inputs(step))
         reference.step(Plan((H,) * 9), ref_inputs(step))

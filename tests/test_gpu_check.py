@@ -52,7 +52,7 @@ def test_the_delayed_stream_harness_reaches_every_synchronisation_of_the_engine(
     # The harness runs without overlap; the overlap's own waits (the next forward's, in wait_sub_groups; backward's
     # gradient copies and 16-bit uploads, a speculative update's commit) are the race checker's mutation test's to
     # cover (tests/test_stream_sanitizer.py runs its scenarios overlapped and speculated too).
-    overlap_functions = {"wait_sub_groups", "_update_as_gradients_arrive", "_commit"}
+    overlap_functions = {"wait_sub_groups", "update_during_backward", "_commit"}
     overlap_only, found = {}, set()
     for module in SYNC_MODULES:
         for node in ast.walk(ast.parse(inspect.getsource(module))):

@@ -347,8 +347,8 @@ class _OnAnAccelerator(InterleavedUpdate):
     free_after_backward = 0
 
     def device_budget(self) -> int | None:
-        if self.gpu_memory_budget is not None:
-            return self.gpu_memory_budget
+        if self.budget.gpu_memory_budget is not None:
+            return self.budget.gpu_memory_budget
         return int(0.9 * self.free_after_backward)
 
 
@@ -359,7 +359,7 @@ def _scaled_scheduler(overlap: str, budget: int | None = None) -> tuple[Placemen
     engine = _OnAnAccelerator(
         [50_000], [0], 1_000, torch.device("cpu"), torch.float32, pin=False, keep_resident_grads=True
     )
-    engine.gpu_memory_budget = budget
+    engine.budget.limit(budget)
     engine.free_after_backward = meta["device_free_bytes"] // 100_000
     engine.device = torch.device("cuda", 0)
     scheduler = PlacementScheduler(parse_gpu_fraction("auto"), engine, lambda device: rates, overlap=overlap)

@@ -57,10 +57,10 @@ class WatchGathers(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         engine = self.engine = trainer.strategy.dos_engine
-        land, wait = engine._land, engine.wait_sub_groups
+        land, wait = engine.landing.land, engine.wait_sub_groups
 
         def on_host(index: int) -> bool:
-            progress = engine._progress  # during backward (places not yet set) only host sub-groups are updated
+            progress = engine.progress  # during backward (places not yet set) only host sub-groups are updated
             return progress is not None and (progress.places is None or progress.places[index] == Place.HOST)
 
         def landing(index: int, event: object) -> None:
@@ -70,14 +70,14 @@ class WatchGathers(L.Callback):
             land(index, event)
 
         def waiting(indices: list[int], stream: object = None) -> None:
-            with engine._landing, self.lock:
-                if engine._landed is not None and indices:
-                    pending = frozenset(i for i in indices if i not in engine._landed)
+            with self.lock:
+                pending = engine.landing.not_landed(indices)
+                if pending is not None and indices:
                     self.waits.append((frozenset(indices), pending, len(self.landed)))
             wait(indices, stream)
 
-        engine._land, engine.wait_sub_groups = landing, waiting
-        engine.on_point = lambda point, index: time.sleep(0.006) if point == "done" and on_host(index) else None
+        engine.landing.land, engine.wait_sub_groups = landing, waiting
+        engine.watch_points(lambda point, index: time.sleep(0.006) if point == "done" and on_host(index) else None)
 
 
 def waited_for(watch: WatchGathers) -> list[tuple[frozenset[int], set[int]]]:

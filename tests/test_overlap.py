@@ -181,7 +181,7 @@ class NextBatchDuringUpdate(L.Callback):
                 self.held_ok = self.next_batch.wait(timeout=self.timeout)
                 self.order.append("update: last sub-group done")
 
-        engine.on_point = on_point
+        engine.watch_points(on_point)
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
         # The batch after step 2's optimizer step (which may have returned before the update reached its last
@@ -317,7 +317,7 @@ class GatherAfterEachStep(L.Callback):
         self.gathered: list[dict[str, torch.Tensor]] = []
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        trainer.strategy.dos_engine.on_point = lambda point, index: time.sleep(0.02) if point == "done" else None
+        trainer.strategy.dos_engine.watch_points(lambda point, index: time.sleep(0.02) if point == "done" else None)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
         self.in_flight = getattr(self, "in_flight", 0) + int(trainer.strategy.dos_engine.in_flight)
@@ -451,7 +451,7 @@ class _ActivationsOnTheDevice(L.Callback):
         self.live = False
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        trainer.strategy.dos_engine.device_budget = lambda: self.FREE - (self.ACTIVATIONS if self.live else 0)
+        trainer.strategy.dos_engine.budget.device_budget = lambda: self.FREE - (self.ACTIVATIONS if self.live else 0)
 
     def on_train_batch_start(self, *args: object) -> None:
         self.live = True

@@ -111,7 +111,7 @@ class _FreeMemory(InterleavedUpdate):
     free_after_backward = 0
 
     def device_budget(self) -> int | None:
-        if self.gpu_memory_budget is not None:
+        if self.budget.gpu_memory_budget is not None:
             return super().device_budget()
         return int(0.9 * self.free_after_backward)
 
@@ -125,7 +125,7 @@ def test_the_strategys_scheduler_chooses_the_plan_that_plan_shows(capsys, budget
     free = meta["device_free_bytes"] // 100_000
     engine = _FreeMemory([per_rank], [0], size, torch.device("cpu"), torch.float32, pin=False, keep_resident_grads=True)
     engine.free_after_backward = free
-    engine.gpu_memory_budget = None if budget is None else int(budget)
+    engine.budget.limit(None if budget is None else int(budget))
     engine.device = torch.device("cuda", 0)  # the scheduler plans device work only for an accelerator
     scheduler = PlacementScheduler(parse_gpu_fraction("auto"), engine, calibrate=lambda device: rates)
     plan, _ = scheduler(1)

@@ -197,7 +197,7 @@ def test_device_staging_is_freed_after_every_update_and_fits_the_budget() -> Non
         assert report.device_staging_bytes == 3 * one_buffer, "three buffers during the update"
         assert engine.pool.device_bytes_in_use == 0 and not engine.pool.staging, "none held after it"
     assert engine.pool.staging_allocations == 3
-    engine.gpu_memory_budget = one_buffer  # room for one buffer now
+    engine.budget.limit(one_buffer)  # room for one buffer now
     report = engine.step(plan, _inputs(1000, 4))
     assert report.device_staging_bytes <= one_buffer and report.plan.streamed_indices
     assert engine.pool.device_bytes_in_use == 0
@@ -213,15 +213,15 @@ def test_over_budget_the_model_chooses_between_fewer_buffers_and_fewer_device_su
     plan = Plan((Place.DEVICE, Place.DEVICE, Place.HOST, Place.HOST), device_buffers=2)
     budget = 16 * max(engine.sizes)  # one staging buffer
     # A fast link: streaming through one buffer still beats the host, so the buffer goes.
-    engine.rates = _rates(50e9)
+    engine.use_rates(_rates(50e9))
     fast = engine.fit_to_budget(plan, budget)
     assert fast.streamed_indices == [0, 1] and fast.device_buffers == 1
     # A slow link: serialised streaming costs more than host Adam, so the sub-groups go.
-    engine.rates = _rates(0.5e9)
+    engine.use_rates(_rates(0.5e9))
     slow = engine.fit_to_budget(plan, budget)
     assert slow.streamed_indices == [] and slow.host_indices == [0, 1, 2, 3]
     # Without rates: buffers first, as before the model was calibrated.
-    engine.rates = None
+    engine.use_rates(None)
     assert engine.fit_to_budget(plan, budget).device_buffers == 1
 
 

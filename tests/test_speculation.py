@@ -282,7 +282,7 @@ class SignalWhileSpeculating(L.Callback):
                 self.sent = engine.arrivals is not None
                 os.kill(os.getpid(), self.signum)
 
-        engine.on_point = on_point
+        engine.watch_points(on_point)
 
 
 def _checkpoint_every_step_of_off(tmp_path: Path, threshold: float) -> None:

@@ -146,6 +146,15 @@ CASES = {
 }
 
 
+class Ran(tuple):
+    """:func:`run`'s checker, the plain optimizer's parameters and the engine, with the sub-groups it speculated."""
+
+    def __new__(cls, values: tuple, speculated: list[int]) -> Ran:
+        ran = super().__new__(cls, values)
+        ran.speculated = speculated
+        return ran
+
+
 def run(
     scenario: Scenario,
     engine_class: type | None = None,
@@ -154,7 +163,7 @@ def run(
     overlap: bool = False,
     early: bool = False,
     clipped: bool | None = None,
-) -> tuple[StreamSanitizer, list[torch.Tensor], object]:
+) -> Ran:
     """Run ``scenario`` on an engine of ``case`` under the checker, next to plain AdamW; return the checker, the
     reference flats (plain AdamW's: only meaningful for the Adam fp32 case) and the engine. ``overlap``: the next
     forward is modelled as under ``overlap="forward"`` (each all-gather after the engine's per-sub-group wait);
@@ -186,13 +195,13 @@ def run(
     if scenario.lp_staging_slots is not None:
         assert engine.pool.lp_staging.slots == scenario.lp_staging_slots
     engine.streams.events_done = scenario.events_done
+    speculated: list[int] = []  # every sub-group speculated, for the test to see
     device_update = engine.device_update
     checker.watch(engine, backward_sync=backward_sync, overlap=overlap, early=early, clipped=clipped)
     if clipped is not None:
         engine.reserve_speculation(len(engine.sub_groups))
-        engine.speculated = []  # every sub-group speculated, for the test to see
         begin = engine.spare.begin
-        engine.spare.begin = lambda index, *args: engine.speculated.append(index) or begin(index, *args)
+        engine.spare.begin = lambda index, *args: speculated.append(index) or begin(index, *args)
     real_inv_grad_scale = scenario.inv_grad_scale * (0.5 if clipped else 1.0)
     gen = torch.Generator().manual_seed(0)
     reference = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in NUMELS]
@@ -205,7 +214,7 @@ def run(
             return SimSwapFile(checker, first, records, master, state, states, slots=scenario.file_slots)
 
         engine.keep_records_in(first, open_swap)
-        engine.files_order = scenario.files_order
+        engine.take_files_in(scenario.files_order)
     groups = [{"params": [p for p, g in zip(reference, GROUPS) if g == k]} for k in (0, 1)]
     for group, h in zip(groups, HYPERS):
         group.update(lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay)
@@ -255,7 +264,8 @@ def run(
                         assert failing and fired, interrupted
                         report, state = None, interrupted.state
                     finally:
-                        engine.on_point, engine.device_update = None, device_update
+                        engine.watch_points(None)
+                        engine.use_device_update(device_update)
                     if state != "pre-step":
                         break
                     assert scenario.fail_at[0] == "device_update", f"{scenario.name}: interrupted before any change"
@@ -270,7 +280,7 @@ def run(
         for i, target in enumerate(lp):
             expected = engine.param_view(i).float()
             assert torch.equal(target, expected), f"{scenario.name}: flat {i}'s 16-bit parameters"
-    return checker, [p.detach() for p in reference], engine
+    return Ran((checker, [p.detach() for p in reference], engine), speculated)
 
 
 def _inject(engine: object, point: str, sub_group: int, error: BaseException, fired: list[bool]) -> None:
@@ -284,7 +294,7 @@ def _inject(engine: object, point: str, sub_group: int, error: BaseException, fi
                 fired.append(True)
                 raise error
 
-        engine.on_point = on_point
+        engine.watch_points(on_point)
         return
     update = engine.device_update
 
@@ -294,7 +304,7 @@ def _inject(engine: object, point: str, sub_group: int, error: BaseException, fi
             fired.append(True)
             raise error
 
-    engine.device_update = device_update
+    engine.use_device_update(device_update)
 
 
 #: The overlaps the scenarios run under: (the next forward overlapped, the step begun during backward).
@@ -325,10 +335,11 @@ def test_speculative_updates_committed_or_redone_are_race_free_and_equal_plain_a
 ) -> None:
     """Under overlap="auto" with clipping: host sub-groups are updated during the modelled backward into spare
     slots, then committed (their 16-bit results uploaded through the staging ring) or restored and redone."""
-    checker, reference, engine = run(scenario, overlap=True, early=True, clipped=clipped)
+    ran = run(scenario, overlap=True, early=True, clipped=clipped)
+    checker, reference, engine = ran
     checker.check()
     if any(H in step.places for step in scenario.steps if isinstance(step, Plan)) and not scenario.fail_at:
-        assert engine.speculated, "host sub-groups are speculated during the modelled backward"
+        assert ran.speculated, "host sub-groups are speculated during the modelled backward"
         assert bool(engine.updated_early) != clipped, "committed sub-groups count as updated early; redone do not"
     assert engine.spare.pending == {}
     engine.flush_resident()  # committed state held in spare slots comes home, as a checkpoint's reader has it
@@ -394,7 +405,7 @@ def test_timing_on_the_simulated_accelerator_gives_a_span_per_lane() -> None:
         NUMELS, GROUPS, SUB_GROUP, torch.device("cpu"), torch.bfloat16, streams=checker.streams()
     )
     checker.watch(engine)
-    engine.timing = True
+    engine.record_timing(True)
     grads, lp = [torch.randn(n) for n in NUMELS], [torch.zeros(n, dtype=torch.bfloat16) for n in NUMELS]
     report = engine.step(Plan(mixed(H, D, R), 2), StepInputs(grads, lp, HYPERS, [1] * len(NUMELS)))
     checker.check()
@@ -588,10 +599,10 @@ class _Remove(ast.NodeTransformer):
     visit_AugAssign = _drop
 
 
-#: The engine's modules whose update synchronises with the device, by name (the engine class is made of their classes;
-#: loop.py first). A new module that synchronises goes here or in one of the lists below (the test of every module
-#: that synchronises says when one is missing): its waits are then removed one by one like the others'.
-STEP_MODULES = ("loop", "in_flight", "streamed", "resident", "host_side")
+#: The engine's modules whose update synchronises with the device, by name (the parts the engine is made of; the step
+#: first). A new module that synchronises goes here or in one of the lists below (the test of every module that
+#: synchronises says when one is missing): its waits are then removed one by one like the others'.
+STEP_MODULES = ("step", "in_flight", "streamed", "resident", "host_side", "early")
 #: The NVMe tier's part of the update: the scenarios with state in files reach its synchronisations; the delayed-stream
 #: harness (tests/delayed_streams.py), which keeps no state in files, does not.
 FILE_STEP_MODULES = ("file_backed",)
@@ -682,7 +693,7 @@ def _engine_from(code: ast.Module | str, module: types.ModuleType = loop_module)
         sys.modules.update(originals)
 
 
-def mutant_engine(line: int, module: types.ModuleType | str = loop_module) -> type:
+def mutant_engine(line: int, module: types.ModuleType | str = "step.py") -> type:
     """The engine with the synchronisation at ``line`` of ``module`` (a module, or its file name) removed."""
     module = _module_named(module) if isinstance(module, str) else module
     source = inspect.getsource(module)
@@ -786,7 +797,7 @@ def test_removing_any_wait_host_wait_or_tail_event_is_reported_as_a_race(case: s
         else:
             needs_unsynced_deepspeed.append((what, unsynced[0]))
     assert not missed, f"removing these synchronisations went unnoticed: {missed}"
-    assert [what for what, _ in needs_unsynced_deepspeed] == [f"host_wait at line {backward_end} of loop.py"]
+    assert [what for what, _ in needs_unsynced_deepspeed] == [f"host_wait at line {backward_end} of step.py"]
     assert "gradient buffer" in needs_unsynced_deepspeed[0][1]
 
 
@@ -854,7 +865,7 @@ def test_a_read_landing_in_a_slab_still_being_written_back_is_a_race() -> None:
 
 def _backward_end_wait() -> int:
     """The line of the step's host wait for the end-of-backward events."""
-    source = inspect.getsource(loop_module).splitlines()
+    source = inspect.getsource(_module_named("step.py")).splitlines()
     (line,) = [i + 1 for i, text in enumerate(source) if "for event in ended:" in text]
     assert "host_wait(event)" in source[line], source[line]
     return line + 1
@@ -945,14 +956,14 @@ def test_a_streamed_sub_group_lands_with_its_cast_not_its_download() -> None:
     download home goes on beside it): that is race-free, and landing any earlier (at its upload) is a race with
     the cast, which the checker reports."""
     streamed = next(s for s in SCENARIOS if s.name == "streamed, 2 buffers")
-    landing = "self._land(index, computed if buf.lp is None else slot_free[slot])"
+    landing = "self.landing.land(index, computed if buf.lp is None else slot_free[slot])"
     checker, _, _ = run(streamed, overlap=True)
     assert checker.races == []
-    early = _engine_with(landing, "self._land(index, uploaded)")
+    early = _engine_with(landing, "self.landing.land(index, uploaded)")
     checker, _, _ = run(streamed, early, overlap=True)
-    assert any(
-        "16-bit partition" in race.memory and "_launch_device_side" in race.previous.where for race in checker.races
-    ), checker.races[:3]
+    assert any("16-bit partition" in race.memory and "in launch" in race.previous.where for race in checker.races), (
+        checker.races[:3]
+    )
 
 
 # -- failures under overlap: no forward read is released before its 16-bit partition is final ------------------
@@ -984,7 +995,7 @@ class FaultyStreams:
 
         sim.lane = faulty_lane
         engine.pool._allocate = faulty_empty  # the pool allocates device memory through the streams' empty
-        engine.on_point = lambda point, index: self._pass(("point", point, index))
+        engine.watch_points(lambda point, index: self._pass(("point", point, index)))
 
     def _pass(self, seam: tuple) -> None:
         if not self.armed:
@@ -1001,7 +1012,6 @@ def overlapped_with_fault(at: tuple | None, engine_class: type | None = None) ->
     interrupted before any change, the step taken whole on the host, as ``ZeRO3Adapter._apply`` does), the second
     with a fault at ``at``; each next forward modelled once joined, ordered only by the engine's releases."""
     from lightning_dos.engine.atomic import PRE_STEP
-    from lightning_dos.engine.recovery import take_on_host
 
     engine_class = engine_class or loop_module.InterleavedUpdate
     checker = StreamSanitizer()
@@ -1026,7 +1036,7 @@ def overlapped_with_fault(at: tuple | None, engine_class: type | None = None) ->
             except UpdateInterrupted as failure:
                 interruptions.append(failure.state)
                 if failure.state == PRE_STEP:  # the framework counted the step: taken whole on the host
-                    take_on_host(engine, inputs, failure)
+                    engine.take_on_host(inputs, failure)
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -35,12 +35,14 @@ class UpdateInterrupted(RuntimeError):
         state: ``"pre-step"`` (nothing was changed: the step was not taken) or ``"post-step"`` (every
             sub-group was updated exactly once: the step was taken).
         error: the exception that interrupted the update.
+        report: post-step, the report of the step as it was finished (None: pre-step).
     """
 
-    def __init__(self, message: str, state: str, error: BaseException) -> None:
+    def __init__(self, message: str, state: str, error: BaseException, report: object = None) -> None:
         super().__init__(message)
         self.state = state
         self.error = error
+        self.report = report
 
 
 class TornStateError(RuntimeError):

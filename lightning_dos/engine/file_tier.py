@@ -56,6 +56,7 @@ class FileTier:
         sub_groups: Sequence[SubGroup],
         spans: Callable[[SubGroup], tuple[torch.Tensor, tuple[torch.Tensor, ...]]],
         give_back: Callable[[int, int], object],
+        on_request: Callable[[str, int, float, float, int], None] | None = None,
     ) -> None:
         self.swap = swap
         self.sub_groups = {sg.index: sg for sg in sub_groups}
@@ -92,7 +93,7 @@ class FileTier:
         #: Told of each request once the host has waited for it: ``(lane, sub-group, issued, seen done, bytes)``, times
         #: on ``time.perf_counter``'s clock; the lane names the direction and the slab (``nvme read, slab 0``), so a
         #: lane's requests never overlap. "Seen done" is when the wait returned: aio tells no earlier.
-        self.on_request: Callable[[str, int, float, float, int], None] | None = None
+        self.on_request = on_request
         self._issued: list[tuple[str, int, float, int] | None] = [None] * slots
         self._registered: list[tuple[Registrar, int]] = []  # slabs registered with the accelerator (:meth:`register`)
 

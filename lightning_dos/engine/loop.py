@@ -22,49 +22,50 @@ moves the master weights and whichever state tensors the rule names, in their dt
 on which optimizer it runs. This module knows nothing of Lightning or DeepSpeed: the adapter hands it flat
 tensors.
 
-The engine's jobs are classes of their own, which :class:`InterleavedUpdate` is made of: the hand-off to a
-background thread and to each sub-group's readers (``in_flight.py``), streamed sub-groups (``streamed.py``),
-resident ones (``resident.py``), host ones (``host_side.py``) and the NVMe tier's file-backed ones
-(``file_backed.py``); this module holds the state they share and the step that runs them in order.
+The engine's jobs are parts of their own, each owning its state, which :class:`InterleavedUpdate` builds and
+calls in order, handing each the step's :class:`~lightning_dos.engine.context.StepContext`: the hand-off to a
+background thread and to each sub-group's readers (``in_flight.py``), where each sub-group's state lives
+(``homes.py``; with the NVMe tier, ``file_backed.py``), the resident set (``resident.py``), the streamed lane
+(``streamed.py``), the host lane (``host_side.py``), backward's early updates (``early.py``), the recovery of an
+interrupted step (``recovery.py``) and the device memory budget (``budget.py``). This module holds the step that runs
+them, and the engine's public face (docs/how-it-works.md draws the parts).
 """
 
 from __future__ import annotations
 
-import threading
-import time
-import warnings
-from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
 
 from lightning_dos.engine import native
 from lightning_dos.engine.arrivals import GradientArrivals
-from lightning_dos.engine.atomic import TornStateError, UpdateGuard, UpdateProgress
-from lightning_dos.engine.file_backed import FileBackedSubGroups
+from lightning_dos.engine.atomic import UpdateGuard, UpdateInterrupted
+from lightning_dos.engine.budget import DeviceBudget
+from lightning_dos.engine.context import PointHook, UpdateSetup
+from lightning_dos.engine.file_backed import FileBackedHomes, open_file_tier
 from lightning_dos.engine.file_tier import FileTier
-from lightning_dos.engine.host_side import HostSubGroups
-from lightning_dos.engine.in_flight import InFlightHandoff
+from lightning_dos.engine.homes import SlabHomes
+from lightning_dos.engine.host_side import HostLane
+from lightning_dos.engine.hostslab import Registrar
+from lightning_dos.engine.in_flight import UpdateLanding
 from lightning_dos.engine.inputs import StepInputs
-from lightning_dos.engine.kept_gradients import GradientHandoff, KeptGradients
+from lightning_dos.engine.kept_gradients import sub_groups_of
 from lightning_dos.engine.kernels import apply_update, host_update
+from lightning_dos.engine.observer import EngineObserver
 from lightning_dos.engine.pool import BufferPool, DeviceBuffer
-from lightning_dos.engine.recovery import settle_interrupted_update
-from lightning_dos.engine.resident import ResidentSubGroups
+from lightning_dos.engine.resident import ResidentSet
 from lightning_dos.engine.speculation import SpareSlabs
-from lightning_dos.engine.streamed import StreamedSubGroups
+from lightning_dos.engine.step import StepLoop
+from lightning_dos.engine.streamed import StreamedLane
 from lightning_dos.engine.streams import Streams, make_streams
-from lightning_dos.model.budget_fit import fit_to_budget, plan_device_bytes
-from lightning_dos.model.nvme import ALTERNATE, tiered_plan
-from lightning_dos.model.perfmodel import FREE_MEMORY_MARGIN
-from lightning_dos.model.plan import Place, Plan, SubGroup, split_into_sub_groups
+from lightning_dos.engine.swap_files import SwapFile
+from lightning_dos.model.nvme import nvme_sub_groups
+from lightning_dos.model.plan import Plan, SubGroup, split_into_sub_groups
 from lightning_dos.model.step_report import StepReport
 from lightning_dos.model.update_rules import ADAM, Footprint, UpdateRule
 
 
-class InterleavedUpdate(
-    InFlightHandoff, ResidentSubGroups, StreamedSubGroups, HostSubGroups, FileBackedSubGroups, GradientHandoff
-):
+class InterleavedUpdate:
     """Runs the optimizer over the rank's master partition, sub-group by sub-group, on host and device at once.
 
     Args:
@@ -129,110 +130,124 @@ class InterleavedUpdate(
         #: Device sub-groups' 16-bit results must come down to host-resident 16-bit parameters.
         self.lp_downloads = lp_on_host and self.streams.is_async
         self.pool = BufferPool(
-            self.flat_offsets[-1],
-            lp_dtype,
-            device,
-            pin,
-            lp_on_host=lp_on_host,
-            largest_sub_group=max(self.sizes, default=0),
-            accelerated=self.streams.is_async,
-            allocate=self.streams.empty,
-            rule=rule,
-            master_dtype=master_dtype,
-            state_dtype=state_dtype,
-        )
-        self.gpu_memory_budget = gpu_memory_budget
+            self.flat_offsets[-1], lp_dtype, device, pin, lp_on_host=lp_on_host,
+            largest_sub_group=max(self.sizes, default=0), accelerated=self.streams.is_async,
+            allocate=self.streams.empty, rule=rule, master_dtype=master_dtype, state_dtype=state_dtype,
+        )  # fmt: skip
         #: The update of a sub-group placed on the device (streamed or resident): the accelerator's, the rule's torch
         #: formula (``kernels.apply_update``), whatever device its tensors are on, so a simulated accelerator runs
         #: what a GPU runs; without one (a CPU device, synchronous streams) the device is the host's own CPU and runs
         #: the host's compiled kernel, and every placement computes the same bits.
-        self.device_update = apply_update if self.streams.is_async else host_update
-        #: The update overlaps the next forward (the framework's ``overlap`` is on): with no ``gpu_memory_budget`` its
-        #: staging is sized within what was spare at the forward/backward peak too (:meth:`device_budget`).
-        self.overlapping = False
-        #: The most device bytes held at once during the last forward and backward (the framework measures it:
-        #: ``torch.cuda.max_memory_allocated`` over them); None until known.
-        self.forward_backward_peak: int | None = None
+        device_update = apply_update if self.streams.is_async else host_update
+        self.setup = UpdateSetup(
+            self.pool, self.streams, self.sub_groups, self.footprint, self.lp_bytes, rule, device, self.lp_downloads
+        )
+        #: What the update may hold on the device (the planner and the framework tell it what they measure).
+        self.budget = DeviceBudget(
+            self.sizes, self.footprint, self.lp_bytes, self.lp_downloads, self.streams, gpu_memory_budget
+        )
         # Build the compiled host update now, not in the first step; say so once if torch's kernels stand in.
         native.warn_if_unavailable()
-        #: Record a span per operation (the monitor turns this on; off costs nothing). Read when the step is called,
-        #: or when :meth:`start` is, for the update it starts: an overlapped update runs on past the batch that asked.
-        self.timing = False
-        self._started_timing = False
-        self._step_timing = False
-        #: How many step reports the engine has issued, and the most recent ones (an overlapped update issues its
-        #: report after the step returned: a monitor fetches it by number, :meth:`report_number`).
-        self.reports_issued = 0
-        self._recent_reports: deque[StepReport] = deque(maxlen=8)
-        self.last_report: StepReport | None = None
-        self.steps_taken = 0
-        #: This machine's calibrated rates (a ``HardwareRates``), set by the scheduler when it measures them.
-        self.rates = None
-        #: Sub-groups whose state lives on the device across iterations, by index.
-        self.resident: dict[int, DeviceBuffer] = {}
-        #: Resident sub-groups whose gradient this backward wrote into their device buffer (:meth:`keep_gradient`):
-        #: the buffer written and how many of its elements.
-        self.kept = KeptGradients(self.sub_groups)
-        #: When the gradient copies of the backwards since the last step land (:meth:`backward_ended`).
-        self._backward_ends: list[object] = []
-        self._warned_fallback = False
         #: Readers of the optimizer state (checkpoints) wait on this while an update is in flight.
         self.guard = UpdateGuard()
-        #: Set, with the reason, when an interrupted update could be neither finished nor undone.
-        self.torn: str | None = None
-        #: Test seam: called as ``on_point(point, sub_group)`` at named points inside the update (a
-        #: sub-group's gradient unscaled, its state updated, its download begun, it is done; a resident
-        #: sub-group's flush home; the adapter adds ``step_count`` per flat partition as it stores step
-        #: counts). Tests fire signals and inject failures there. None costs nothing.
-        self.on_point: Callable[[str, int], None] | None = None
-        self._progress: UpdateProgress | None = None
-        #: Sub-groups of the update in flight whose 16-bit result has been issued, with the event it lands at
-        #: (None on a synchronous device); None when no update is in flight. Guarded by :attr:`_landing`.
-        self._landed: dict[int, object] | None = None
-        #: The last update's landing events, kept once it is over (a race checker's model of the forward reads them).
-        self._last_landed: dict[int, object] = {}
-        self._landing = threading.Condition()
-        self._background: threading.Thread | None = None
-        self._background_error: BaseException | None = None
-        #: Backward's hand-over to a step begun during backward (:meth:`begin_early`); None otherwise.
-        self.arrivals: GradientArrivals | None = None
-        #: Sub-groups the last step updated during backward, in the order their gradients became final (speculated
-        #: ones once committed).
-        self.updated_early: list[int] = []
-        self._early_tail: object = None
-        #: Spare slots for speculative updates during backward (none until :meth:`reserve_speculation`).
-        self.spare = SpareSlabs(0, 0, master_dtype, (), lp_dtype)
-        #: The NVMe tier: the sub-groups whose state lives in a swap file between updates (None until
-        #: :meth:`keep_in_files`).
-        self.files: FileTier | None = None
-        #: The order the file-backed host sub-groups are taken in (``model.nvme.ORDERS``): ``"alternate"`` (reversed
-        #: every other step) until the ratio scheduler chooses from the model (``model.nvme.choose_files_order``).
-        self.files_order = ALTERNATE
-        #: Streamed file-backed sub-groups of the update in flight whose download home was issued, with its event.
-        self._downloads_to_store: list[tuple[int, object]] = []
-        #: Every sub-group, in the order the next forward needs them (``Plan.order``; recorded by the framework in the
-        #: first forward, :func:`~lightning_dos.model.need_order.need_order`): each step launches device work, runs
-        #: host work and lands 16-bit results in this order, so that the next forward's first gathers wait for their
-        #: own sub-groups, not for the rest of the update. Empty: index order. A plan with an order of its own keeps
-        #: it.
-        self.need_order: tuple[int, ...] = ()
+        #: The hand-off of an update to its thread and of each sub-group's 16-bit result to its readers.
+        self.landing = UpdateLanding(self.streams, self.guard, len(self.sub_groups))
+        #: Where each sub-group's state is: the host slabs and spare slots (none until :meth:`reserve_speculation`),
+        #: with the NVMe tier once :meth:`keep_in_files` is called.
+        self.homes: SlabHomes = SlabHomes(self.pool, self.sub_groups, SpareSlabs(0, 0, master_dtype, (), lp_dtype))
+        self._resident = ResidentSet(self.setup, self.landing)
+        self._streamed = StreamedLane(self.setup, self.landing)
+        self._host = HostLane(self.setup, self.landing)
+        #: The step, run through the parts (it owns the step count, the reports and what the framework tells it).
+        self.steps = StepLoop(
+            self.setup, self.budget, self.landing, self._resident, self._streamed, self._host, device_update
+        )
+        self._observer = EngineObserver()
 
-    @property
-    def last_report(self) -> StepReport | None:
-        """The report of the last step the engine finished (or skipped)."""
-        return self._last_report
+    # -- what the framework, the planner and the monitor tell the engine (each part's method says more) ---------
 
-    @last_report.setter
-    def last_report(self, report: StepReport | None) -> None:
-        self._last_report = report
-        if report is not None:
-            self.reports_issued += 1
-            self._recent_reports.append(report)
+    def watch(self, observer: EngineObserver) -> None:
+        """Have ``observer`` called around the engine's entry points (:mod:`~lightning_dos.engine.observer`)."""
+        self._observer = observer
+
+    def watch_points(self, hook: PointHook | None) -> None:
+        """The test seam (:meth:`StepLoop.watch_points`)."""
+        self.steps.watch_points(hook)
+
+    def record_timing(self, enabled: bool) -> None:
+        """Record a span per operation (:meth:`StepLoop.record_timing`)."""
+        self.steps.record_timing(enabled)
+
+    def use_device_update(self, update: Callable[..., None]) -> None:
+        """Run ``update`` as the device update from the next step on (:meth:`StepLoop.use_device_update`)."""
+        self.steps.use_device_update(update)
+
+    def set_need_order(self, order: Sequence[int]) -> None:
+        """The order the next forward needs sub-groups in (:meth:`StepLoop.set_need_order`)."""
+        self.steps.set_need_order(order)
+
+    def take_files_in(self, order: str) -> None:
+        """The order the file-backed host sub-groups are taken in (:meth:`StepLoop.take_files_in`)."""
+        self.steps.take_files_in(order)
+
+    def use_rates(self, rates: object) -> None:
+        """This machine's calibrated rates, measured by the scheduler (:meth:`DeviceBudget.use_rates`)."""
+        self.budget.use_rates(rates)
+
+    def overlap_forward(self, overlapping: bool) -> None:
+        """Whether the update overlaps the next forward (:meth:`DeviceBudget.overlap_forward`)."""
+        self.budget.overlap_forward(overlapping)
+
+    def record_forward_backward_peak(self, peak: int | None) -> None:
+        """The device peak of the last forward and backward (:meth:`DeviceBudget.record_forward_backward_peak`)."""
+        self.budget.record_forward_backward_peak(peak)
+
+    def mark_torn(self, why: str) -> None:
+        """The state in this process mixes two steps (``why``): refuse to step or to be checkpointed."""
+        self.steps.mark_torn(why)
+
+    def clear_torn(self) -> None:
+        """The host slabs were just loaded whole (a checkpoint): the state is consistent again."""
+        self.steps.clear_torn()
+
+    # -- the state the engine holds (read-only) ------------------------------------------------------------------
+
+    on_point = property(lambda self: self.steps.on_point, doc="The test seam :meth:`watch_points` set.")
+    timing = property(lambda self: self.steps.timing, doc="Whether steps record a span per operation.")
+    need_order = property(lambda self: self.steps.need_order, doc="The order the next forward needs sub-groups in.")
+    files_order = property(lambda self: self.steps.files_order, doc="The order file-backed sub-groups are taken in.")
+    torn = property(lambda self: self.steps.torn, doc="Why the state mixes two steps, or None.")
+    steps_taken = property(lambda self: self.steps.steps_taken, doc="Optimizer steps taken, skipped ones included.")
+    last_report = property(lambda self: self.steps.reports.last, doc="The last step's report (None before any).")
+    reports_issued = property(lambda self: self.steps.reports.issued, doc="How many step reports were issued.")
+    progress = property(lambda self: self.steps.progress, doc="The step under way's progress (None between steps).")
+    updated_early = property(lambda self: self.steps.updated_early, doc="Sub-groups the last step updated early.")
+    rates = property(lambda self: self.budget.rates, doc="The calibrated rates (None until measured).")
+    gpu_memory_budget = property(lambda self: self.budget.gpu_memory_budget, doc="The explicit device budget, or None.")
+    device_update = property(lambda self: self.steps.device_update, doc="The update run on the device.")
+
+    def files_backwards(self, step: int) -> bool:
+        """Whether step ``step`` takes the file-backed host sub-groups backwards (:meth:`StepLoop.files_backwards`)."""
+        return self.steps.files_backwards(step)
 
     def report_number(self, number: int) -> StepReport | None:
         """The ``number``-th report issued (1-based), while it is among the recent ones; None before it is issued."""
-        back = self.reports_issued - number
-        return self._recent_reports[-1 - back] if 0 <= back < len(self._recent_reports) else None
+        return self.steps.reports.number(number)
+
+    @property
+    def resident(self) -> dict[int, DeviceBuffer]:
+        """The sub-groups whose state lives on the device across iterations, with their buffers (a copy)."""
+        return self._resident.buffers
+
+    @property
+    def spare(self) -> SpareSlabs:
+        """The spare slots for speculative updates during backward."""
+        return self.homes.spare
+
+    @property
+    def files(self) -> FileTier | None:
+        """The NVMe tier (None until :meth:`keep_in_files`): sub-groups whose state is in a swap file."""
+        return self.homes.files
 
     def sub_groups_as_needed(self) -> list[SubGroup]:
         """The sub-groups in the order the next forward needs them (:attr:`need_order`; index order when empty)."""
@@ -240,52 +255,31 @@ class InterleavedUpdate(
 
     # Views into the slabs, one per DeepSpeed flat partition: the adapter points DeepSpeed's master
     # partitions and the inner optimizer's state at these, so DeepSpeed's checkpoints see our state.
-    def _flat(self, slab: torch.Tensor, flat: int) -> torch.Tensor:
-        return slab[self.flat_offsets[flat] : self.flat_offsets[flat + 1]]
-
     def param_view(self, flat: int) -> torch.Tensor:
         """The master weights of DeepSpeed flat partition ``flat``."""
-        return self._flat(self.pool.param, flat)
+        return self.pool.param[self.flat_offsets[flat] : self.flat_offsets[flat + 1]]
 
     def state_view(self, name: str, flat: int) -> torch.Tensor:
         """The rule's state tensor ``name`` for DeepSpeed flat partition ``flat``."""
-        return self._flat(self.pool.state(name), flat)
+        return self.pool.state(name)[self.flat_offsets[flat] : self.flat_offsets[flat + 1]]
 
     def peak_bandwidth(self) -> tuple[float, float] | None:
         """Calibrated peak (host-to-device, device-to-host) bytes/s, once the scheduler has measured them."""
-        rates = self.rates
-        return (rates.h2d_bps, rates.d2h_bps) if rates is not None else None
+        return self.budget.peak_bandwidth()
 
     def device_budget(self) -> int | None:
-        """Bytes the update may use on the device now; None means no limit (a CPU device).
-
-        An explicit ``gpu_memory_budget``, or else the memory free now (the activations backward just freed, and
-        what the caching allocator holds unused, count as free) less :data:`FREE_MEMORY_MARGIN`. When the update
-        overlaps the next forward (:attr:`overlapping`), its staging may still be allocated while that forward's
-        activations grow, so it also stays within what was spare at the last forward/backward peak
-        (:attr:`forward_backward_peak`), less the same margin."""
-        if self.gpu_memory_budget is not None:
-            return self.gpu_memory_budget
-        memory = self.streams.device_memory()
-        if memory is None:
-            return None
-        free, capacity = memory
-        if self.overlapping and self.forward_backward_peak is not None:
-            free = min(free, capacity - self.forward_backward_peak)
-        return int(max(0, free) * (1.0 - FREE_MEMORY_MARGIN))
+        """Bytes the update may use on the device now (:meth:`DeviceBudget.device_budget`); None: no limit."""
+        return self.budget.device_budget()
 
     def device_bytes(self, plan: Plan, buffers: int) -> int:
-        """Device memory ``plan`` needs during the update with ``buffers`` staging buffers
-        (:func:`~lightning_dos.model.budget_fit.plan_device_bytes`)."""
-        return plan_device_bytes(self.sizes, plan, buffers, self.footprint, self.lp_bytes if self.lp_downloads else 0)
+        """Device memory ``plan`` needs during the update with ``buffers`` staging buffers."""
+        return self.budget.device_bytes(plan, buffers)
 
     def fit_to_budget(self, plan: Plan, budget: int | None) -> Plan:
-        """``plan`` shrunk until it fits ``budget`` (:func:`~lightning_dos.model.budget_fit.fit_to_budget`, with the
-        calibrated rates once the scheduler has them)."""
-        return fit_to_budget(
-            self.sizes, plan, budget, footprint=self.footprint, lp_bytes=self.lp_bytes,
-            lp_downloads=self.lp_downloads, rates=self.rates,
-        )  # fmt: skip
+        """``plan`` shrunk until it fits ``budget`` (with the calibrated rates once the scheduler has them)."""
+        return self.budget.fit_to_budget(plan, budget)
+
+    # -- speculation -----------------------------------------------------------------------------------------------
 
     def reserve_speculation(self, slots: int) -> int:
         """Allocate ``slots`` spare slots (each the largest sub-group's state and 16-bit result) for updates begun
@@ -293,23 +287,18 @@ class InterleavedUpdate(
         held."""
         if self.in_flight or self.spare.pending:
             raise RuntimeError("the spare slots cannot change while an update is in flight")
-        self._bring_home(list(self.spare.held))
-        states = tuple(state.dtype for state in self.pool.states)
-        self.spare = SpareSlabs(slots, max(self.sizes, default=0), self.pool.param.dtype, states, self.lp_dtype)
-        return self.spare.nbytes
+        return self.homes.reserve_spare(slots, self.lp_dtype).nbytes
 
     def speculation_slot_bytes(self) -> int:
         """Host bytes one spare slot holds (:meth:`reserve_speculation`)."""
         states = tuple(state.dtype for state in self.pool.states)
         return SpareSlabs.slot_bytes(max(self.sizes, default=0), self.pool.param.dtype, states, self.lp_dtype)
 
+    # -- the step (:mod:`~lightning_dos.engine.step`) ------------------------------------------------------------
+
     def skip(self, plan: Plan) -> StepReport:
         """Record a skipped step (fp16 overflow): nothing is touched."""
-        self.kept.forget()
-        self._backward_ends.clear()
-        self.steps_taken += 1
-        self.last_report = StepReport(self.steps_taken, plan, self.sizes, skipped=True)
-        return self.last_report
+        return self.steps.skip(plan)
 
     def step(self, plan: Plan, inputs: StepInputs, arrivals: GradientArrivals | None = None) -> StepReport:
         """Update every sub-group once, placed as ``plan`` says, and return what happened.
@@ -323,172 +312,188 @@ class InterleavedUpdate(
         finished on the host), raised as :class:`~lightning_dos.engine.atomic.UpdateInterrupted` saying
         which. A device out-of-memory error is not raised: the step completes on the host, with a warning.
         """
-        if len(plan.places) != len(self.sub_groups):
-            raise ValueError(f"plan has {len(plan.places)} places for {len(self.sub_groups)} sub-groups")
-        if self.torn is not None:
-            raise TornStateError(self.torn)
-        with self.guard.updating():
-            self.steps_taken += 1
-            self._progress = progress = UpdateProgress()
-            with self._landing:
-                # Run by start() (overlap), the step is part of work that may still rewrite the 16-bit partitions
-                # after it returns (its caller takes a step interrupted before any change whole on the host): the
-                # thread releases the waiters once that work is over. Called directly, the step releases them.
-                releases = self._landed is None
-                self._landed = {} if releases else self._landed
-            self._step_timing = self.timing if releases else self._started_timing
-            try:
-                early = None
-                if arrivals is not None:
-                    early = self._update_as_gradients_arrive(plan, inputs, progress, arrivals)
-                    if early.skipped:
-                        self.last_report = early
-                        return early
-                return self._update(plan, inputs, progress, early)
-            except TornStateError:
-                raise  # backward's phase changed state and the step cannot complete: nothing to finish or undo
-            except BaseException as error:  # noqa: BLE001 - every interruption is finished, then re-raised
-                return settle_interrupted_update(self, error, inputs, progress)
-            finally:
-                if self.torn is None:
-                    self._settle_files()
-                self._progress = None
-                self.kept.forget()  # read by this step (or not at all): the next backward writes anew
-                self._backward_ends.clear()  # waited for by this step (or a step skipped during backward)
-                if releases:
-                    self._end_landing()
+        return self._observer.step(lambda *args: self.steps.run(self.homes, *args), plan, inputs, arrivals)
 
-    def _new_report(self, plan: Plan, inputs: StepInputs) -> StepReport:
-        """This step's report for ``plan``, with the planner's predictions it was chosen by."""
-        return StepReport(
-            self.steps_taken,
-            plan,
-            self.sizes,
-            predicted_s=inputs.predicted_s,
-            predicted_iteration_s=inputs.predicted_iteration_s,
-        )
-
-    def _reached_together(self, points: tuple[str, ...], index: int) -> None:
-        """Record several points one operation passed at once, then call the test seam for each."""
-        if self._progress is not None:
-            for point in points:
-                self._progress.reached(point, index, None)
-        if self.on_point is not None:
-            for point in points:
-                self.on_point(point, index)
-
-    def _reached(self, point: str, index: int, device_views: tuple[torch.Tensor, ...] | None = None) -> None:
-        """Record a sub-group's progress through the update in flight (and call the test seam)."""
-        if self._progress is not None:
-            self._progress.reached(point, index, device_views)
-        if self.on_point is not None:
-            self.on_point(point, index)
-
-    def _update(
-        self, plan: Plan, inputs: StepInputs, progress: UpdateProgress, early: StepReport | None = None
-    ) -> StepReport:
-        streams = self.streams
-        # DeepSpeed copies gradients into the host buffers (and keep_gradient into resident sub-groups' device slots)
-        # with non-blocking copies on its reduce stream during backward; the framework records an event there at the
-        # end of backward (backward_ended). The host waits for just that work before any host update reads a gradient,
-        # any upload re-reads one or any device update reads a kept one: not for the whole device, where (overlap) the
-        # training thread goes on queueing the next forward meanwhile.
-        ended, self._backward_ends = self._backward_ends, []
-        for event in ended:
-            streams.host_wait(event)
-        if early is None:
-            streams.start_timeline(self._step_timing)
-        wall_start = time.perf_counter()
-
-        plan = plan if plan.order else plan.in_order(self.need_order)
-        requested = plan
-        if self.files is not None:
-            # A resident sub-group's state lives on the device between updates; a file-backed one's in its file.
-            plan = tiered_plan(plan, self.files.indices)
-        budget = self.device_budget()
-        plan = self.fit_to_budget(plan, budget)
-        progress.places = plan.places
-        # State leaving the device (the plan moved it, or it no longer fits) comes home first.
-        self._evict([i for i in self.resident if plan.places[i] != Place.RESIDENT])
-        # State held in spare slots (pageable memory) goes to the device from the pinned slabs.
-        self._bring_home([i for i in self.spare.held if plan.places[i] != Place.HOST])
-        buffers = self._allocate(plan)
-        if buffers is None:
-            plan = plan.with_host(plan.streamed_indices)
-            buffers = []
-        plan = self._make_resident(plan, streams)
-        progress.places = plan.places
-        order = self._host_order(plan)  # before the reads ahead change what the slabs hold
-        if self.files is not None:
-            # Read ahead in the order the update takes them: streamed ones are launched first.
-            done_early = set(self.updated_early) if early is not None else set()
-            self.files.begin(
-                plan.streamed_indices + [i for i in order if i not in done_early],
-                keep=self._kept_unwritten(plan, order),
-            )
-        report = self._new_report(plan, inputs)
-        if early is not None:  # what backward's phase did counts in this step's report
-            report.host_elements, report.h2d_bytes = early.host_elements, early.h2d_bytes
-            report.update_s = early.update_s
-            report.speculated, report.committed, report.early = early.speculated, early.committed, early.early
-            report.commit_s = early.commit_s
-        report.fallback_host = [i for i in requested.device_indices if plan.places[i] == Place.HOST]
-        if report.fallback_host:
-            self._warn_fallback(f"{len(report.fallback_host)} sub-group(s) did not fit the device memory budget")
-        report.device_staging_bytes = self.pool.device_bytes_in_use + self.pool.resident_bytes
-        report.pinned_bytes = self.pool.pinned_bytes
-
-        tails = self._run_resident(plan, inputs, streams, report)
-        tails += self._launch_device_side(plan, buffers, inputs, streams, report)
-        # The device side is all issued (it is launched first, and ends long before the host side): its staging goes
-        # back to the caching allocator now, not with the host side's end, so the next forward has that memory.
-        self._release_staging(buffers)
-        skip = set(self.updated_early) if early is not None else set()
-        tails += self._run_host_side(order, inputs, streams, report, skip)
-        # Resident sub-groups end on the compute stream (their cast); with parameter offload their 16-bit
-        # downloads are among the tails already.
-        tails.append(streams.record(streams.compute))
-
-        # The update ends when the last byte is home: host slabs consistent for checkpoints, every
-        # 16-bit parameter in place for the next forward.
-        for event in tails:
-            streams.host_wait(event)
-        self._settle_files()
-        report.update_s += time.perf_counter() - wall_start
-        report.spans = streams.spans() if self._step_timing else []
-        self.last_report = report
-        return report
+    def take_on_host(self, inputs: StepInputs, interrupted: UpdateInterrupted) -> UpdateInterrupted:
+        """Take, whole on the host, a step ``interrupted`` stopped before any change, when the caller has counted it
+        already (:func:`~lightning_dos.engine.recovery.take_on_host`); return the post-step error to report."""
+        return self.steps.take_on_host(self.homes, inputs, interrupted)
 
     def release_device_memory(self) -> None:
-        """Bring resident state home and free every device buffer the engine holds (at teardown).
-
-        A torn state (see :class:`~lightning_dos.engine.atomic.TornStateError`) is not brought home: the
-        host slabs must not take a mix of two steps."""
-        if self.torn is None:
-            self._evict(list(self.resident))
-            self._bring_home(list(self.spare.held))
+        """Bring resident state home and free every device buffer the engine holds (at teardown). A torn state is
+        not brought home: the host slabs must not take a mix of two steps."""
+        if self.steps.torn is None:
+            self._resident.evict(self._resident.indices, self.steps.reached)
+            self.homes.bring_home(list(self.spare.held))
         else:
             self.drop_resident()
         self.pool.release_staging()
 
-    def _warn_fallback(self, why: str) -> None:
-        """Warn once per engine that device sub-groups ran on the host (same result, slower); every step's
-        fallback is in its report (``fallback_host``) and logged by the monitor."""
-        if not self._warned_fallback:
-            warnings.warn(
-                f"lightning-dos: {why}; those sub-groups are updated on the host instead. The result is "
-                "the same, only slower. Lower gpu_fraction or raise gpu_memory_budget to avoid this; "
-                "DOSMonitor logs dos/fallback_subgroups every step.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            self._warned_fallback = True
+    # -- the update in flight (:mod:`~lightning_dos.engine.in_flight`) ---------------------------------------------
 
-    def _slices(
-        self, sg: SubGroup, inputs: StepInputs
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
-        """A sub-group's current host master weights and states (a spare slot's when it is held there), gradient
-        and 16-bit target."""
-        local = slice(sg.ds_offset, sg.ds_offset + sg.numel)
-        param, states = self.spare.current(sg.index, *self._home(sg))
-        return param, states, inputs.grads[sg.ds_group][local], inputs.lp_targets[sg.ds_group][local]
+    def start(self, work: Callable[[], None]) -> None:
+        """Run ``work`` (an update: :meth:`step` and what its caller stores with it) on a background thread and return
+        at once (:meth:`UpdateLanding.start`); :meth:`wait_sub_groups` and :meth:`wait_all` are the points that wait
+        for it."""
+        self._observer.start(self._start, work)
+
+    def _start(self, work: Callable[[], None]) -> None:
+        self.landing.wait_all()
+        self.steps.update_started()
+        self.landing.start(work)
+
+    def begin_early(self, work: Callable[[GradientArrivals], None]) -> None:
+        """Start a step during backward: ``work(arrivals)`` runs on the background thread (as :meth:`start`) and
+        passes ``arrivals`` to :meth:`step`, which updates host sub-groups as :meth:`grads_final` reports their
+        gradients final, then waits for :meth:`end_backward` to run (or skip) the rest of the step."""
+        arrivals = GradientArrivals()
+        self.start(lambda: work(arrivals))
+        self.landing.feed(arrivals)
+
+    @property
+    def arrivals(self) -> GradientArrivals | None:
+        """Backward's hand-over to a step begun during backward; None otherwise."""
+        return self.landing.arrivals
+
+    def grads_final(self, index: int, event: object = None) -> None:
+        """Sub-group ``index``'s gradient is final (``event``: when its copy lands; None once it has)."""
+        self.landing.grads_final(index, event)
+
+    def end_backward(self, proceed: bool, abandoned: bool = False, inv_grad_scale: float | None = None) -> None:
+        """Backward is over (:meth:`UpdateLanding.end_backward`)."""
+        self.landing.end_backward(proceed, abandoned, inv_grad_scale)
+
+    @property
+    def in_flight(self) -> bool:
+        """An update started by :meth:`start` has not been waited for by :meth:`wait_all` yet."""
+        return self.landing.in_flight
+
+    def wait_sub_groups(self, indices: Sequence[int], stream: object = None) -> None:
+        """Block until sub-groups ``indices`` hold the update in flight's result
+        (:meth:`UpdateLanding.wait_sub_groups`)."""
+        self.landing.wait_sub_groups(indices, stream)
+
+    def wait_device_side(self) -> None:
+        """Block until the update in flight has issued its device side (:meth:`UpdateLanding.wait_device_side`)."""
+        self.landing.wait_device_side()
+
+    def wait_all(self) -> None:
+        """Block until the update in flight is over; raise what interrupted it, here, on the caller's thread."""
+        self._observer.wait_all(self.landing.wait_all)
+
+    # -- backward's hand-over of gradients -------------------------------------------------------------------------
+
+    def keep_gradient(self, flat: int, offset: int, grad: torch.Tensor) -> None:
+        """Backward made ``grad`` final: elements ``[offset, offset + grad.numel())`` of flat partition ``flat``, on
+        the device; resident sub-groups keep their part (:meth:`ResidentSet.keep_gradient`)."""
+        self._resident.keep_gradient(flat, offset, grad)
+
+    def backward_ended(self, event: object) -> None:
+        """Backward issued its last gradient copy, recorded at ``event`` (:meth:`StepLoop.backward_ended`)."""
+        self.steps.backward_ended(event)
+
+    def discard_kept_gradients(self) -> None:
+        """Forget the gradients kept so far (a new backward begins, or a step was skipped)."""
+        self._resident.forget_kept()
+
+    @property
+    def kept_gradient_slots(self) -> list[torch.Tensor]:
+        """The device gradient slots :meth:`keep_gradient` wrote since the last step (a race checker models those
+        writes on the framework's stream)."""
+        return self._resident.kept_slots()
+
+    def sub_groups_of(self, flat: int, offset: int, numel: int) -> list[int]:
+        """Indices of the sub-groups overlapping elements ``[offset, offset + numel)`` of flat partition ``flat``."""
+        return sub_groups_of(self.sub_groups, flat, offset, numel)
+
+    # -- readers and writers of the host slabs ---------------------------------------------------------------------
+
+    @property
+    def state_off_slabs(self) -> bool:
+        """Whether some sub-group's current state may not be in the slabs (resident on the device, held in a spare
+        slot, or in a swap file): a reader of the slabs must :meth:`flush_resident` first."""
+        return len(self._resident) > 0 or self.homes.off_slabs
+
+    def flush_resident(self, indices: Sequence[int] | None = None) -> None:
+        """Make the host slabs current (a checkpoint or an accessor is about to read them): resident state is
+        copied down and stays resident; state held in spare slots comes home; file-backed state is read into its
+        spans (:meth:`release_file_copies`: back). ``indices`` limits it to those sub-groups (None: all)."""
+        self._observer.flush(lambda: self._flush(indices))
+
+    def _flush(self, indices: Sequence[int] | None) -> None:
+        self._resident.download(self._resident.indices if indices is None else indices, self.steps.reached)
+        self.homes.bring_home(list(self.spare.held) if indices is None else indices)
+        self.homes.materialize(indices)
+
+    def drop_resident(self, indices: Sequence[int] | None = None) -> None:
+        """Forget resident device state and state held in spare slots because the host slabs were just overwritten
+        (a checkpoint load, an accessor's write); the next step uses the new values. ``indices`` limits it (None:
+        all)."""
+        self._observer.drop(lambda: self._drop(indices))
+
+    def _drop(self, indices: Sequence[int] | None) -> None:
+        self._resident.drop(indices)
+        self.homes.spans_written(indices)
+
+    # -- the NVMe tier (:mod:`~lightning_dos.engine.file_backed`) --------------------------------------------------
+
+    def keep_in_files(
+        self, first: int, directory: str, rank: int, aio: object, slots: int = 4, *, write: bool = True, **io: int
+    ) -> FileTier | None:
+        """Keep sub-groups ``first`` onwards (the slabs' tail) in a swap file under ``directory`` between updates:
+        their spans' current contents are written to it and their pages given back (the NVMe tier, see
+        :mod:`lightning_dos.engine.file_tier`). Call before the slabs are registered (:meth:`BufferPool.register_host`):
+        those spans are never pinned. ``aio`` is DeepSpeed's async I/O op; ``slots`` staging slabs move the records;
+        ``io`` is passed to :class:`~lightning_dos.engine.swap_files.SwapFile` (``block_size``, ``queue_depth``,
+        ``threads``).
+        ``write=False``: the spans do not hold the state yet; the caller writes each one as it fills it
+        (:meth:`FileTier.write_spans`, then :meth:`FileTier.settle`), so that start-up never holds all of it at once.
+        Return the tier (None when ``first`` leaves nothing to keep in files)."""
+
+        def open_swap(records: list[int], master: torch.dtype, state: torch.dtype, states: int) -> SwapFile:
+            return SwapFile(directory, rank, records, master, state, states, slots, aio, **io)
+
+        return self.keep_records_in(first, open_swap, write=write)
+
+    def keep_records_in(self, first: int, open_swap: Callable[..., SwapFile], *, write: bool = True) -> FileTier | None:
+        """:meth:`keep_in_files` with the swap file made by ``open_swap(records, master_dtype, state_dtype,
+        states)`` (the simulated drive's, :class:`~lightning_dos.sim.simdrive.SimSwapFile`, on the simulator)."""
+        if self.files is not None:
+            raise RuntimeError("the engine keeps sub-groups in files already")
+        tail = self.sub_groups[first:]  # the drive's requests go in the step's timeline (streams.host_span)
+        files = open_file_tier(self.pool, tail, self.rule, self.homes.span, open_swap, self.streams.host_span)
+        if files is not None:
+            self.keep_files_as(files)
+            if write:
+                files.store_all()
+        return files
+
+    def keep_files_as(self, files: FileTier) -> None:
+        """The file-backed sub-groups' records are read and written through ``files`` from now on (the tier; after
+        fit, the framework's reader of the records it keeps past the tier's close)."""
+        self.homes = FileBackedHomes(self.pool, self.sub_groups, self.homes.spare, files, self.streams)
+
+    def register_file_staging(self, registrar: Registrar | None) -> bool:
+        """Register the NVMe tier's staging slabs with the accelerator, as the host slabs are
+        (:meth:`FileBackedHomes.register`); False when there is no tier or they are not registered."""
+        return isinstance(self.homes, FileBackedHomes) and self.homes.register(registrar)
+
+    def first_file_backed(self, host_budget: int) -> int:
+        """The first sub-group past what ``host_budget`` bytes of state hold, counted from the first (all when all
+        fit): where the NVMe tier begins, as the model counts it (:func:`~lightning_dos.model.nvme.nvme_sub_groups`)."""
+        in_files = nvme_sub_groups(self.sizes, host_budget, self.footprint)
+        return in_files[0] if in_files else len(self.sub_groups)
+
+    def close_files(self) -> None:
+        """Remove the swap file (teardown). Its sub-groups' state is gone with it: the slabs hold zeros there."""
+        self.homes.close()
+
+    def materialize_files(self, indices: Sequence[int] | None = None) -> None:
+        """Load these file-backed sub-groups (None: all) into their spans, for a reader of the slabs (a checkpoint,
+        an accessor); :meth:`release_file_copies` gives the pages back, a write marks them to be written back
+        (:meth:`drop_resident`)."""
+        self.homes.materialize(indices)
+
+    def release_file_copies(self) -> None:
+        """Give back the pages of file-backed sub-groups loaded only to be read (:meth:`materialize_files`)."""
+        self.homes.release_copies()

@@ -165,7 +165,7 @@ class BufferPool:
         #: Host bytes really pinned (registered), exactly; 0 when nothing is pinned.
         self.pinned_bytes = 0
         #: First element of the file-backed sub-groups (the NVMe tier: their spans hold memory only while loaded, so
-        #: they are never registered); None without a file tier. Set before :meth:`register_host`.
+        #: they are never registered); None without a file tier (:meth:`keep_tail_in_files`).
         self.file_backed_from: int | None = None
         self.pinned = False
         if pin:
@@ -205,6 +205,11 @@ class BufferPool:
         slots, slot = cls.ring_shape(total_numel, largest_sub_group, lp_on_host)
         lp_size = torch.empty((), dtype=lp_dtype).element_size()
         return optimizer_state_bytes * total_numel + lp_size * slots * slot
+
+    def keep_tail_in_files(self, first_element: int) -> None:
+        """The slabs from element ``first_element`` on are the NVMe tier's: never registered, counted only while
+        loaded. Call before :meth:`register_host`."""
+        self.file_backed_from = first_element
 
     def register_host(self, registrar: Registrar | None) -> bool:
         """Register every slab with ``registrar`` (None: nothing to pin); return whether they are pinned.

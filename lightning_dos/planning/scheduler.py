@@ -156,7 +156,7 @@ class PlacementScheduler:
         if self.estimator is None:
             self.estimator = RateEstimator(self._calibrate(self.engine.device), footprint=self.footprint)
         # The engine reports peaks from the calibration itself; the live estimate follows contention.
-        self.engine.rates = self.estimator.calibrated
+        self.engine.use_rates(self.estimator.calibrated)
         return self.estimator.rates
 
     def __call__(self, step: int) -> tuple[Plan, float | None]:
@@ -191,7 +191,7 @@ class PlacementScheduler:
             kwargs = {"lp_bytes": engine.lp_bytes, "slots": len(files.swap.slabs), "footprint": self.footprint}
             args = (engine.sizes, self._plan, rates, self.drive, files.indices)
             self.files_order = choose_files_order(*args, phases=self.phases, overlap=self.overlap, **kwargs)
-            engine.files_order = self.files_order.order
+            engine.take_files_in(self.files_order.order)
             base_args = (engine.sizes, self._plan, estimator.base, self.drive, files.indices)
             order, backwards = engine.files_order, engine.files_backwards(step)
             base_s = files_update(*base_args, order=order, backwards=backwards, **kwargs).time_s

@@ -6,9 +6,11 @@ reading the 16-bit partitions on a stream of their own, waiting only for what th
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 from lightning_dos.engine.arrivals import GradientArrivals
+from lightning_dos.engine.observer import EngineObserver
 from lightning_dos.sim.findings import (
     DS_ALLGATHER,
     DS_REDUCE,
@@ -22,6 +24,34 @@ from lightning_dos.sim.simstreams import (
     SimEvent,
     SimStream,
 )
+
+
+class ModelledFramework(EngineObserver):
+    """The engine's observer (:mod:`lightning_dos.engine.observer`) that models DeepSpeed around it: each hook given
+    by name (``step``, ``flush``, ``drop``, ``start``, ``wait_all``) is called with the engine's own implementation
+    to run first, then that call's arguments; the others pass straight through."""
+
+    def __init__(self, **hooks: Callable[..., Any]) -> None:
+        self._hooks = hooks
+
+    def _around(self, name: str, run: Callable[..., Any], *args: Any) -> Any:
+        hook = self._hooks.get(name)
+        return hook(run, *args) if hook is not None else run(*args)
+
+    def step(self, run: Callable[..., Any], plan: Any, inputs: Any, arrivals: Any) -> Any:
+        return self._around("step", run, plan, inputs, arrivals)
+
+    def flush(self, run: Callable[[], None]) -> None:
+        self._around("flush", run)
+
+    def drop(self, run: Callable[[], None]) -> None:
+        self._around("drop", run)
+
+    def start(self, run: Callable[..., None], work: Callable[[], None]) -> None:
+        self._around("start", run, work)
+
+    def wait_all(self, run: Callable[[], None]) -> None:
+        self._around("wait_all", run)
 
 
 class DeepSpeedModel:
@@ -64,12 +94,10 @@ class DeepSpeedModel:
             self.name(slab, f"{label} slab")
         if pool.lp_staging is not None:
             self.name(pool.lp_staging.storage, "16-bit staging ring")
-        step, flush, drop = engine.step, engine.flush_resident, engine.drop_resident
-        start, wait_all = engine.start, engine.wait_all
         #: The inputs of the threaded update whose next forward is still to model.
         joined: list[Any] = []
 
-        def watched_step(plan: Any, inputs: Any, arrivals: Any = None) -> Any:
+        def watched_step(step: Any, plan: Any, inputs: Any, arrivals: Any = None) -> Any:
             # The training thread starts the update (on a thread of its own under overlap) after waiting for the
             # previous one (its backward does), so both threads are in step here.
             states = self.syncs.current_sync_states
@@ -112,26 +140,26 @@ class DeepSpeedModel:
                 self.next_forward(engine, inputs)
             return report
 
-        def watched_flush() -> None:
+        def watched_flush(flush: Any) -> None:
             with self.active():
                 flush()
             # The checkpoint then reads the host slabs.
             self.model_access(HOST, "checkpoint.save", reads=slabs)
 
-        def watched_drop() -> None:
+        def watched_drop(drop: Any) -> None:
             # A checkpoint load has just written the host slabs.
             self.model_access(HOST, "checkpoint.load", writes=slabs)
             with self.active():
                 drop()
 
-        def watched_start(work: Any) -> None:
+        def watched_start(start: Any, work: Any) -> None:
             def checked() -> None:
                 with self.active():  # dispatch modes are per thread: check the update thread's work
                     work()
 
             start(checked)
 
-        def watched_wait_all() -> None:
+        def watched_wait_all(wait_all: Any) -> None:
             try:
                 wait_all()
             finally:
@@ -140,9 +168,10 @@ class DeepSpeedModel:
                     states = self.syncs.current_sync_states
                     self.syncs._state_wait_for_other(states[TRAINING], states[HOST])
 
-        engine.step, engine.flush_resident, engine.drop_resident = watched_step, watched_flush, watched_drop
+        hooks = {"step": watched_step, "flush": watched_flush, "drop": watched_drop}
         if threaded:
-            engine.start, engine.wait_all = watched_start, watched_wait_all
+            hooks.update(start=watched_start, wait_all=watched_wait_all)
+        engine.watch(ModelledFramework(**hooks))
 
     def backward(self, engine: Any, inputs: Any, backward_sync: bool) -> None:
         """Backward before a step that starts after it: DeepSpeed's reduce stream writes every gradient into the

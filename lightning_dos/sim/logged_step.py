@@ -128,7 +128,7 @@ def steady_step(
         keep_resident_grads=footprint.grads_on_device,
     )
     # The virtual node's forward and backward take the sub-groups in the plan's order, as the engine works them.
-    engine.need_order = plan.order
+    engine.set_need_order(plan.order)
     if files_from is not None:
 
         def open_swap(records: list[int], master: torch.dtype, state: torch.dtype, states: int) -> SimSwapFile:
@@ -137,7 +137,7 @@ def steady_step(
             return SimSwapFile(checker, files_from, records, master, state, states, slots=slots)
 
         engine.keep_records_in(files_from, open_swap)
-        engine.files_order = files_order
+        engine.take_files_in(files_order)
     early = begins_in_backward(overlap)
     checker.watch(engine, overlap=overlaps_forward(overlap), early=early, clipped=clipped if early else None)
     speculative = early and clipped is not None

@@ -196,7 +196,7 @@ def check_budget() -> list[str]:
         def on_before_optimizer_step(self, trainer: L.Trainer, *args: object) -> None:
             step = trainer.global_step + 1
             at_step[step] = free_now()
-            expected[step] = formula_now(trainer.strategy.dos_engine.forward_backward_peak)
+            expected[step] = formula_now(trainer.strategy.dos_engine.budget.forward_backward_peak)
 
     L.seed_everything(0, verbose=False)
     # Small buckets: DeepSpeed copies gradients to the host from backward's hooks while the activations are alive.

@@ -220,7 +220,7 @@ class DOSMonitor(Callback):
         if engine is not None and self.trace_dir is not None and record.step in self.trace_steps:
             # Spans cost events and bookkeeping: ask for them only on the steps that are drawn.
             self._timing_before = engine.timing
-            engine.timing = True
+            engine.record_timing(True)
         self._boundary(record, "start")
         self._open = record
 
@@ -249,7 +249,8 @@ class DOSMonitor(Callback):
             self._engine = engine
             self._scheduler = getattr(trainer.strategy, "dos_scheduler", None)
             if self._timing_before is not None:
-                engine.timing, self._timing_before = self._timing_before, None
+                engine.record_timing(self._timing_before)
+                self._timing_before = None
         self._pending.append(record)
         logged_step = self._logs(record.step)
         adapter = getattr(trainer.strategy, "dos_adapter", None)
@@ -264,7 +265,8 @@ class DOSMonitor(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = _engine(trainer)
         if engine is not None and self._timing_before is not None:  # a traced batch that never ended
-            engine.timing, self._timing_before = self._timing_before, None
+            engine.record_timing(self._timing_before)
+            self._timing_before = None
         # Loggers are finalised after this hook: read the last step's events now (one sync, at the end).
         self._drain(trainer, wait=True, final=True)
         self._write_trace(trainer)

@@ -15,7 +15,6 @@ from lightning_dos.engine.arrivals import GradientArrivals
 from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, TornStateError, UpdateInFlightError, UpdateInterrupted
 from lightning_dos.engine.file_tier import FileTier
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
-from lightning_dos.engine.recovery import take_on_host
 from lightning_dos.engine.streams import Streams
 from lightning_dos.host.disk import load_aio
 from lightning_dos.host.hostmem import return_freed_memory
@@ -148,7 +147,7 @@ class ZeRO3Adapter(ForwardGathers, BackwardHooks, NeedRecording, StateAccess):
         self._phases: IterationPhases | None = None
         # Under overlap the update's staging may be allocated beside the next forward: the engine sizes it within
         # what is spare at the forward/backward peak, which is measured every iteration (_measure_peak).
-        self.engine.overlapping = overlaps_forward(self.overlap)
+        self.engine.overlap_forward(overlaps_forward(self.overlap))
         self._peak_window = False
         self._peak = 0
         #: SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 arriving during an update are held until :meth:`deliver`.
@@ -401,7 +400,7 @@ class ZeRO3Adapter(ForwardGathers, BackwardHooks, NeedRecording, StateAccess):
                 raise  # the step has not returned: the framework does not count it
             else:
                 # Overlapped: the step returned and the framework counted it, so it is taken (on the host).
-                self._interrupted = take_on_host(self.engine, inputs, failure)
+                self._interrupted = self.engine.take_on_host(inputs, failure)
         try:
             self._store_steps(steps)
         except BaseException as error:  # noqa: BLE001 - storing is idempotent: finish it, report later
@@ -409,7 +408,7 @@ class ZeRO3Adapter(ForwardGathers, BackwardHooks, NeedRecording, StateAccess):
                 self._store_steps(steps, points=False)
             except BaseException as second:  # noqa: BLE001
                 self._interrupted = None  # superseded: the state is no longer post-step
-                self.engine.torn = (
+                self.engine.mark_torn(
                     f"lightning-dos: storing the step counts of optimizer step {self.engine.steps_taken} failed "
                     f"({type(error).__name__}: {error}, then {type(second).__name__}: {second}); the weights are "
                     "post-step but some step counts are not. Resume from the last checkpoint."

@@ -145,7 +145,7 @@ class BackwardHooks:
             peak = streams.peak_allocated()
             if peak is not None:
                 self._peak = max(self._peak, peak)
-                self.engine.forward_backward_peak = self._peak
+                self.engine.record_forward_backward_peak(self._peak)
 
     def forward_begins(self) -> None:
         """Called on the main thread as each training forward begins. In an iteration measured for the planner

@@ -62,4 +62,4 @@ class NeedRecording:
         record = self._forward_record
         gathers = record.gathers(self._sub_groups_of_params)
         if any(gathers):
-            self.engine.need_order = need_order(len(self.engine.sub_groups), gathers, final)
+            self.engine.set_need_order(need_order(len(self.engine.sub_groups), gathers, final))

@@ -49,7 +49,7 @@ class StateAccess:
                 engine.materialize_files()  # whatever the load does not overwrite stays as it was
                 load(*args, **kwargs)
                 engine.drop_resident()  # the host slabs now hold the loaded state
-                engine.torn = None
+                engine.clear_torn()
                 self._copy_group_settings(self.inner, self.hyper_source)  # the next step runs the loaded ones
 
         def refresh_fp32_params() -> None:
@@ -137,7 +137,7 @@ class StateAccess:
                 )
         engine.close_files()
         if kept is not None:
-            engine.files = kept
+            engine.keep_files_as(kept)
 
     @contextlib.contextmanager
     def reading_state(self, what: str) -> Iterator[None]:
