@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from lightning_dos.model.iteration import forward_beside_update_s
 from lightning_dos.model.overlap import OFF
@@ -353,19 +354,14 @@ def tiered_update(
     disk: DiskRates,
     host_budget_bytes: float,
     *,
-    order: str = ALTERNATE,
-    backwards: bool = True,
-    lp_bytes: int = 2,
-    slots: int = STAGING_SLOTS,
     footprint: Footprint = ADAM_FP32,
+    **options: Any,  # files_update's keywords: their defaults are kept there alone
 ) -> TieredPrediction:
     """A steady-state update of ``plan`` with ``host_budget_bytes`` of optimizer state in host slabs and the rest in
-    files (:func:`nvme_sub_groups`): :func:`files_update`."""
+    files (:func:`nvme_sub_groups`): :func:`files_update`, with its keyword ``options`` (``order``, ``backwards``,
+    ``lp_bytes``, ``slots``)."""
     on_nvme = nvme_sub_groups(sizes, host_budget_bytes, footprint)
-    return files_update(
-        sizes, plan, rates, disk, on_nvme, order=order, backwards=backwards, lp_bytes=lp_bytes, slots=slots,
-        footprint=footprint,
-    )  # fmt: skip
+    return files_update(sizes, plan, rates, disk, on_nvme, footprint=footprint, **options)
 
 
 def files_update(
