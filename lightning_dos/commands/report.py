@@ -17,6 +17,7 @@ import csv
 import math
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,16 +133,38 @@ def _memory(ax: Any, series: Series, kind: str) -> bool:
     return True
 
 
-def _pcie(ax: Any, series: Series) -> bool:
-    h2d_steps, h2d = _get(series, "h2d_gbps")
-    d2h_steps, d2h = _get(series, "d2h_gbps")
-    if not h2d_steps and not d2h_steps:
-        return _no_data(ax, f"no transfer rates\n{NEEDS_ENGINE}")
-    factor, unit = _unit(max(h2d + d2h + [0.0]), "B/s")
-    ax.plot(h2d_steps, [v * factor for v in h2d], marker=".", label="host to device")
-    ax.plot(d2h_steps, [v * factor for v in d2h], marker=".", label="device to host")
-    ax.set_title("PCIe throughput per direction (over the engine's update loop)")
+#: The two directions of a transfer metric (``dos/h2d_*``, ``dos/d2h_*``): the key's prefix, the legend's label, and
+#: the side of the step its bars stand on.
+DIRECTIONS = (("h2d", "host to device", -1), ("d2h", "device to host", 1))
+#: What draws one direction: ``(steps, values in the chosen unit, label, side)``.
+DrawDirection = Callable[[list[int], list[float], str, int], None]
+
+
+def _per_direction(
+    ax: Any, series: Series, metric: str, base: str, missing: str, draw: DrawDirection
+) -> tuple[float, float] | None:
+    """Draw ``dos/h2d_<metric>`` and ``dos/d2h_<metric>`` with ``draw(steps, values, label, side)`` (:data:`DIRECTIONS`)
+    in one unit of ``base`` that keeps both readable (the y axis's label); return the unit's factor and the largest
+    value logged (0 for none above it), or None, with ``missing`` on ``ax``, when neither direction was logged."""
+    logged = [(_get(series, f"{prefix}_{metric}"), label, side) for prefix, label, side in DIRECTIONS]
+    if not any(steps for (steps, _), _, _ in logged):
+        _no_data(ax, f"{missing}\n{NEEDS_ENGINE}")
+        return None
+    largest = max([v for (_, values), _, _ in logged for v in values] + [0.0])
+    factor, unit = _unit(largest, base)
+    for (steps, values), label, side in logged:
+        draw(steps, [v * factor for v in values], label, side)
     ax.set_ylabel(unit)
+    return factor, largest
+
+
+def _pcie(ax: Any, series: Series) -> bool:
+    def line(steps: list[int], values: list[float], label: str, _side: int) -> None:
+        ax.plot(steps, values, marker=".", label=label)
+
+    if _per_direction(ax, series, "gbps", "B/s", "no transfer rates", line) is None:
+        return False
+    ax.set_title("PCIe throughput per direction (over the engine's update loop)")
     ax.set_ylim(bottom=0)
     util_steps, util = _get(series, "pcie_util")
     if util_steps:
@@ -163,16 +186,15 @@ def _pcie(ax: Any, series: Series) -> bool:
 
 
 def _bytes_moved(ax: Any, series: Series) -> bool:
-    h2d_steps, h2d = _get(series, "h2d_gb")
-    d2h_steps, d2h = _get(series, "d2h_gb")
-    if not h2d_steps and not d2h_steps:
-        return _no_data(ax, f"no bytes moved\n{NEEDS_ENGINE}")
-    factor, unit = _unit(max(h2d + d2h + [0.0]), "B")
-    ax.bar([s - 0.2 for s in h2d_steps], [v * factor for v in h2d], width=0.4, label="host to device")
-    ax.bar([s + 0.2 for s in d2h_steps], [v * factor for v in d2h], width=0.4, label="device to host")
-    ax.set_ylim(top=1.3 * factor * max(h2d + d2h + [1e-12]))  # room for the legend above the bars
+    def bars(steps: list[int], values: list[float], label: str, side: int) -> None:
+        ax.bar([s + side * 0.2 for s in steps], values, width=0.4, label=label)  # the two directions side by side
+
+    drawn = _per_direction(ax, series, "gb", "B", "no bytes moved", bars)
+    if drawn is None:
+        return False
+    factor, largest = drawn
+    ax.set_ylim(top=1.3 * factor * max(largest, 1e-12))  # room for the legend above the bars
     ax.set_title("Bytes moved per update")
-    ax.set_ylabel(unit)
     ax.legend(fontsize="small")
     return True
 
