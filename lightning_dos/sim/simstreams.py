@@ -133,23 +133,25 @@ class DeviceMemoryAccount:
         current.peak_total_bytes = max(current.peak_total_bytes, self.total_bytes)
         self.peak_since_reset = max(self.peak_since_reset, self.total_bytes)
 
-    def allocated(self, nbytes: int) -> None:
+    def _count(self, engine: int, model: int) -> None:
+        """Add ``engine`` and ``model`` bytes (negative: freed); only a growth can reach a new peak."""
         with self._lock:
-            self.held_bytes += nbytes
-            self._peaks()
+            self.held_bytes += engine
+            self.model_bytes += model
+            if engine > 0 or model > 0:
+                self._peaks()
+
+    def allocated(self, nbytes: int) -> None:
+        self._count(nbytes, 0)
 
     def freed(self, nbytes: int) -> None:
-        with self._lock:
-            self.held_bytes -= nbytes
+        self._count(-nbytes, 0)
 
     def model_allocated(self, nbytes: int) -> None:
-        with self._lock:
-            self.model_bytes += nbytes
-            self._peaks()
+        self._count(0, nbytes)
 
     def model_freed(self, nbytes: int) -> None:
-        with self._lock:
-            self.model_bytes -= nbytes
+        self._count(0, -nbytes)
 
     def reset_peak(self) -> None:
         with self._lock:
