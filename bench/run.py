@@ -254,10 +254,7 @@ def drive_rates(directory: str, nbytes: int) -> tuple[float, float, float]:
     from lightning_dos.host.disk import measure_mixed
 
     rates = _measure_drive(directory, nbytes)
-    mixed = measure_mixed(
-        directory, nbytes, block_size=AIO["block_size"], queue_depth=AIO["queue_depth"],
-        threads=AIO["intra_op_parallelism"],
-    )  # fmt: skip
+    mixed = measure_mixed(directory, nbytes, settings=_aio_settings())
     return rates.read_bps, rates.write_bps, mixed
 
 
@@ -296,10 +293,14 @@ def _measure_drive(directory: str, nbytes: int) -> Any:
     async I/O op with the systems' :data:`AIO` settings)."""
     from lightning_dos.host.disk import measure_disk
 
-    return measure_disk(
-        directory, nbytes, block_size=AIO["block_size"], queue_depth=AIO["queue_depth"],
-        threads=AIO["intra_op_parallelism"],
-    )  # fmt: skip
+    return measure_disk(directory, nbytes, settings=_aio_settings())
+
+
+def _aio_settings() -> Any:
+    """The systems' :data:`AIO` settings, as the drive measurements take them (``lightning_dos.host.disk``)."""
+    from lightning_dos.host.disk import AioSettings
+
+    return AioSettings(AIO["block_size"], AIO["queue_depth"], AIO["intra_op_parallelism"])
 
 
 def warm_drives(systems: list[str], params: int, seconds: float) -> None:

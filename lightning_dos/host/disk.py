@@ -10,7 +10,7 @@ Checks, each a :class:`~lightning_dos.errors.DOSConfigError` naming the setting 
   the message names the package and the command.
 
 :func:`measure_disk` times sequential reads and writes through that op, as the swapper would issue them (O_DIRECT,
-blocks of ``block_size`` bytes, ``queue_depth`` in flight, from page-locked buffers), into a
+blocks of ``block_size`` bytes, ``queue_depth`` in flight, from page-locked buffers: :class:`AioSettings`), into a
 :class:`~lightning_dos.model.nvme.DiskRates` for the performance model.
 """
 
@@ -26,7 +26,10 @@ import sys
 import textwrap
 import time
 import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lightning_dos.engine.swap_files import ALIGNMENT  # O_DIRECT's unit: the drive's logical block, a page at least
 from lightning_dos.errors import DOSConfigError
@@ -159,39 +162,62 @@ def arch_list_deepspeed_parses():  # noqa: ANN201 - a context manager
         os.environ[name] = value
 
 
-def measure_disk(
-    path: str | os.PathLike,
-    nbytes: int = 256 << 20,
-    *,
-    block_size: int = 1 << 20,
-    queue_depth: int = 32,
-    threads: int = 2,
-    repeats: int = 2,
-) -> DiskRates:
-    """Sequential read and write bandwidth of the drive under ``path`` through DeepSpeed's async I/O op: a file of
-    ``nbytes`` written and read back from page-locked memory, ``repeats`` times, best of each (the file is removed
-    after). Reads right after writes may come from the drive's own cache; use ``nbytes`` well above it (several
-    GB) for figures that hold over a whole update. DeepSpeed's notice about SSD wear (logged once per process, at the
-    first write) is dropped: a run that keeps state on the drive says it in its own words
-    (:func:`ssd_wear_notice`)."""
+@dataclass(frozen=True)
+class AioSettings:
+    """How a measurement drives DeepSpeed's async I/O op: requests in blocks of ``block_size`` bytes, ``queue_depth``
+    of them in flight, each split over ``threads`` threads (the op's ``intra_op_parallelism``)."""
+
+    block_size: int = 1 << 20
+    queue_depth: int = 32
+    threads: int = 2
+
+
+@contextlib.contextmanager
+def _measurement_files(
+    path: str | os.PathLike, nbytes: int, suffixes: Sequence[str], settings: AioSettings
+) -> Iterator[list[tuple[Any, Any, Path]]]:
+    """For each of ``suffixes``: a handle of the async I/O op, a page-locked buffer of ``nbytes`` random bytes and a
+    file name on the drive under ``path`` (``.lightning-dos-measure-<pid>-<random><suffix>``), for as long as the
+    ``with`` lasts; then the files are removed and the buffers freed. DeepSpeed's notice about SSD wear (logged once
+    per process, at the first write) is dropped meanwhile: a run that keeps state on the drive says it in its own
+    words (:func:`ssd_wear_notice`)."""
     import torch
 
     if nbytes <= 0 or nbytes % ALIGNMENT:
         raise ValueError(f"nbytes must be a positive multiple of {ALIGNMENT}, got {nbytes}")
-    where = check_nvme_path(path, nbytes)
+    total = nbytes * len(suffixes)
+    where = check_nvme_path(path, total)
     aio = load_aio()
     # Past RLIMIT_MEMLOCK DeepSpeed's allocator aborts the process: refused by name instead.
-    check_lock_limit(nbytes, "the drive measurement's buffers", setting=f"measuring the drive under {str(path)!r}")
-    handle = aio.aio_handle(block_size, queue_depth, False, True, threads)
-    buffer = handle.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
-    target = where / f".lightning-dos-measure-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    check_lock_limit(total, "the drive measurement's buffers", setting=f"measuring the drive under {str(path)!r}")
+    handles = [
+        aio.aio_handle(settings.block_size, settings.queue_depth, False, True, settings.threads) for _ in suffixes
+    ]
+    buffers = [h.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8)) for h in handles]
+    stem = f".lightning-dos-measure-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    files = [where / f"{stem}{suffix}" for suffix in suffixes]
     try:
-        buffer.random_(0, 256)
         with quiet.log_line_dropped(*quiet.SSD_WEAR_NOTICE):
-            write_s, read_s = _best_write_and_read(handle, buffer, target, repeats)
+            for buffer in buffers:
+                buffer.random_(0, 256)
+            yield list(zip(handles, buffers, files))
     finally:
-        target.unlink(missing_ok=True)
-        handle.free_cpu_locked_tensor(buffer)
+        for file in files:
+            file.unlink(missing_ok=True)
+        for handle, buffer in zip(handles, buffers):
+            handle.free_cpu_locked_tensor(buffer)
+
+
+def measure_disk(
+    path: str | os.PathLike, nbytes: int = 256 << 20, *, settings: AioSettings = AioSettings(), repeats: int = 2
+) -> DiskRates:
+    """Sequential read and write bandwidth of the drive under ``path`` through DeepSpeed's async I/O op: a file of
+    ``nbytes`` written and read back from page-locked memory, ``repeats`` times, best of each (the file is removed
+    after). Reads right after writes may come from the drive's own cache; use ``nbytes`` well above it (several
+    GB) for figures that hold over a whole update. DeepSpeed's notice about SSD wear is dropped
+    (:func:`_measurement_files`)."""
+    with _measurement_files(path, nbytes, [""], settings) as [(handle, buffer, target)]:
+        write_s, read_s = _best_write_and_read(handle, buffer, target, repeats)
     return DiskRates(read_bps=nbytes / read_s, write_bps=nbytes / write_s)
 
 
@@ -222,48 +248,24 @@ def _best_write_and_read(handle, buffer, target: Path, repeats: int) -> tuple[fl
 
 
 def measure_mixed(
-    path: str | os.PathLike,
-    nbytes: int = 256 << 20,
-    *,
-    block_size: int = 1 << 20,
-    queue_depth: int = 32,
-    threads: int = 2,
-    repeats: int = 2,
+    path: str | os.PathLike, nbytes: int = 256 << 20, *, settings: AioSettings = AioSettings(), repeats: int = 2
 ) -> float:
     """Bytes per second the drive under ``path`` moves reading ``nbytes`` and writing ``nbytes`` at once (two handles
     of DeepSpeed's async I/O op, one request each, from page-locked memory), the fastest of ``repeats``: the rate of
     an update whose reads and writes overlap, as both ours and DeepSpeed's swapper run them. A drive serves the two
     directions together faster than one after the other where its reads and writes do not share one queue."""
-    import torch
-
-    if nbytes <= 0 or nbytes % ALIGNMENT:
-        raise ValueError(f"nbytes must be a positive multiple of {ALIGNMENT}, got {nbytes}")
-    where = check_nvme_path(path, 2 * nbytes)
-    aio = load_aio()
-    check_lock_limit(2 * nbytes, "the drive measurement's buffers", setting=f"measuring the drive under {str(path)!r}")
-    handles = [aio.aio_handle(block_size, queue_depth, False, True, threads) for _ in range(2)]
-    buffers = [h.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8)) for h in handles]
-    stem = f".lightning-dos-measure-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    source, target = where / f"{stem}-read", where / f"{stem}-write"
     best = float("inf")
-    try:
-        with quiet.log_line_dropped(*quiet.SSD_WEAR_NOTICE):
-            for buffer in buffers:
-                buffer.random_(0, 256)
-            handles[0].async_pwrite(buffers[0], str(source), 0)
-            handles[0].wait()
-            for _ in range(repeats):
-                start = time.perf_counter()
-                handles[0].async_pread(buffers[0], str(source), 0)
-                handles[1].async_pwrite(buffers[1], str(target), 0)
-                handles[0].wait()
-                handles[1].wait()
-                best = min(best, time.perf_counter() - start)
-    finally:
-        source.unlink(missing_ok=True)
-        target.unlink(missing_ok=True)
-        for handle, buffer in zip(handles, buffers):
-            handle.free_cpu_locked_tensor(buffer)
+    with _measurement_files(path, nbytes, ["-read", "-write"], settings) as [reading, writing]:
+        (reader, read_buffer, source), (writer, write_buffer, target) = reading, writing
+        reader.async_pwrite(read_buffer, str(source), 0)
+        reader.wait()
+        for _ in range(repeats):
+            start = time.perf_counter()
+            reader.async_pread(read_buffer, str(source), 0)
+            writer.async_pwrite(write_buffer, str(target), 0)
+            reader.wait()
+            writer.wait()
+            best = min(best, time.perf_counter() - start)
     return 2 * nbytes / best
 
 
