@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from lightning_dos.model.nvme import (
@@ -76,29 +77,46 @@ def host_budgets(text: str) -> list[float]:
     return values
 
 
-def nvme_rows(
-    sizes: Sequence[int],
-    plan: Plan,
-    rates: HardwareRates,
-    disk: DiskRates,
-    budgets: Sequence[float],
-    ranks: int,
-    lp_bytes: int,
-    footprint: Footprint,
-) -> dict[str, Any]:
-    """Per host budget: ours (``plan``'s placement, the file-backed host sub-groups in the order the planner chooses,
-    ``order``; the update after one that took them the other way, when they alternate, as ``simulate`` replays it)
-    against stock's pipelined swapper, both on one rank's share of the drive."""
-    per_rank = disk.per_rank(ranks)
+@dataclass(frozen=True)
+class NvmeCase:
+    """What the NVMe rows are computed for, by ``plan`` and by ``simulate`` alike.
+
+    Attributes:
+        sizes: one rank's sub-group sizes, in elements.
+        plan: their placement, ours.
+        rates: the node's rates.
+        disk: the node's drive, shared by every rank.
+        budgets: the host budgets, one row each: shares of the state in [0, 1] or bytes per node (> 1).
+        ranks: ranks sharing the drive.
+        lp_bytes: bytes per element of the model's 16-bit weights.
+        footprint: the optimizer's rule and dtypes.
+    """
+
+    sizes: Sequence[int]
+    plan: Plan
+    rates: HardwareRates
+    disk: DiskRates
+    budgets: Sequence[float]
+    ranks: int
+    lp_bytes: int
+    footprint: Footprint
+
+
+def nvme_rows(case: NvmeCase) -> dict[str, Any]:
+    """Per host budget: ours (``case.plan``'s placement, the file-backed host sub-groups in the order the planner
+    chooses, ``order``; the update after one that took them the other way, when they alternate, as ``simulate``
+    replays it) against stock's pipelined swapper, both on one rank's share of the drive."""
+    sizes, plan, rates, footprint = case.sizes, case.plan, case.rates, case.footprint
+    per_rank = case.disk.per_rank(case.ranks)
     state = sum(sizes) * footprint.optimizer_state
-    stock = stock_tiered_update_s(sizes, rates, per_rank, lp_bytes=lp_bytes, footprint=footprint)
+    stock = stock_tiered_update_s(sizes, rates, per_rank, lp_bytes=case.lp_bytes, footprint=footprint)
     rows = []
     slots = staging_slots(max(sizes) * footprint.optimizer_state)  # the most, for the table's title
-    for budget in budgets:
-        held = budget * state if budget <= 1 else budget / ranks
+    for budget in case.budgets:
+        held = budget * state if budget <= 1 else budget / case.ranks
         on_nvme = nvme_sub_groups(sizes, held, footprint)
         row_slots = staging_slots(max(sizes) * footprint.optimizer_state, len(on_nvme))  # as the adapter opens them
-        kwargs = {"lp_bytes": lp_bytes, "slots": row_slots, "footprint": footprint}
+        kwargs = {"lp_bytes": case.lp_bytes, "slots": row_slots, "footprint": footprint}
         order = choose_files_order(sizes, plan, rates, per_rank, on_nvme, **kwargs).order
         ours = files_update(sizes, plan, rates, per_rank, on_nvme, order=order, backwards=False, **kwargs)
         rows.append(
@@ -118,7 +136,7 @@ def nvme_rows(
                 "ours_vs_stock": stock.time_s / ours.time_s,
             }
         )
-    return nvme_result(disk, ranks, state, rows, slots)
+    return nvme_result(case.disk, case.ranks, state, rows, slots)
 
 
 def nvme_result(disk: DiskRates, ranks: int, state: float, rows: list[dict[str, Any]], slots: int) -> dict[str, Any]:
@@ -142,6 +160,18 @@ def nvme_title(result: dict[str, Any]) -> str:
     )
 
 
+def leading_cells(row: dict[str, Any]) -> tuple[str, str, str, str]:
+    """The cells that open a row of either NVMe table (``plan``'s and ``simulate``'s): the host budget, the share of
+    the state in files, the order of the file-backed sub-groups and ours' seconds."""
+    budget = row["host_budget"]
+    return (
+        f"{budget:.0%}" if budget <= 1 else f"{budget / 1e9:.0f} GB",
+        f"{row['file_share']:.0%}",
+        ORDER_CELL[row["order"]],
+        f"{row['ours_s']:.2f}",
+    )
+
+
 def print_nvme(result: dict[str, Any], console: Any) -> None:  # noqa: ANN401 - a rich Console
     """The NVMe rows as a table that fits 80 columns."""
     from rich.table import Table
@@ -155,12 +185,8 @@ def print_nvme(result: dict[str, Any], console: Any) -> None:  # noqa: ANN401 - 
     for column in ("in\nfiles", "order", "ours\ns", "x\nfloor", "stock\ns", "x\nfloor", "ours vs\nstock"):
         table.add_column(column, justify="right", no_wrap=True)
     for row in result["rows"]:
-        budget = row["host_budget"]
         table.add_row(
-            f"{budget:.0%}" if budget <= 1 else f"{budget / 1e9:.0f} GB",
-            f"{row['file_share']:.0%}",
-            ORDER_CELL[row["order"]],
-            f"{row['ours_s']:.2f}",
+            *leading_cells(row),
             f"{row['ours_s'] / row['ours_disk_floor_s']:.2f}" if row["ours_disk_floor_s"] else "-",
             f"{row['stock_s']:.2f}",
             f"{row['stock_s'] / row['stock_disk_floor_s']:.2f}",

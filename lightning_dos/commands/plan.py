@@ -19,6 +19,7 @@ from typing import Any
 
 from lightning_dos.commands.nvme_rows import (
     DEFAULT_HOST_BUDGETS,
+    NvmeCase,
     add_nvme_options,
     disk_of,
     host_budgets,
@@ -183,7 +184,7 @@ def plan_rows(
     nvme = None
     if disk is not None:
         budgets = host_budgets(getattr(args, "host_budget", DEFAULT_HOST_BUDGETS))
-        nvme = nvme_rows(sizes, ours_plan, rates, disk, budgets, gpus, lp, fp)
+        nvme = nvme_rows(NvmeCase(sizes, ours_plan, rates, disk, budgets, gpus, lp, fp))
     return {
         "nvme": nvme,
         "overlapped": overlapped,

@@ -333,11 +333,11 @@ def main(argv: list[str]) -> int:
         )
     summary["nvme"] = None
     if disk is not None:
+        from lightning_dos.commands.nvme_rows import NvmeCase
         from lightning_dos.commands.simulate_nvme import nvme_simulation
 
-        summary["nvme"] = nvme_simulation(
-            sizes, plan, rates, disk, budgets, gpus, args.lp_bytes, footprint, trace=args.trace
-        )
+        case = NvmeCase(sizes, plan, rates, disk, budgets, gpus, args.lp_bytes, footprint)
+        summary["nvme"] = nvme_simulation(case, trace=args.trace)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

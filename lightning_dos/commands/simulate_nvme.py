@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_dos.commands.nvme_rows import ORDER_CELL, nvme_rows, nvme_title
+from lightning_dos.commands.nvme_rows import NvmeCase, leading_cells, nvme_rows, nvme_title
 from lightning_dos.model.nvme import (
     ALTERNATE,
     DiskRates,
@@ -52,27 +52,18 @@ def replay_tiered(
     return replay(log, rates, scale, footprint=footprint, disk=disk), len(checker.races)
 
 
-def nvme_simulation(
-    sizes: Sequence[int],
-    plan: Plan,
-    rates: HardwareRates,
-    disk: DiskRates,
-    budgets: Sequence[float],
-    ranks: int,
-    lp_bytes: int,
-    footprint: Footprint,
-    trace: Path | None = None,
-) -> dict[str, Any]:
+def nvme_simulation(case: NvmeCase, trace: Path | None = None) -> dict[str, Any]:
     """:func:`~lightning_dos.commands.nvme_rows.nvme_rows` (ours and stock predicted, per host budget, on one rank's
-    share of ``disk``) with ours replayed: ``ours_s`` and its bytes are the replay's, ``ours_predicted_s`` the
+    share of ``case.disk``) with ours replayed: ``ours_s`` and its bytes are the replay's, ``ours_predicted_s`` the
     model's. With ``trace``, each budget's replay is written beside it as a Perfetto trace
     (``<trace stem>-nvme-<budget><suffix>``: the drive's reads and writes in lanes of their own)."""
-    result = nvme_rows(sizes, plan, rates, disk, budgets, ranks, lp_bytes, footprint)
-    per_rank = disk.per_rank(ranks)
+    result = nvme_rows(case)
+    sizes, footprint = case.sizes, case.footprint
+    per_rank = case.disk.per_rank(case.ranks)
     for row in result["rows"]:
         on_nvme = nvme_sub_groups(sizes, row["host_state_bytes"], footprint)
-        tiered = tiered_plan(plan, on_nvme)
-        run, races = replay_tiered(sizes, tiered, rates, per_rank, on_nvme, lp_bytes, footprint, row["order"])
+        tiered = tiered_plan(case.plan, on_nvme)
+        run, races = replay_tiered(sizes, tiered, case.rates, per_rank, on_nvme, case.lp_bytes, footprint, row["order"])
         row_trace = None
         if trace is not None:
             budget = row["host_budget"]
@@ -110,13 +101,9 @@ def print_nvme_simulation(result: dict[str, Any], console: Any) -> None:  # noqa
         table.add_column(column, justify="right", no_wrap=True)
     table.add_column("vs\nstock", justify="right", no_wrap=True)
     for row in result["rows"]:
-        budget = row["host_budget"]
         floor = row["ours_disk_floor_s"]
         table.add_row(
-            f"{budget:.0%}" if budget <= 1 else f"{budget / 1e9:.0f} GB",
-            f"{row['file_share']:.0%}",
-            ORDER_CELL[row["order"]],
-            f"{row['ours_s']:.2f}",
+            *leading_cells(row),
             f"{row['ours_predicted_s']:.2f}",
             f"{row['replay_over_prediction']:.3f}",
             f"{row['ours_s'] / floor:.2f}" if floor else "-",
