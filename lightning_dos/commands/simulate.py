@@ -128,34 +128,33 @@ def simulate(
 
 
 def whole_iteration(
-    sizes: Sequence[int],
     result: Simulation,
     rates: HardwareRates,
     lp_bytes: int,
     forward_s: float,
     backward_s: float,
-    speculation: Speculation | None = None,
     *,
-    footprint: Footprint = ADAM_FP32,
+    speculation: Speculation | None = None,
     trace: Path | None = None,
     resident_room: int = 0,
     plan_for: Callable[[str], Plan] | None = None,
 ) -> dict[str, Any]:
-    """Iteration seconds per overlap mode, replayed whole (:func:`replay_iteration`: backward, the engine's update as
-    it issues it and the next forward on the virtual node's streams) and predicted (the performance model). ``off``
-    runs ``result``'s plan (the update's best); ``forward`` and ``auto`` the plan the strategy runs in that mode once
-    it has measured forward and backward, ``plan_for(mode)`` (None: ``result``'s plan in every mode, as a fixed
-    ``gpu_fraction`` runs);
-    ``stock`` is stock ZeRO-3 offload's update after forward and backward. With ``trace``, each mode's replay is
-    written beside it as a Perfetto trace (``<trace stem>-iteration-<mode><suffix>``, its path in the mode's
-    ``iteration_plans`` entry). ``iteration_floor_s`` is what no placement or schedule could beat
+    """Iteration seconds per overlap mode for ``result``'s sub-groups and optimizer (its sizes and footprint),
+    replayed whole (:func:`replay_iteration`: backward, the engine's update as it issues it and the next forward on
+    the virtual node's streams) and predicted (the performance model). ``off`` runs ``result``'s plan (the update's
+    best); ``forward`` and ``auto`` the plan the strategy runs in that mode once it has measured forward and
+    backward, ``plan_for(mode)`` (None: ``result``'s plan in every mode, as a fixed ``gpu_fraction`` runs); ``stock``
+    is stock ZeRO-3 offload's update after forward and backward. With ``trace``, each mode's replay is written beside
+    it as a Perfetto trace (``<trace stem>-iteration-<mode><suffix>``, its path in the mode's ``iteration_plans``
+    entry). ``iteration_floor_s`` is what no placement or schedule could beat
     (:func:`~lightning_dos.model.iteration.iteration_floor`, resident state up to ``resident_room`` bytes, a
-    speculative update's write-allocate charged). With
-    ``speculation`` (gradient clipping), ``auto`` is replayed committed and clipped and the two are weighed by its
-    commit rate (at 0 the engine stops speculating: ``forward``'s replay); ``speculation_bytes`` is the host memory
-    its spare slots take (one per host sub-group it may update during backward)."""
+    speculative update's write-allocate charged). With ``speculation`` (gradient clipping), ``auto`` is replayed
+    committed and clipped and the two are weighed by its commit rate (at 0 the engine stops speculating:
+    ``forward``'s replay); ``speculation_bytes`` is the host memory its spare slots take (one per host sub-group it
+    may update during backward)."""
     from lightning_dos.commands.plan import stock_update_s
 
+    sizes, footprint = result.sizes, result.footprint
     replayed, predicted, plans = {}, {}, {}
     for mode in MODES:
         plan = result.plan if plan_for is None else plan_for(mode)
@@ -318,13 +317,11 @@ def main(argv: list[str]) -> int:
     if args.forward_s is not None:
         summary.update(
             whole_iteration(
-                sizes,
                 result,
                 rates,
                 args.lp_bytes,
                 args.forward_s,
                 args.backward_s,
-                footprint=footprint,
                 trace=trace,
                 resident_room=budget if resident_ok and budget else 0,
                 plan_for=plan_for,
