@@ -198,10 +198,7 @@ def step_scalars(rule: str, step: float, hyper: Hyper) -> Step:
     the rest in float, as DeepSpeed's does)."""
     h = hyper
     if rule == "adam":
-        constants = step_constants(step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled)[1:]
-        decoupled, decay_factor, weight_decay, lerp_small, lerp_coeff, beta2, sq_coeff, bc2_sqrt, eps, neg = constants
-        return Step(decoupled, decay_factor, weight_decay, lerp_small, lerp_coeff, 0.0, beta2, sq_coeff, bc2_sqrt,
-                    eps, neg, torch_float_width())  # fmt: skip
+        return _adam_step(step, h)
     if rule == "adagrad":  # torch's Adagrad: decay when weight_decay != 0; clr from the step as a Python float
         clr = h.lr / (1 + (step - 1) * h.lr_decay)
         return Step(int(h.weight_decay != 0), 1.0, h.weight_decay, 0, 0.0, 0.0, 0.0, 0.0, 1.0, h.eps, -clr)
@@ -305,30 +302,21 @@ class HostUpdateKernel:
             raise RuntimeError(f"{self.path} refused rule {rule!r} or its dtypes: rebuild it")
 
 
-def step_constants(
-    step: float,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    inv_grad_scale: float = 1.0,
-) -> tuple[float | int, ...]:
-    """Adam's scalars: ``inv_scale``, then :class:`Step`'s Adam fields from ``decoupled`` to ``neg_step_size``
-    (Adam's loop reads no others), derived as torch's kernel derives them: in double, rounded to float where used.
-    The arguments: the step number, Adam's hyperparameters and the gradient's unscale factor."""
+def _adam_step(step: float, hyper: Hyper) -> Step:
+    """Adam's :class:`Step` (its loop reads the fields from ``decoupled`` to ``neg_step_size`` and the vector width)
+    for step number ``step``, derived as torch's kernel derives them: in double, rounded to float where used."""
+    lr, beta1, beta2, weight_decay = hyper.lr, hyper.beta1, hyper.beta2, hyper.weight_decay
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     lerp_weight = 1 - beta1
     lerp_small = abs(ctypes.c_float(lerp_weight).value) < 0.5
     lerp_coeff = ctypes.c_float(lerp_weight).value - (0.0 if lerp_small else 1.0)
     decays = weight_decay != 0.0
-    return (
-        inv_grad_scale,
+    return Step(
         # Without decay, either mode multiplies the weights by exactly 1.0: a no-op, as torch skips the decay.
-        int(decoupled or not decays), 1 - lr * weight_decay if decays else 1.0, weight_decay,
-        int(lerp_small), lerp_coeff, beta2, 1 - beta2, math.sqrt(bias_correction2), eps, -(lr / bias_correction1),
+        int(hyper.decoupled or not decays), 1 - lr * weight_decay if decays else 1.0, weight_decay,
+        int(lerp_small), lerp_coeff, 0.0, beta2, 1 - beta2, math.sqrt(bias_correction2), hyper.eps,
+        -(lr / bias_correction1), torch_float_width(),
     )  # fmt: skip
 
 
