@@ -31,23 +31,18 @@ EXHAUSTIVE_LIMIT = 729
 
 
 def _fitting_buffers(
-    streamed: Sequence[int],
-    resident_elements: int,
-    budget_bytes: int | None,
-    most: int,
-    *,
-    footprint: Footprint = ADAM_FP32,
-    largest_resident: int = 0,
+    streamed: Sequence[int], resident: Sequence[int], budget_bytes: int | None, most: int, *, footprint: Footprint
 ) -> int:
-    """Staging buffers for a placement: as many as fit in ``budget_bytes``, at most ``most`` (0: it does not fit).
+    """Staging buffers for a placement of sub-groups of ``streamed`` and ``resident`` sizes: as many as fit in
+    ``budget_bytes``, at most ``most`` (0: it does not fit).
 
     More buffers never make the predicted time longer (a streamed sub-group waits for the download of the one
     ``buffers`` places before it, and downloads finish in order), so for a given placement the most that fit
     is optimal; :func:`choose_plan` then drops any that do not shorten the prediction."""
-    free = None if budget_bytes is None else budget_bytes - footprint.device * resident_elements
+    free = None if budget_bytes is None else budget_bytes - footprint.device * sum(resident)
     if free is not None:
         # The update's temporaries, for its largest device sub-group (device_bytes).
-        free -= footprint.temporaries * max(*streamed, largest_resident, 0)
+        free -= footprint.temporaries * max([*streamed, *resident, 0])
         if free < 0:
             return 0
     if not streamed:
@@ -69,9 +64,7 @@ def _exhaustive(  # noqa: ANN202
     for combo in itertools.product(places_per_group, repeat=len(sizes)):
         streamed = [sizes[i] for i, p in enumerate(combo) if p == Place.DEVICE]
         resident = [sizes[i] for i, p in enumerate(combo) if p == Place.RESIDENT]
-        buffers = _fitting_buffers(
-            streamed, sum(resident), budget_bytes, most, footprint=footprint, largest_resident=max(resident, default=0)
-        )
+        buffers = _fitting_buffers(streamed, resident, budget_bytes, most, footprint=footprint)
         if buffers:
             yield Plan(combo, buffers)
 
