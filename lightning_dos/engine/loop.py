@@ -52,7 +52,7 @@ from lightning_dos.engine.inputs import StepInputs
 from lightning_dos.engine.kept_gradients import sub_groups_of
 from lightning_dos.engine.kernels import apply_update, host_update
 from lightning_dos.engine.observer import EngineObserver
-from lightning_dos.engine.pool import BufferPool, DeviceBuffer
+from lightning_dos.engine.pool import BufferPool
 from lightning_dos.engine.resident import ResidentSet
 from lightning_dos.engine.speculation import SpareSlabs
 from lightning_dos.engine.step import StepLoop
@@ -234,20 +234,9 @@ class InterleavedUpdate:
         """The ``number``-th report issued (1-based), while it is among the recent ones; None before it is issued."""
         return self.steps.reports.number(number)
 
-    @property
-    def resident(self) -> dict[int, DeviceBuffer]:
-        """The sub-groups whose state lives on the device across iterations, with their buffers (a copy)."""
-        return self._resident.buffers
-
-    @property
-    def spare(self) -> SpareSlabs:
-        """The spare slots for speculative updates during backward."""
-        return self.homes.spare
-
-    @property
-    def files(self) -> FileTier | None:
-        """The NVMe tier (None until :meth:`keep_in_files`): sub-groups whose state is in a swap file."""
-        return self.homes.files
+    resident = property(lambda self: self._resident.buffers, doc="Resident sub-groups and their buffers (a copy).")
+    spare = property(lambda self: self.homes.spare, doc="The spare slots for speculative updates during backward.")
+    files = property(lambda self: self.homes.files, doc="The NVMe tier (None until :meth:`keep_in_files`).")
 
     def sub_groups_as_needed(self) -> list[SubGroup]:
         """The sub-groups in the order the next forward needs them (:attr:`need_order`; index order when empty)."""
