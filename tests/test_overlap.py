@@ -384,7 +384,7 @@ class _OnTheNode(DeepOptimizerStatesStrategy):
         paper, _ = load_profile("paper-h100x4")
         rates = dataclasses.replace(paper, **{f: getattr(paper, f) / 1e4 for f in _RATE_FIELDS})
         s = self.dos_scheduler
-        self.dos_scheduler = _PlansAsOnTheNode(s.spec, s.engine, lambda device: rates, overlap=s.overlap)
+        self.dos_setup.dos_scheduler = _PlansAsOnTheNode(s.spec, s.engine, lambda device: rates, overlap=s.overlap)
         self.dos_adapter.planner = self.dos_scheduler
 
 
@@ -475,7 +475,7 @@ class _OnTheNodeRecordingPlans(_OnTheNode):
     def _on_optimizer_ready(self, ds_optimizer: object) -> None:
         super()._on_optimizer_ready(ds_optimizer)
         s = self.dos_scheduler
-        self.dos_scheduler = _RecordsWherePlanned(s.spec, s.engine, s._calibrate, overlap=s.overlap)
+        self.dos_setup.dos_scheduler = _RecordsWherePlanned(s.spec, s.engine, s._calibrate, overlap=s.overlap)
         self.dos_adapter.planner = self.dos_scheduler
 
 

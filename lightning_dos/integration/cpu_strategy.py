@@ -7,13 +7,13 @@ import argparse
 from typing import Any
 
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from lightning_dos.errors import DOSConfigError
 from lightning_dos.host import quiet
 from lightning_dos.host.extensions import announce_op_builds
 from lightning_dos.host.rank_exit import settle_collectives_at_exit
+from lightning_dos.integration.setup import initialize_deepspeed
 
 
 class DeepSpeedCPUStrategy(DeepSpeedStrategy):
@@ -29,37 +29,20 @@ class DeepSpeedCPUStrategy(DeepSpeedStrategy):
     # -- running without CUDA: the three changes Lightning's strategy needs ----------------------
 
     def setup_environment(self) -> None:
-        if isinstance(self.accelerator, CUDAAccelerator):
+        if self.root_device.type == "cuda":
             super().setup_environment()
             return
-        _check_deepspeed_accelerator_is_cpu()
-        self._check_fp16_runs_here()
+        check_deepspeed_accelerator_is_cpu()
+        check_fp16_runs_here(str(getattr(self.precision_plugin, "precision", "")), self.config)
         # Lightning's DeepSpeedStrategy refuses non-CUDA accelerators here; skip to DDP's setup.
         DDPStrategy.setup_environment(self)
-
-    def _check_fp16_runs_here(self) -> None:
-        """Refuse fp16 before any work where DeepSpeed's CPU accelerator would refuse it mid-setup.
-
-        DeepSpeed runs fp16 on a CPU only where oneDNN has fp16 kernels (AVX-512-FP16 or AMX-FP16);
-        elsewhere ``deepspeed.initialize`` fails deep inside with a message naming no setting.
-        """
-        precision = str(getattr(self.precision_plugin, "precision", ""))
-        config = self.config if isinstance(self.config, dict) else {}
-        from_config = bool((config.get("fp16") or {}).get("enabled", False))
-        if not (precision.startswith("16") or from_config) or cpu_supports_fp16():
-            return
-        setting, value = ("precision", precision) if precision.startswith("16") else ("config['fp16']['enabled']", True)
-        raise DOSConfigError(
-            f"{setting}={value!r} cannot run on this CPU: DeepSpeed's CPU accelerator supports fp16 only on CPUs with "
-            "AVX-512-FP16 or AMX-FP16, which this one lacks; use precision='bf16-mixed' (or '32-true') instead"
-        )
 
     def setup_distributed(self) -> None:
         # At exit, the collectives in flight end and the process group goes while the interpreter is whole (a finished
         # gloo run aborted with SIGABRT without: lightning_dos/host/rank_exit.py).
         settle_collectives_at_exit()
         announce_op_builds()  # DeepSpeed's ops build from here on (its collectives' first), minutes on a small machine
-        if isinstance(self.accelerator, CUDAAccelerator):
+        if self.root_device.type == "cuda":
             super().setup_distributed()
             return
         # Lightning validates CUDA device indices here, which CPU devices do not have.
@@ -77,18 +60,7 @@ class DeepSpeedCPUStrategy(DeepSpeedStrategy):
     # -- the seam where the engine attaches ----------------------------------------------------------
 
     def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:
-        import deepspeed
-
-        model_parameters = filter(lambda p: p.requires_grad, model.parameters())
-        engine, ds_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=self._device_rank),
-            config=self.config,
-            model=model,
-            model_parameters=model_parameters,
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            dist_init_required=False,
-        )
+        engine, ds_optimizer, _ = initialize_deepspeed(self.config, model, optimizer, lr_scheduler, self._device_rank)
         if ds_optimizer is not None:
             self._on_optimizer_ready(ds_optimizer)
         return engine, ds_optimizer
@@ -126,7 +98,26 @@ def cpu_supports_fp16() -> bool:
     return bool(get_accelerator().is_fp16_supported())
 
 
-def _check_deepspeed_accelerator_is_cpu() -> None:
+def check_fp16_runs_here(precision: str, config: Any) -> None:
+    """Refuse fp16 before any work where DeepSpeed's CPU accelerator would refuse it mid-setup.
+
+    DeepSpeed runs fp16 on a CPU only where oneDNN has fp16 kernels (AVX-512-FP16 or AMX-FP16); elsewhere
+    ``deepspeed.initialize`` fails deep inside with a message naming no setting. ``precision``: the framework's
+    precision setting; ``config``: the DeepSpeed config.
+    """
+    config = config if isinstance(config, dict) else {}
+    from_config = bool((config.get("fp16") or {}).get("enabled", False))
+    if not (precision.startswith("16") or from_config) or cpu_supports_fp16():
+        return
+    setting, value = ("precision", precision) if precision.startswith("16") else ("config['fp16']['enabled']", True)
+    raise DOSConfigError(
+        f"{setting}={value!r} cannot run on this CPU: DeepSpeed's CPU accelerator supports fp16 only on CPUs with "
+        "AVX-512-FP16 or AMX-FP16, which this one lacks; use precision='bf16-mixed' (or '32-true') instead"
+    )
+
+
+def check_deepspeed_accelerator_is_cpu() -> None:
+    """Refuse a CPU run where DeepSpeed chose another accelerator (it chooses once per process)."""
     from deepspeed.accelerator import get_accelerator
 
     name = get_accelerator().device_name()  # public: "cpu", "cuda", ... (no private of DeepSpeed outside the adapter)

@@ -7,10 +7,14 @@ neither Lightning nor torch (the report command does not need them).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 #: The prefix of every metric the monitor logs.
 PREFIX = "dos/"
+#: Bytes per GB in every metric (decimal, as bus rates are quoted).
+GB = 1e9
 
 
 @dataclass(frozen=True)
@@ -78,3 +82,52 @@ MEDIANS = tuple(
         "engine_update_predicted_s", "h2d_gbps", "d2h_gbps", "pcie_util", "gpu_fraction", "pinned_gb",
     )
 )  # fmt: skip
+
+
+def engine_peak(engine: Any) -> tuple[float, float] | None:
+    """The engine's calibrated peak H2D and D2H rates (bytes/s), when it offers them and has measured them."""
+    peak = getattr(engine, "peak_bandwidth", None)
+    measured = peak() if callable(peak) else None
+    if measured is not None and all(math.isfinite(v) and v > 0 for v in measured):
+        return float(measured[0]), float(measured[1])
+    return None
+
+
+def step_metrics(
+    report: Any, seconds: float, peak_bps: float = 0.0, commits: list[int] | None = None
+) -> dict[str, float]:
+    """One optimizer step's metrics from the engine's report (a :class:`~lightning_dos.model.step_report.StepReport`),
+    as the monitor logs them and Fabric's strategy returns them (``last_step_metrics``).
+
+    Args:
+        report: the step's report.
+        seconds: the time the rates are over (the engine's update loop, where the transfers happen).
+        peak_bps: the bus's peak, both directions together, in bytes/s (0: no ``pcie_util``).
+        commits: speculative steps so far whose updates were redone and kept (``[redone, kept]``), for
+            ``commit_rate`` (None: not given).
+    """
+    row = {
+        "dos/h2d_gb": report.h2d_bytes / GB,
+        "dos/d2h_gb": report.d2h_bytes / GB,
+        "dos/gpu_fraction": report.device_share,
+        "dos/pinned_gb": report.pinned_bytes / GB,
+        "dos/engine_update_s": report.update_s,
+        "dos/fallback_subgroups": float(len(report.fallback_host)),
+        "dos/speculated": float(report.speculated),
+    }
+    if report.committed is not None:
+        row["dos/committed"] = float(report.committed)
+        if report.committed:
+            row["dos/commit_s"] = report.commit_s
+    if commits is not None and any(commits):
+        row["dos/commit_rate"] = commits[True] / sum(commits)
+    if seconds > 0:
+        row["dos/h2d_gbps"] = report.h2d_bytes / seconds / GB
+        row["dos/d2h_gbps"] = report.d2h_bytes / seconds / GB
+        if peak_bps > 0:
+            row["dos/pcie_util"] = (report.h2d_bytes + report.d2h_bytes) / seconds / peak_bps
+    if report.predicted_s is not None and math.isfinite(report.predicted_s):
+        row["dos/engine_update_predicted_s"] = float(report.predicted_s)
+    if report.predicted_iteration_s is not None:
+        row["dos/iteration_predicted_s"] = float(report.predicted_iteration_s)
+    return row

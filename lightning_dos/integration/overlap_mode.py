@@ -34,10 +34,16 @@ def speculation_budget(overlap: str, speculation_memory: int | str, rank_bytes: 
     return max(0, memory.headroom - local_ranks * rank_bytes) // (2 * local_ranks)
 
 
-def resolve_overlap(asked: str, ds_optimizer: Any, speculation_bytes: int, speculation_memory: int | str) -> Overlap:
+def resolve_overlap(
+    asked: str,
+    ds_optimizer: Any,
+    speculation_bytes: int,
+    speculation_memory: int | str,
+    clip_setting: str = "gradient_clip_val",
+) -> Overlap:
     """What runs for ``overlap=asked``: "auto" only where the step may begin during backward (speculatively,
     within ``speculation_bytes``), else "forward"; said once, except for "auto" whose line
-    :func:`reserve_speculation` says once the engine exists."""
+    :func:`reserve_speculation` says once the engine exists. ``clip_setting``: how the user sets clipping."""
     if asked == OFF:
         rank_zero_info("lightning-dos: overlap='off': each step waits for its update")
         return OFF
@@ -49,12 +55,14 @@ def resolve_overlap(asked: str, ds_optimizer: Any, speculation_bytes: int, specu
         return AUTO
     if blocker is None:
         spare = "speculation_memory=0" if speculation_memory == 0 else "no host memory is spare"
-        blocker = f"{speculation_reason(ds_optimizer)},\nand {spare} for speculative updates"
+        blocker = f"{speculation_reason(ds_optimizer, clip_setting)},\nand {spare} for speculative updates"
     _say_forward(blocker)
     return FORWARD
 
 
-def reserve_speculation(adapter: ZeRO3Adapter, ds_optimizer: Any, speculation_bytes: int) -> int:
+def reserve_speculation(
+    adapter: ZeRO3Adapter, ds_optimizer: Any, speculation_bytes: int, clip_setting: str = "gradient_clip_val"
+) -> int:
     """Under "auto": reserve the engine's spare slots for the updates begun during backward (all speculative), one at
     most per sub-group such an update may take (:func:`updatable_during_backward`), or run as "forward" when not
     one fits in ``speculation_bytes`` or no sub-group may be taken during backward; say what runs; return the host
@@ -62,7 +70,7 @@ def reserve_speculation(adapter: ZeRO3Adapter, ds_optimizer: Any, speculation_by
     if adapter.overlap != AUTO:
         return 0
     engine = adapter.engine
-    reason = speculation_reason(ds_optimizer)
+    reason = speculation_reason(ds_optimizer, clip_setting)
     early = updatable_during_backward(engine)
     if early == 0:  # all of the state in files: nothing to begin during backward, speculatively or not
         adapter.overlap = FORWARD

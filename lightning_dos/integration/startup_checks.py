@@ -1,6 +1,6 @@
 """The strategy's checks of the host before any work: the node's host memory against the offloaded optimizer state,
 and the NVMe tier's budget, locked-memory limit, drive and libaio (a part of
-:class:`~lightning_dos.integration.strategy.DeepOptimizerStatesStrategy`, which holds the settings they read). Each
+:class:`~lightning_dos.integration.setup.DOSSetup`, which holds the settings they read). Each
 refusal is a :class:`~lightning_dos.errors.DOSConfigError` naming the setting and the fix, raised before DeepSpeed
 allocates anything."""
 
@@ -10,7 +10,6 @@ import textwrap
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_dos.engine.swap_files import padding_bound
@@ -37,9 +36,9 @@ if TYPE_CHECKING:
 
 
 class StartupChecks:
-    """The host memory and NVMe pre-flight of :class:`~lightning_dos.integration.strategy.DeepOptimizerStatesStrategy`
-    (its ``config``, ``world_size``, ``accelerator``, ``engine_sub_group_size``, ``overlap``, ``speculation_memory``,
-    ``dos_nvme`` and the like)."""
+    """The host memory and NVMe pre-flight of :class:`~lightning_dos.integration.setup.DOSSetup` (its ``config``,
+    ``world_size``, ``on_cuda``, ``engine_sub_group_size``, ``overlap``, ``speculation_memory``, ``dos_nvme`` and the
+    like)."""
 
     config: dict[str, Any]
 
@@ -53,7 +52,7 @@ class StartupChecks:
         """
         total = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if p.requires_grad)
         per_rank = -(-total // max(1, self.world_size))
-        on_cuda = isinstance(self.accelerator, CUDAAccelerator)
+        on_cuda = self.on_cuda
         footprint = config_footprint(self.config, rule_of(optimizer))
         if self.engine_sub_group_size == "auto" and pin_backend(on_cuda) == "torch":
             # DeepSpeed's sub-groups are ours to size here: sized so that their pinned fp32 gradient buffers land

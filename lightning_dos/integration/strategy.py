@@ -8,8 +8,6 @@ runs on the CPU device, slower but computing exactly the same thing.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 from collections.abc import Callable
 from datetime import timedelta
@@ -23,60 +21,24 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.environments import ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_dos.engine.streams import Streams
 from lightning_dos.errors import DOSConfigError
-from lightning_dos.host import quiet
-from lightning_dos.host.cores import HostPlacement
-from lightning_dos.host.disk import check_nvme_path
-from lightning_dos.host.host_threads import apply_host_threads, leave_training_core
-from lightning_dos.host.ranks import Calibration, calibrate_together, reduce_min_over_ranks
 from lightning_dos.integration.cpu_strategy import DeepSpeedCPUStrategy
 from lightning_dos.integration.held_signals import DeliverHeldSignals
-from lightning_dos.integration.nvme_tier import (
-    NvmeTier,
-    check_host_budget,
-    take_nvme_tier,
-)
-from lightning_dos.integration.optimizers import SUPPORTED, check_optimizer, rule_of
-from lightning_dos.integration.overlap_mode import (
-    plan_for_speculation,
-    reserve_speculation,
-    resolve_overlap,
-)
-from lightning_dos.integration.preflight import (
-    HostFigure,
-    config_footprint,
-)
-from lightning_dos.integration.settings import (
-    DEEPSPEED_SUB_GROUP_SIZE,
-    DESCRIPTION,
-    check_arguments,
-    check_master_dtypes,
-    merge_required_config,
-    validated_fraction,
-)
-from lightning_dos.integration.startup_checks import StartupChecks
-from lightning_dos.integration.zero3 import (
-    ZeRO3Adapter,
-    load_zero3_weights_for_evaluation,
-)
-from lightning_dos.model.perfmodel import HardwareRates
-from lightning_dos.model.plan import FractionSpec, auto_sub_group_size, coarse_share_warning
-from lightning_dos.model.update_rules import ADAM_FP32, Footprint
-from lightning_dos.planning.calibrate import HOST_BUFFER_BYTES, Contention, calibrate, calibration_numel
-from lightning_dos.planning.scheduler import PlacementScheduler
+from lightning_dos.integration.optimizers import SUPPORTED
+from lightning_dos.integration.settings import DESCRIPTION
+from lightning_dos.integration.setup import DOSSetup, shows_setup
+from lightning_dos.integration.zero3 import load_zero3_weights_for_evaluation
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.core.optimizer import LRSchedulerConfig
     from torch.optim import Optimizer
 
-    from lightning_dos.engine.loop import InterleavedUpdate
 
-
-class DeepOptimizerStatesStrategy(StartupChecks, DeepSpeedCPUStrategy):
+@shows_setup
+class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
     """ZeRO-3, the optimizer in host memory, updated on CPU and accelerator at once.
 
     Every iteration, a share of the optimizer's sub-groups streams to the accelerator and is updated
@@ -193,45 +155,29 @@ class DeepOptimizerStatesStrategy(StartupChecks, DeepSpeedCPUStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
-        quiet.install()  # the pinned libraries' known per-step deprecations and start-up chatter
-        self.fraction: FractionSpec = validated_fraction(gpu_fraction)
-        check_arguments(
+        #: The engine's settings and this run's engine (shared with Fabric's strategy); its fields are shown as
+        #: read-only properties of the same names (``dos_adapter``, ``dos_engine``, ``dos_scheduler``, ...).
+        self.dos_setup = setup = DOSSetup(
+            self,
+            gpu_fraction=gpu_fraction,
             sub_group_size=sub_group_size,
             gpu_memory_budget=gpu_memory_budget,
+            streams_factory=streams_factory,
             host_threads=host_threads,
             overlap=overlap,
+            speculation_memory=speculation_memory,
             stage=stage,
             offload_optimizer=offload_optimizer,
             offload_optimizer_device=offload_optimizer_device,
             offload_parameters=offload_parameters,
             offload_params_device=offload_params_device,
-            streams_factory=streams_factory,
-            speculation_memory=speculation_memory,
             deepspeed_kwargs=kwargs,
         )
-        #: What the update overlaps: "off", "forward" or "auto" (as asked; see ``dos_adapter.overlap`` for what runs).
-        self.overlap = overlap
-        self.speculation_memory = speculation_memory
-        #: Host bytes this rank may hold for speculative updates, decided by the pre-flight (0: none).
-        self._speculation_bytes = 0
         # Pinned host memory is what makes the engine's transfers asynchronous, so it is always on;
         # LightningCLI passes the parent's default (False) along, which is not a user's choice to honour.
         kwargs.pop("pin_memory", None)
-        self.sub_group_size = sub_group_size
-        self.gpu_memory_budget = gpu_memory_budget
-        self.streams_factory = streams_factory
-        self.host_threads = host_threads
-        #: This rank's host threads and cores, once the process group is up.
-        self.dos_host_placement: HostPlacement | None = None
         user_config = DeepSpeedStrategy._load_config(self, config)  # resolves a JSON path or the env var
-        deepspeed_size = DEEPSPEED_SUB_GROUP_SIZE if sub_group_size == "auto" else sub_group_size
-        user_zero = user_config.get("zero_optimization") if isinstance(user_config, dict) else None
-        #: What the engine's sub-groups are sized by: a DeepSpeed config's own value wins, as it always has.
-        self.engine_sub_group_size: int | str = (
-            int(user_zero["sub_group_size"])
-            if isinstance(user_zero, dict) and "sub_group_size" in user_zero
-            else sub_group_size
-        )
+        setup.read_user_config(user_config)
         super().__init__(
             accelerator=accelerator,
             stage=3,
@@ -240,7 +186,7 @@ class DeepOptimizerStatesStrategy(StartupChecks, DeepSpeedCPUStrategy):
             offload_parameters=offload_parameters,
             offload_params_device=offload_params_device,
             pin_memory=True,
-            sub_group_size=deepspeed_size,
+            sub_group_size=setup.deepspeed_sub_group_size,
             config=user_config,
             logging_level=logging_level,
             parallel_devices=parallel_devices,
@@ -250,29 +196,8 @@ class DeepOptimizerStatesStrategy(StartupChecks, DeepSpeedCPUStrategy):
             timeout=timeout,
             **kwargs,
         )
-        check_host_budget(host_memory_budget)
-        #: The NVMe tier the config asks for (``offload_optimizer.device: nvme``), taken out of DeepSpeed's config.
-        self.dos_nvme: NvmeTier | None = take_nvme_tier(self.config, host_memory_budget)
-        if self.dos_nvme is not None:  # a missing or unusable directory, named now (its room is counted at setup)
-            check_nvme_path(self.dos_nvme.path)
-        self.config = merge_required_config(self.config, deepspeed_size)
-        self.dos_adapter: ZeRO3Adapter | None = None
-        #: Chooses each step's plan (and predicts its update time) once fitting has started.
-        self.dos_scheduler: PlacementScheduler | None = None
-        #: Elements per host calibration buffer, sized from the rank's partition once the model is known.
-        self._calibration_numel = HOST_BUFFER_BYTES // 4
-        #: This rank's calibration (when, what it measured, what every rank uses), once fitting has started.
-        self.dos_calibration: Calibration | None = None
+        self.config = setup.required_config(self.config, host_memory_budget)
         self._callbacks_of: list[Callback] | None = None
-        #: This rank's pre-flight host-memory figure, once fitting has started (None before).
-        self.dos_host_figure: HostFigure | None = None
-
-    # -- public handles ---------------------------------------------------------------------------
-
-    @property
-    def dos_engine(self) -> InterleavedUpdate | None:
-        """The engine, once ``fit`` has set the strategy up (None before, and outside fitting)."""
-        return self.dos_adapter.engine if self.dos_adapter is not None else None
 
     def _init_optimizers(self) -> tuple[Optimizer, LRSchedulerConfig | None]:
         from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
@@ -289,86 +214,23 @@ class DeepOptimizerStatesStrategy(StartupChecks, DeepSpeedCPUStrategy):
             raise DOSConfigError(f"configure_optimizers returned {len(optimizers)} optimizers; {one}")
         if len(schedulers) > 1:
             raise DOSConfigError(f"configure_optimizers returned {len(schedulers)} LR schedulers; use at most one")
-        check_optimizer(optimizers[0])
-        check_master_dtypes(self.config, optimizers[0])
+        self.dos_setup.check_optimizer(optimizers[0])
         return optimizers[0], schedulers[0] if schedulers else None
 
     def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:
-        #: The optimizer configure_optimizers returned: its param groups hold each step's hyperparameters.
-        self._dos_user_optimizer = optimizer
         if optimizer is not None:
-            self._check_host_memory(model, optimizer)
-            # Calibrate now, before DeepSpeed and the engine allocate the optimizer state: the measuring
-            # buffers are freed by then, so they never add to the run's peak host memory (and on a GPU
-            # the measurement sees a device with nothing else on it).
-            elements = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
-            partition = -(-elements // max(1, self.world_size))
-            self._calibration_numel = calibration_numel(partition)
-            # Every rank at once, as they share the node during the update; all then use the slowest rates.
-            device, numel = self.root_device, self._calibration_numel
-            footprint = config_footprint(self.config, rule_of(optimizer))
-            size = self.engine_sub_group_size
-            sub_group = auto_sub_group_size(partition) if size == "auto" else int(size)
-
-            def measure() -> HardwareRates:
-                contention = None
-                if self.host_threads == "auto" and self.overlap != "off" and self.dos_host_placement is not None:
-                    # Before calibrating: the update's rates are then measured on the threads it will run on.
-                    self.dos_host_placement, contention = leave_training_core(
-                        self.dos_host_placement, self.global_rank, device, numel, footprint, sub_group
-                    )
-                return _calibrated_rates(device, numel, footprint, contention, sub_group)
-
-            self.dos_calibration = calibrate_together(measure, reduce_min_over_ranks(device))
-        return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+            self.dos_setup.prepare(model, optimizer)
+        engine, ds_optimizer = super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+        if ds_optimizer is not None:  # the Trainer's training forward drives the adapter's forward_begins
+            self.dos_setup.watch_forward(engine)
+        return engine, ds_optimizer
 
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        # Once the process group is up (the local ranks' affinities are gathered through it), before host work.
-        self.dos_host_placement = apply_host_threads(
-            self.host_threads, self.local_rank, self.global_rank, self.root_device
-        )
+        self.dos_setup.apply_host_threads()
 
     def _on_optimizer_ready(self, ds_optimizer: Any) -> None:
-        self.dos_adapter = adapter = ZeRO3Adapter(
-            ds_optimizer,
-            sub_group_size=self.engine_sub_group_size,
-            gpu_memory_budget=self.gpu_memory_budget,
-            streams_factory=self.streams_factory,
-            optimizer=getattr(self, "_dos_user_optimizer", None),
-            overlap=resolve_overlap(self.overlap, ds_optimizer, self._speculation_bytes, self.speculation_memory),
-            nvme=self.dos_nvme,
-            rank=self.global_rank,
-        )
-        spare = reserve_speculation(adapter, ds_optimizer, self._speculation_bytes)
-        if spare and self.dos_host_figure is not None:  # counted with the rest of the rank's host memory
-            self.dos_host_figure.items.append(("spare slots for speculative updates", spare))
-        sizes = adapter.engine.sizes
-        if self.engine_sub_group_size == "auto":
-            rank_zero_info(
-                f"lightning-dos: sub_group_size='auto' chose {adapter.sub_group_size:,} elements:\n"
-                f"{len(sizes)} sub-group(s) over this rank's {sum(sizes):,} optimizer elements"
-            )
-        coarse = coarse_share_warning(
-            self.fraction, sizes, adapter.sub_group_size, auto=self.engine_sub_group_size == "auto"
-        )
-        if coarse is not None:
-            rank_zero_warn(coarse)
-        numel, calibrated = self._calibration_numel, self.dos_calibration
-        self.dos_scheduler = PlacementScheduler(
-            self.fraction,
-            self.dos_adapter.engine,
-            calibrate=lambda device: calibrated.agreed if calibrated else _calibrated_rates(device, numel),
-            # "auto" plans from inputs agreed by every rank, so all ranks run the same plan; on DeepSpeed's
-            # data-parallel group, where its own collectives run (the adapter plans on the training thread, outside
-            # backward, at points every rank reaches in the same order).
-            reduce_min=reduce_min_over_ranks(self.root_device, adapter.process_group),
-            # What the plan minimises: the update alone, or the iteration it overlaps.
-            overlap=adapter.overlap,
-            drive=self.dos_nvme.drive if self.dos_nvme is not None else None,
-        )
-        self.dos_adapter.planner = self.dos_scheduler
-        plan_for_speculation(self.dos_scheduler, adapter)
+        self.dos_setup.attach(ds_optimizer)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint; for ``validate``/``test``/``predict`` read the weights without an optimizer.
@@ -407,12 +269,6 @@ class DeepOptimizerStatesStrategy(StartupChecks, DeepSpeedCPUStrategy):
             trainer.callbacks.insert(0, DeliverHeldSignals())
         self._callbacks_of = trainer.callbacks
 
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.dos_adapter is not None:
-            # Some iterations' forward and backward are timed for the placement (gpu_fraction="auto", overlap on).
-            self.dos_adapter.forward_begins()
-        return super().training_step(*args, **kwargs)
-
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:
         # Lightning's automatic loop has already divided the loss by ``accumulate_grad_batches``; DeepSpeed's
         # ``engine.backward`` would divide it again (``scale_wrt_gas``), so gradients would reach the optimizer k
@@ -420,50 +276,23 @@ class DeepOptimizerStatesStrategy(StartupChecks, DeepSpeedCPUStrategy):
         # eps would weigh k times more. Scale once, as plain Lightning does. (Manual optimization allows no
         # accumulation, so there the flag changes nothing.)
         kwargs.setdefault("scale_wrt_gas", False)
-        if self.dos_adapter is not None:
-            # Backward writes the host gradient buffers the update in flight reads (overlap): it waits first.
-            self.dos_adapter.settle()
-            self.dos_adapter.before_backward()
-        result = super().backward(closure_loss, optimizer, *args, **kwargs)
-        if self.dos_adapter is not None:
-            self.dos_adapter.after_backward()
-        return result
+        with self.dos_setup.backward():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any | None = None) -> None:
         # From another thread, wait for an update in flight; from inside it, refuse clearly.
-        adapter = self.dos_adapter
-        if adapter is None:
+        with self.dos_setup.saving():
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        with adapter.reading_state("saving a checkpoint"):
-            try:
-                return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            finally:
-                adapter.engine.release_file_copies()  # file-backed state read for the checkpoint leaves host memory
 
     def on_exception(self, exception: BaseException) -> None:
-        if self.dos_adapter is not None:
-            # An update in flight ends before anything (OnExceptionCheckpoint) reads the state; what interrupted
-            # it was raised at a wait point already, or is superseded by the exception being handled.
-            with contextlib.suppress(BaseException):
-                self.dos_adapter.finish_update(abandon=True)
-            self.dos_adapter.release_signals()
+        # An update in flight ends before anything (OnExceptionCheckpoint) reads the state.
+        self.dos_setup.on_exception()
         super().on_exception(exception)
 
     def teardown(self) -> None:
-        adapter = self.dos_adapter
-        if adapter is not None:
-            adapter.finish_update(abandon=True)  # nothing may run on the state while it is given back
-            adapter.release_signals()
-            adapter.deliver_after_step = True
-            # Resident optimizer state comes home (the host slabs are the state of record after fit) and any
-            # device staging an interrupted update left is given back.
-            adapter.engine.release_device_memory()
-            # The swap file's name goes, its staging slabs too; its records stay readable, through a descriptor
-            # kept open, for a checkpoint saved after fit (as stock NVMe offload allows) until the next fit.
-            adapter.keep_files_after_fit()
-            # Pinned memory is given back now, not when the garbage collector finds this strategy: sweeps and
-            # notebooks fit again in the same process.
-            adapter.engine.pool.release_host()
+        # Pinned memory is given back now, not when the garbage collector finds this strategy (sweeps and notebooks
+        # fit again in the same process); the swap file's records stay readable for a checkpoint saved after fit.
+        self.dos_setup.release(keep_files=True)
         callbacks = self._callbacks_of
         if callbacks is not None:
             callbacks[:] = [c for c in callbacks if not isinstance(c, DeliverHeldSignals)]
@@ -474,20 +303,6 @@ class DeepOptimizerStatesStrategy(StartupChecks, DeepSpeedCPUStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         # Replaces the builder the package registered before this module was loaded (see lightning_dos._register).
         strategy_registry.register("dos", cls, description=DESCRIPTION, override=True)
-
-
-@functools.lru_cache(maxsize=8)
-def _calibrated_rates(
-    device: torch.device,
-    numel: int,
-    footprint: Footprint = ADAM_FP32,
-    contention: Contention | None = None,
-    sub_group: int | None = None,
-) -> HardwareRates:
-    """This machine's rates for ``device`` on host buffers of ``numel`` elements, for the engine's rule and dtypes,
-    measured once per process, size and footprint (they do not change between fits), with ``contention`` when
-    measured already."""
-    return calibrate(device, numel, footprint=footprint, contention=contention, sub_group=sub_group)
 
 
 if "dos" not in StrategyRegistry or StrategyRegistry["dos"]["strategy"] is not DeepOptimizerStatesStrategy:

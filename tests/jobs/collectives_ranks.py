@@ -26,7 +26,7 @@ import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
-import lightning_dos.integration.strategy  # noqa: E402
+import lightning_dos.integration.setup  # noqa: E402
 from lightning_dos import DeepOptimizerStatesStrategy  # noqa: E402
 from lightning_dos.planning.scheduler import DRIFT_CHECK_EVERY, PlacementScheduler  # noqa: E402
 from tests.helpers import TinyLM, lm_data, trainer  # noqa: E402
@@ -43,7 +43,7 @@ class PlansAsWithAnAccelerator(PlacementScheduler):
     has_accelerator = True
 
 
-lightning_dos.integration.strategy.PlacementScheduler = PlansAsWithAnAccelerator
+lightning_dos.integration.setup.PlacementScheduler = PlansAsWithAnAccelerator
 
 
 class Record(L.Callback):

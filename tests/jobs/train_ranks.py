@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
-import lightning_dos.integration.strategy  # noqa: E402
+import lightning_dos.integration.setup  # noqa: E402
 from lightning_dos import DeepOptimizerStatesStrategy  # noqa: E402
 from lightning_dos.host.ranks import reduce_min_over_ranks  # noqa: E402
 from lightning_dos.integration.callbacks.monitor import DOSMonitor  # noqa: E402
@@ -54,7 +54,7 @@ class RecordPartition(L.Callback):
 
 
 AS_LAUNCHED: dict = {}
-_apply_host_threads = lightning_dos.integration.strategy.apply_host_threads
+_apply_host_threads = lightning_dos.integration.setup.apply_host_threads
 
 
 def _recording_apply_host_threads(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -64,7 +64,7 @@ def _recording_apply_host_threads(*args, **kwargs):  # noqa: ANN002, ANN003, ANN
     return _apply_host_threads(*args, **kwargs)
 
 
-lightning_dos.integration.strategy.apply_host_threads = _recording_apply_host_threads
+lightning_dos.integration.setup.apply_host_threads = _recording_apply_host_threads
 
 
 class RecordHostThreads(L.Callback):

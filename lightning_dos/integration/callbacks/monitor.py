@@ -29,14 +29,13 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_dos.integration.callbacks.memory_probe import CudaMemory, HostMemory, MemSample, memory_probe
-from lightning_dos.integration.metrics import SUMMARY
+from lightning_dos.integration.metrics import GB, SUMMARY, engine_peak, step_metrics
 from lightning_dos.integration.phases import DeviceClock
 from lightning_dos.integration.trace import TracedStep, write_trace
 from lightning_dos.model.step_report import StepReport
 from lightning_dos.planning.calibrate import copy_bandwidth
 
 PHASES = ("forward", "backward", "update")
-GB = 1e9
 #: Steps kept for the end-of-fit summary's medians (the most recent ones; bounded for long runs).
 SUMMARY_WINDOW = 10_000
 
@@ -90,15 +89,6 @@ def _memory_metrics(record: _Record) -> dict[str, float]:
 def _engine(trainer: pl.Trainer) -> Any:
     """The Deep Optimizer States engine, when the trainer runs that strategy and has set it up."""
     return getattr(trainer.strategy, "dos_engine", None)
-
-
-def _engine_peak(engine: Any) -> tuple[float, float] | None:
-    """The engine's calibrated peak H2D and D2H rates (bytes/s), when it offers them and has measured them."""
-    peak = getattr(engine, "peak_bandwidth", None)
-    measured = peak() if callable(peak) else None
-    if measured is not None and all(math.isfinite(v) and v > 0 for v in measured):
-        return float(measured[0]), float(measured[1])
-    return None
 
 
 class DOSMonitor(Callback):
@@ -206,7 +196,7 @@ class DOSMonitor(Callback):
         self._scheduler = getattr(trainer.strategy, "dos_scheduler", None)
         if self.peak_gbps is not None:
             self._peak = (self.peak_gbps * GB, self.peak_gbps * GB)
-        elif engine is not None and _engine_peak(engine) is None:
+        elif engine is not None and engine_peak(engine) is None:
             # Before the first step, so the copies time an idle link and disturb no measured step.
             self._peak = copy_bandwidth(engine.device)
 
@@ -368,42 +358,18 @@ class DOSMonitor(Callback):
         return row
 
     def _report_metrics(self, report: StepReport, measured_update_s: float) -> dict[str, float]:
+        if report.committed is not None:
+            self._speculative_steps[report.committed] += 1
         # Rates over the engine's own update loop, where the transfers happen; DeepSpeed's prologue
         # (norms, overflow check) in the measured update phase would dilute them.
         seconds = report.update_s if report.update_s > 0 else measured_update_s
-        row = {
-            "dos/h2d_gb": report.h2d_bytes / GB,
-            "dos/d2h_gb": report.d2h_bytes / GB,
-            "dos/gpu_fraction": report.device_share,
-            "dos/pinned_gb": report.pinned_bytes / GB,
-            "dos/engine_update_s": report.update_s,
-            "dos/fallback_subgroups": float(len(report.fallback_host)),
-            "dos/speculated": float(report.speculated),
-        }
-        if report.committed is not None:
-            row["dos/committed"] = float(report.committed)
-            if report.committed:
-                row["dos/commit_s"] = report.commit_s
-            self._speculative_steps[report.committed] += 1
-        if any(self._speculative_steps):
-            row["dos/commit_rate"] = self._speculative_steps[True] / sum(self._speculative_steps)
-        if seconds > 0:
-            row["dos/h2d_gbps"] = report.h2d_bytes / seconds / GB
-            row["dos/d2h_gbps"] = report.d2h_bytes / seconds / GB
-            peak = sum(self._peak_bps())
-            if peak > 0:
-                row["dos/pcie_util"] = (report.h2d_bytes + report.d2h_bytes) / seconds / peak
-        if report.predicted_s is not None and math.isfinite(report.predicted_s):
-            row["dos/engine_update_predicted_s"] = float(report.predicted_s)
-        if report.predicted_iteration_s is not None:
-            row["dos/iteration_predicted_s"] = float(report.predicted_iteration_s)
-        return row
+        return step_metrics(report, seconds, sum(self._peak_bps()), self._speculative_steps)
 
     def _peak_bps(self) -> tuple[float, float]:
         """Peak H2D and D2H rates (bytes/s): ``peak_gbps``, else the engine's calibration (it may arrive
         mid-run, so it is asked every time), else the fit-start measurement (taken now if there was none)."""
         if self.peak_gbps is None and self._engine is not None:
-            calibrated = _engine_peak(self._engine)
+            calibrated = engine_peak(self._engine)
             if calibrated is not None:
                 # The engine's rates are refined online (scaled down by overheads and contention on small
                 # transfers); a peak never falls, so keep the highest seen per direction.

@@ -171,17 +171,18 @@ def backward_overlap_blocker(zero_optimizer: object) -> str | None:
     return None
 
 
-def speculation_reason(zero_optimizer: object) -> str:
+def speculation_reason(zero_optimizer: object, clip_setting: str = "gradient_clip_val") -> str:
     """What makes a sub-group's update begun during backward provisional until backward ends: always something.
 
     DeepSpeed skips a step whose global gradient norm is not finite, in every precision (``is_invalid_grad_norm``),
     and only the whole gradient tells: an update begun during backward is therefore speculative
     (:mod:`lightning_dos.engine.speculation`), committed once the step is known to be taken and dropped when it is
     skipped. Gradient clipping also scales every gradient by the global norm, and fp16 loss scaling may skip the
-    step on an overflow anywhere; the reason said names the first that applies."""
+    step on an overflow anywhere; the reason said names the first that applies (clipping as ``clip_setting``, the
+    framework's setting of it)."""
     z = zero_optimizer
     if z.clip_grad > 0.0:
-        return f"gradient clipping (gradient_clip_val={z.clip_grad:g}) needs the global gradient norm"
+        return f"gradient clipping ({clip_setting}={z.clip_grad:g}) needs the global gradient norm"
     if z.dtype == torch.float16:
         return "fp16 loss scaling may skip the step on an overflow anywhere"
     return "DeepSpeed skips a step whose global gradient norm is not finite"
