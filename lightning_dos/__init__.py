@@ -1,8 +1,8 @@
 """lightning-dos: Deep Optimizer States for PyTorch Lightning.
 
-Importing the package registers the strategy name ``"dos"`` with Lightning, so ``Trainer(strategy="dos")``
-works. Lightning (and with it torch) is imported only when it is needed: right away when it is already
-loaded, else as soon as it is (the ``lightning-dos`` command's help and its calibrate/plan/report
+Importing the package registers the strategy name ``"dos"`` with Lightning, so ``Trainer(strategy="dos")`` and
+``Fabric(strategy="dos")`` work. Lightning (and with it torch) is imported only when it is needed: right away when it
+is already loaded, else as soon as it is (the ``lightning-dos`` command's help and its calibrate/plan/report
 subcommands stay fast this way).
 """
 
@@ -19,6 +19,7 @@ __version__ = "0.1.0.dev0"
 #: Public names, imported on first use.
 _LAZY = {
     "DeepOptimizerStatesStrategy": "lightning_dos.integration.strategy",
+    "DOSFabricStrategy": "lightning_dos.integration.fabric",
     "DOSConfigError": "lightning_dos.integration.strategy",
     "DOSMonitor": "lightning_dos.integration.callbacks",
     "DOSProgressBar": "lightning_dos.integration.callbacks",
@@ -27,8 +28,9 @@ _LAZY = {
     "UpdateInFlightError": "lightning_dos.engine.atomic",
     "UpdateInterrupted": "lightning_dos.engine.atomic",
 }
-#: Registration waits for this package to have finished loading (the registry lives in it).
+#: Registration waits for these packages to have finished loading (the Trainer's and Fabric's registries live there).
 _LIGHTNING = "lightning.pytorch"
+_FABRIC = "lightning.fabric"
 
 
 def __getattr__(name: str) -> Any:
@@ -55,13 +57,40 @@ def _register() -> None:
         StrategyRegistry.register("dos", _build_dos_strategy, description=DESCRIPTION)
 
 
+def _build_dos_fabric_strategy(**init_params: Any) -> Any:
+    from lightning_dos.integration.fabric import DOSFabricStrategy
+
+    return DOSFabricStrategy(**init_params)
+
+
+def _register_fabric() -> None:
+    # As _register, in Fabric's registry: the Fabric strategy module puts its class in the builder's place.
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    from lightning_dos.integration.settings import DESCRIPTION
+
+    if "dos" not in STRATEGY_REGISTRY:
+        STRATEGY_REGISTRY.register("dos", _build_dos_fabric_strategy, description=DESCRIPTION)
+
+
+#: What registers ``"dos"`` once each package has loaded.
+_REGISTRARS = {_FABRIC: _register_fabric, _LIGHTNING: _register}
+
+
 class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
-    """Registers ``"dos"`` right after ``lightning.pytorch`` has been imported, then steps aside."""
+    """Registers ``"dos"`` right after ``lightning.fabric`` and ``lightning.pytorch`` have been imported, then steps
+    aside."""
+
+    def __init__(self, pending: set[str]) -> None:
+        self.pending = pending
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != _LIGHTNING:
+        if fullname not in self.pending:
             return None
-        sys.meta_path.remove(self)
+        self.pending.discard(fullname)
+        if not self.pending:
+            sys.meta_path.remove(self)
+        # Found by the finders after this one (not this one again: it answers None to a name no longer pending).
         spec = importlib.util.find_spec(fullname)
         if spec is None or spec.loader is None:
             return spec
@@ -69,21 +98,26 @@ class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             execute(module)
-            _register()
+            _REGISTRARS[fullname]()
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
-if _LIGHTNING in sys.modules:
-    _register()
-elif not any(isinstance(finder, _RegisterWhenLightningLoads) for finder in sys.meta_path):
-    sys.meta_path.insert(0, _RegisterWhenLightningLoads())
+_pending = set()
+for _name, _registrar in _REGISTRARS.items():
+    if _name in sys.modules:
+        _registrar()
+    else:
+        _pending.add(_name)
+if _pending and not any(isinstance(finder, _RegisterWhenLightningLoads) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterWhenLightningLoads(_pending))
 
 __all__ = [
     "DOSConfigError",
     "DOSModelSummary",
     "DOSMonitor",
+    "DOSFabricStrategy",
     "DOSProgressBar",
     "DeepOptimizerStatesStrategy",
     "TornStateError",
