@@ -2,15 +2,12 @@
 
 Every overlap mode and placement gives the bits of ``overlap="off"`` (fp32 and bf16-mixed, clipped through the
 strategy or the config, accumulated, an LR schedule the loop steps, evaluation under ``no_grad``), within float
-tolerance of plain Fabric with AdamW; a checkpoint saved mid-run continues bit for bit in a fresh process; the NVMe
-tier; two processes equal one; the race checker on a Fabric loop; nothing pinned nor on the drive after ``close()``;
-a user's ``loss.backward()``, a second optimizer, ``fabric.clip_gradients`` refused in one line."""
+tolerance of plain Fabric with AdamW; the NVMe tier; the race checker on a Fabric loop; nothing pinned nor on the drive
+after ``close()``; a user's ``loss.backward()``, a second optimizer, ``fabric.clip_gradients`` refused in one line.
+What needs processes of its own is in tests/test_fabric_processes.py."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -20,28 +17,12 @@ import torch
 from lightning_dos import DOSFabricStrategy
 from lightning_dos.errors import DOSConfigError
 from lightning_dos.host import disk
-from tests.helpers import FP32_RTOL_PER_OP, clean_env, max_relative_error
-from tests.jobs.fabric_loop import train
+from tests.helpers import FP32_RTOL_PER_OP, max_relative_error
+from tests.jobs.fabric_loop import same, train
 
-ROOT = Path(__file__).resolve().parents[1]
-JOB = ROOT / "tests" / "jobs" / "fabric_loop.py"
 SUB_GROUP = 700  # TinyLM's ~8k parameters: about a dozen sub-groups
 #: A max norm TinyLM's gradients exceed in its first steps: speculative updates are redone, later ones kept.
 CLIP = 0.5
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def _job(tmp_path: Path, name: str, **settings: object) -> dict:
-    (tmp_path / f"{name}.json").write_text(json.dumps(settings))
-    out = tmp_path / f"{name}.pt"
-    subprocess.run(
-        [sys.executable, str(JOB), str(tmp_path / f"{name}.json"), str(out)],
-        cwd=ROOT, env=clean_env(), check=True, timeout=300, capture_output=True,
-    )  # fmt: skip
-    return torch.load(out)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
@@ -54,7 +35,7 @@ def test_every_overlap_mode_and_placement_is_bit_identical_to_off(precision: str
         ({"overlap": "auto", "gpu_fraction": "stride:3"}, True),
     ):
         run = train({**dos, "sub_group_size": SUB_GROUP}, clip_in_config=in_config, **settings)
-        assert _same(run.params, off.params), dos
+        assert same(run.params, off.params), dos
         assert run.losses == off.losses and run.eval_losses == off.eval_losses and run.lr == off.lr, dos
 
 
@@ -66,37 +47,27 @@ def test_within_float_tolerance_of_plain_fabric_with_adamw() -> None:
     assert max_relative_error(ours.params, plain.params) < FP32_RTOL_PER_OP
 
 
-def test_fabric_save_mid_run_then_load_in_a_fresh_process_continues_bit_exactly(tmp_path: Path) -> None:
-    ckpt = str(tmp_path / "ckpt")
-    dos = {"sub_group_size": SUB_GROUP, "gpu_fraction": 0.5}  # overlap="auto": the save waits for the update
-    whole = train(dos, steps=6, clip=CLIP, save_at=2, checkpoint=ckpt)
-    resumed = _job(tmp_path, "resumed", dos=dos, steps=6, clip=CLIP, checkpoint=ckpt, resume=True)
-    assert _same(resumed["params"], whole.params)
-    assert resumed["lr"] == whole.lr  # the LR schedule the loop steps was saved and restored with the rest
-    assert resumed["losses"] == whole.losses[3:]
-
-
-def test_two_processes_equal_one(tmp_path: Path) -> None:
-    dos = {"sub_group_size": SUB_GROUP, "overlap": "auto"}
-    one = train(dos, steps=4, clip=CLIP)
-    two = _job(tmp_path, "two", dos=dos, steps=4, clip=CLIP, devices=2)
-    assert max_relative_error(two["params"], one.params) < 1e-5
-
-
 @pytest.mark.skipif(disk.aio_unavailable() is not None, reason="libaio-dev is not installed (tests/test_disk.py)")
-def test_nvme_tier_under_fabric_then_close_leaves_nothing_pinned_nor_on_the_drive(tmp_path: Path) -> None:
+def test_nvme_tier_under_fabric_saved_restored_and_closed_leaves_nothing_pinned_nor_on_the_drive(
+    tmp_path: Path,
+) -> None:
     host = train({"sub_group_size": SUB_GROUP, "overlap": "off"}, steps=4, clip=CLIP)
     (tmp_path / "swap").mkdir()
     offload = {"device": "nvme", "nvme_path": str(tmp_path / "swap")}
     nvme = {"config": {"zero_optimization": {"offload_optimizer": offload}}, "host_memory_budget": 0}
-    run = train({"sub_group_size": SUB_GROUP, "overlap": "forward", **nvme}, steps=4, clip=CLIP, close=False)
+    ckpt = str(tmp_path / "ckpt")
+    dos = {"sub_group_size": SUB_GROUP, "overlap": "forward", **nvme}
+    run = train(dos, steps=4, clip=CLIP, close=False, save_at=1, checkpoint=ckpt)
     engine = run.fabric.strategy.dos_engine
-    assert engine.files is not None and any((tmp_path / "swap").rglob("*"))
-    assert _same(run.params, host.params)
+    assert engine.files is not None and [p for p in (tmp_path / "swap").rglob("*") if p.is_file()]
+    assert same(run.params, host.params)
     run.fabric.strategy.close()
     assert not engine.pool.pinned and engine.pool.pinned_bytes == 0  # (a CPU run pins nothing: on a GPU, all of it)
     assert not [p for p in (tmp_path / "swap").rglob("*") if p.is_file()]
     run.fabric.strategy.close()  # a second close does nothing
+    # The checkpoint holds the records that were in the file: loaded into a new one, the run continues bit for bit.
+    assert same(train(dos, steps=4, clip=CLIP, checkpoint=ckpt, resume=True).params, host.params)
+    assert not [p for p in (tmp_path / "swap").rglob("*") if p.is_file()]
 
 
 def test_the_race_checker_on_a_fabric_loop() -> None:

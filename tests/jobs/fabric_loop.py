@@ -37,6 +37,11 @@ class Run:
     fabric: Any = None
 
 
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Whether two sets of parameters are the same bits."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def _loss(model: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
     return torch.nn.functional.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1))
