@@ -11,6 +11,7 @@ clips at ``gradient_clipping``. See docs/fabric.md.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterator
@@ -35,7 +36,7 @@ from lightning_dos.integration.cpu_strategy import check_deepspeed_accelerator_i
 from lightning_dos.integration.metrics import engine_peak, step_metrics
 from lightning_dos.integration.optimizers import SUPPORTED
 from lightning_dos.integration.settings import DESCRIPTION, refuse
-from lightning_dos.integration.setup import DOSSetup, initialize_deepspeed, release_adapter, shows_setup
+from lightning_dos.integration.setup import DOSSetup, begin, initialize_deepspeed, release_adapter, shows_setup
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -123,46 +124,12 @@ class DOSFabricStrategy(DeepSpeedStrategy):
     ) -> None:
         #: The engine's settings and this run's engine (shared with the Trainer's strategy); its fields are shown as
         #: read-only properties of the same names (``dos_adapter``, ``dos_engine``, ``dos_scheduler``, ...).
-        self.dos_setup = setup = DOSSetup(
-            self,
-            gpu_fraction=gpu_fraction,
-            sub_group_size=sub_group_size,
-            gpu_memory_budget=gpu_memory_budget,
-            streams_factory=streams_factory,
-            host_threads=host_threads,
-            overlap=overlap,
-            speculation_memory=speculation_memory,
-            stage=stage,
-            offload_optimizer=offload_optimizer,
-            offload_optimizer_device=offload_optimizer_device,
-            offload_parameters=offload_parameters,
-            offload_params_device=offload_params_device,
-            deepspeed_kwargs=kwargs,
-            clip_setting="gradient_clipping",
-        )
-        kwargs.pop("pin_memory", None)  # always pinned (see DeepOptimizerStatesStrategy)
-        user_config = DeepSpeedStrategy._load_config(self, config)  # resolves a JSON path or the env var
+        self.dos_setup: DOSSetup
+        load = functools.partial(DeepSpeedStrategy._load_config, self)
+        self.dos_setup, user_config, deepspeed = begin(self, locals(), load, clip_setting="gradient_clipping")
         clip = _clipping(gradient_clipping, user_config)
-        setup.read_user_config(user_config)
-        super().__init__(
-            accelerator=accelerator,
-            stage=3,
-            offload_optimizer=True,
-            offload_optimizer_device=offload_optimizer_device,
-            offload_parameters=offload_parameters,
-            offload_params_device=offload_params_device,
-            pin_memory=True,
-            sub_group_size=setup.deepspeed_sub_group_size,
-            config=user_config,
-            logging_level=logging_level,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            precision=precision,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            **kwargs,
-        )
-        self.config = setup.required_config(self.config, host_memory_budget)
+        super().__init__(precision=precision, **deepspeed)
+        self.config = self.dos_setup.required_config(self.config, host_memory_budget)
         # Written, so that the engine's speculation budget and DeepSpeed's step agree on whether steps are clipped.
         self.config["gradient_clipping"] = clip
         self._finalizer: weakref.finalize | None = None

@@ -324,6 +324,54 @@ class DOSSetup(StartupChecks):
             release_adapter(self.dos_adapter, keep_files)
 
 
+#: A strategy's own arguments :class:`DOSSetup` takes, by name.
+SETTINGS = (
+    "gpu_fraction", "sub_group_size", "gpu_memory_budget", "streams_factory", "host_threads", "overlap",
+    "speculation_memory", "stage", "offload_optimizer", "offload_optimizer_device", "offload_parameters",
+    "offload_params_device",
+)  # fmt: skip
+#: The arguments both strategies pass on to their Lightning ``DeepSpeedStrategy`` as given.
+PASSED_ON = (
+    "accelerator",
+    "logging_level",
+    "parallel_devices",
+    "cluster_environment",
+    "process_group_backend",
+    "timeout",
+)
+
+
+def begin(
+    strategy: Any,
+    arguments: dict[str, Any],
+    load_config: Callable[[Any], dict[str, Any] | None],
+    clip_setting: str = "gradient_clip_val",
+) -> tuple[DOSSetup, dict[str, Any] | None, dict[str, Any]]:
+    """A strategy's start: its ``arguments`` (its ``__init__``'s, by name: :data:`SETTINGS`, :data:`PASSED_ON`,
+    ``config`` and ``kwargs``) checked before any work. Returns its :class:`DOSSetup`, the user's DeepSpeed config
+    (``load_config`` resolves a JSON path or the environment variable) and the arguments of its ``DeepSpeedStrategy``:
+    what the engine requires (ZeRO-3, the optimizer offloaded, pinned), what is passed on, and ``kwargs`` less
+    ``pin_memory`` (always on: it is what makes the engine's transfers asynchronous; LightningCLI passes the parent's
+    default, False, along, which is not a user's choice to honour)."""
+    kwargs = dict(arguments["kwargs"])
+    setup = DOSSetup(
+        strategy, **{name: arguments[name] for name in SETTINGS}, deepspeed_kwargs=kwargs, clip_setting=clip_setting
+    )
+    kwargs.pop("pin_memory", None)
+    user_config = load_config(arguments["config"])
+    setup.read_user_config(user_config)
+    required = {
+        "stage": 3,
+        "offload_optimizer": True,
+        "pin_memory": True,
+        "sub_group_size": setup.deepspeed_sub_group_size,
+        "config": user_config,
+    }
+    offload = ("offload_optimizer_device", "offload_parameters", "offload_params_device")
+    passed = {name: arguments[name] for name in (*PASSED_ON, *offload)}
+    return setup, user_config, {**required, **passed, **kwargs}
+
+
 def release_adapter(adapter: ZeRO3Adapter, keep_files: bool) -> None:
     """The update in flight ends (abandoned if it had not), held signals are delivered, resident optimizer state comes
     home (the host slabs are the state of record) and device staging is given back, pinned memory is unpinned now,

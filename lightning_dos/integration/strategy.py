@@ -8,6 +8,7 @@ runs on the CPU device, slower but computing exactly the same thing.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from datetime import timedelta
@@ -28,7 +29,7 @@ from lightning_dos.integration.cpu_strategy import DeepSpeedCPUStrategy
 from lightning_dos.integration.held_signals import DeliverHeldSignals
 from lightning_dos.integration.optimizers import SUPPORTED
 from lightning_dos.integration.settings import DESCRIPTION
-from lightning_dos.integration.setup import DOSSetup, shows_setup
+from lightning_dos.integration.setup import DOSSetup, begin, shows_setup
 from lightning_dos.integration.zero3 import load_zero3_weights_for_evaluation
 
 if TYPE_CHECKING:
@@ -157,46 +158,10 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
     ) -> None:
         #: The engine's settings and this run's engine (shared with Fabric's strategy); its fields are shown as
         #: read-only properties of the same names (``dos_adapter``, ``dos_engine``, ``dos_scheduler``, ...).
-        self.dos_setup = setup = DOSSetup(
-            self,
-            gpu_fraction=gpu_fraction,
-            sub_group_size=sub_group_size,
-            gpu_memory_budget=gpu_memory_budget,
-            streams_factory=streams_factory,
-            host_threads=host_threads,
-            overlap=overlap,
-            speculation_memory=speculation_memory,
-            stage=stage,
-            offload_optimizer=offload_optimizer,
-            offload_optimizer_device=offload_optimizer_device,
-            offload_parameters=offload_parameters,
-            offload_params_device=offload_params_device,
-            deepspeed_kwargs=kwargs,
-        )
-        # Pinned host memory is what makes the engine's transfers asynchronous, so it is always on;
-        # LightningCLI passes the parent's default (False) along, which is not a user's choice to honour.
-        kwargs.pop("pin_memory", None)
-        user_config = DeepSpeedStrategy._load_config(self, config)  # resolves a JSON path or the env var
-        setup.read_user_config(user_config)
-        super().__init__(
-            accelerator=accelerator,
-            stage=3,
-            offload_optimizer=True,
-            offload_optimizer_device=offload_optimizer_device,
-            offload_parameters=offload_parameters,
-            offload_params_device=offload_params_device,
-            pin_memory=True,
-            sub_group_size=setup.deepspeed_sub_group_size,
-            config=user_config,
-            logging_level=logging_level,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            **kwargs,
-        )
-        self.config = setup.required_config(self.config, host_memory_budget)
+        self.dos_setup: DOSSetup
+        self.dos_setup, _, deepspeed = begin(self, locals(), functools.partial(DeepSpeedStrategy._load_config, self))
+        super().__init__(precision_plugin=precision_plugin, **deepspeed)
+        self.config = self.dos_setup.required_config(self.config, host_memory_budget)
         self._callbacks_of: list[Callback] | None = None
 
     def _init_optimizers(self) -> tuple[Optimizer, LRSchedulerConfig | None]:
