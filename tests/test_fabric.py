@@ -87,6 +87,11 @@ def test_the_race_checker_on_a_fabric_loop() -> None:
     lanes = {op.lane for op in checker.log if op.kind == "op"}
     assert {"upload", "device_adam", "download", "host_adam"} <= lanes
     assert max_relative_error(run.params, reference.params) < 1e-5
+    # What the monitor logs per step under the Trainer, for fabric.log_dict: the (simulated) device's share, the bus.
+    metrics = run.fabric.strategy.last_step_metrics()
+    assert 0 < metrics["dos/gpu_fraction"] < 1 and metrics["dos/h2d_gb"] > 0 and metrics["dos/h2d_gbps"] > 0
+    assert metrics["dos/engine_update_s"] > 0 and "dos/pinned_gb" in metrics
+    run.fabric.log_dict(metrics)
     run.fabric.strategy.close()
 
 
