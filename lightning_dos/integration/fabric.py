@@ -128,7 +128,7 @@ class DOSFabricStrategy(DeepSpeedStrategy):
         load = functools.partial(DeepSpeedStrategy._load_config, self)
         self.dos_setup, user_config, deepspeed = begin(self, locals(), load, clip_setting="gradient_clipping")
         clip = _clipping(gradient_clipping, user_config)
-        super().__init__(precision=precision, **deepspeed)
+        super().__init__(precision=precision, **deepspeed, **kwargs)
         self.config = self.dos_setup.required_config(self.config, host_memory_budget)
         # Written, so that the engine's speculation budget and DeepSpeed's step agree on whether steps are clipped.
         self.config["gradient_clipping"] = clip

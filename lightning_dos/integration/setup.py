@@ -349,11 +349,12 @@ def begin(
 ) -> tuple[DOSSetup, dict[str, Any] | None, dict[str, Any]]:
     """A strategy's start: its ``arguments`` (its ``__init__``'s, by name: :data:`SETTINGS`, :data:`PASSED_ON`,
     ``config`` and ``kwargs``) checked before any work. Returns its :class:`DOSSetup`, the user's DeepSpeed config
-    (``load_config`` resolves a JSON path or the environment variable) and the arguments of its ``DeepSpeedStrategy``:
-    what the engine requires (ZeRO-3, the optimizer offloaded, pinned), what is passed on, and ``kwargs`` less
-    ``pin_memory`` (always on: it is what makes the engine's transfers asynchronous; LightningCLI passes the parent's
-    default, False, along, which is not a user's choice to honour)."""
-    kwargs = dict(arguments["kwargs"])
+    (``load_config`` resolves a JSON path or the environment variable) and the arguments of its ``DeepSpeedStrategy``
+    besides ``kwargs``: what the engine requires (ZeRO-3, the optimizer offloaded, pinned) and what is passed on.
+    ``pin_memory`` leaves ``kwargs`` (always on: it is what makes the engine's transfers asynchronous; LightningCLI
+    passes the parent's default, False, along, which is not a user's choice to honour); the strategy passes the rest
+    on itself, as ``**kwargs`` (LightningCLI finds the parent's arguments it accepts that way)."""
+    kwargs = arguments["kwargs"]
     setup = DOSSetup(
         strategy, **{name: arguments[name] for name in SETTINGS}, deepspeed_kwargs=kwargs, clip_setting=clip_setting
     )
@@ -369,7 +370,7 @@ def begin(
     }
     offload = ("offload_optimizer_device", "offload_parameters", "offload_params_device")
     passed = {name: arguments[name] for name in (*PASSED_ON, *offload)}
-    return setup, user_config, {**required, **passed, **kwargs}
+    return setup, user_config, {**required, **passed}
 
 
 def release_adapter(adapter: ZeRO3Adapter, keep_files: bool) -> None:

@@ -160,7 +160,7 @@ class DeepOptimizerStatesStrategy(DeepSpeedCPUStrategy):
         #: read-only properties of the same names (``dos_adapter``, ``dos_engine``, ``dos_scheduler``, ...).
         self.dos_setup: DOSSetup
         self.dos_setup, _, deepspeed = begin(self, locals(), functools.partial(DeepSpeedStrategy._load_config, self))
-        super().__init__(precision_plugin=precision_plugin, **deepspeed)
+        super().__init__(precision_plugin=precision_plugin, **deepspeed, **kwargs)
         self.config = self.dos_setup.required_config(self.config, host_memory_budget)
         self._callbacks_of: list[Callback] | None = None
 
