@@ -134,3 +134,12 @@ def test_clipping_is_what_the_user_set_not_deepspeeds_default() -> None:
     assert DOSFabricStrategy(gradient_clipping=2.0).config["gradient_clipping"] == 2.0
     assert DOSFabricStrategy(config={"gradient_clipping": 0.3}).config["gradient_clipping"] == 0.3
     assert L.Fabric(strategy="dos", accelerator="cpu", devices=1).strategy.__class__ is DOSFabricStrategy
+
+
+def test_a_cuda_device_is_told_from_a_cpu_one_whichever_frameworks_accelerator_chose_it() -> None:
+    """The pre-flight's and the CPU path's checks read the rank's device, not the Trainer's accelerator class."""
+    from lightning_dos import DeepOptimizerStatesStrategy
+
+    for strategy in (DOSFabricStrategy, DeepOptimizerStatesStrategy):
+        assert strategy(parallel_devices=[torch.device("cuda", 0)]).dos_setup.on_cuda
+        assert not strategy(parallel_devices=[torch.device("cpu")]).dos_setup.on_cuda
