@@ -55,36 +55,28 @@ class OptimizerBinding:
     refused: tuple[tuple[str, bool], ...] = field(default=())
 
 
+def _group_hyper(group: Mapping[str, Any], *, betas: bool, eps: bool, **fixed: Any) -> Hyper:
+    """The :class:`Hyper` of one param group: the learning rate and weight decay every rule reads, its ``betas`` and
+    ``eps`` where the rule has them, and ``fixed`` (what the optimizer, not the group, decides)."""
+    values = {"lr": float(group["lr"]), "weight_decay": float(group["weight_decay"]), **fixed}
+    if betas:
+        values["beta1"], values["beta2"] = (float(beta) for beta in group["betas"])
+    if eps:
+        values["eps"] = float(group["eps"])
+    return Hyper(**values)
+
+
 def _adam_hyper(optimizer: Any, group: Mapping[str, Any]) -> Hyper:
-    beta1, beta2 = group["betas"]
-    return Hyper(
-        lr=float(group["lr"]),
-        beta1=float(beta1),
-        beta2=float(beta2),
-        eps=float(group["eps"]),
-        weight_decay=float(group["weight_decay"]),
-        decoupled=is_decoupled(optimizer, group),
-    )
+    return _group_hyper(group, betas=True, eps=True, decoupled=is_decoupled(optimizer, group))
 
 
 def _adagrad_hyper(optimizer: Any, group: Mapping[str, Any]) -> Hyper:  # noqa: ARG001 - one signature for all
-    return Hyper(
-        lr=float(group["lr"]),
-        eps=float(group["eps"]),
-        weight_decay=float(group["weight_decay"]),
-        lr_decay=float(group.get("lr_decay", 0.0)),  # DeepSpeed's Adagrad has none
-    )
+    # DeepSpeed's Adagrad has no lr_decay.
+    return _group_hyper(group, betas=False, eps=True, lr_decay=float(group.get("lr_decay", 0.0)))
 
 
 def _lion_hyper(optimizer: Any, group: Mapping[str, Any]) -> Hyper:  # noqa: ARG001 - one signature for all
-    beta1, beta2 = group["betas"]
-    return Hyper(
-        lr=float(group["lr"]),
-        beta1=float(beta1),
-        beta2=float(beta2),
-        weight_decay=float(group["weight_decay"]),
-        decoupled=True,
-    )
+    return _group_hyper(group, betas=True, eps=False, decoupled=True)
 
 
 _ADAM_REFUSED = (("amsgrad", True), ("maximize", True), ("bias_correction", False))
