@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from lightning_dos.model.iteration import Speculation, mode_iteration_s, predicted_timeline  # noqa: E402
 from lightning_dos.model.perfmodel import HardwareRates  # noqa: E402
 from lightning_dos.model.plan import Place, Plan  # noqa: E402
+from lightning_dos.model.update_problem import TrainingPhases, UpdateProblem  # noqa: E402
 from lightning_dos.model.update_rules import RULES, Footprint  # noqa: E402
 
 WIDTH = 80
@@ -159,14 +160,12 @@ def predicted_phases(run: dict[str, Any], step: dict[str, Any], alone: tuple[flo
         out["update (planner)"] = metrics["dos/update_predicted_s"]
     if step.get("rates") is None:
         return out
-    sizes, plan, rates = run["sizes"], _plan(step), _rates(step["rates"]["used"])
-    timeline = predicted_timeline(sizes, plan, rates, run["lp_bytes"], footprint=_footprint(run))
+    plan, rates = _plan(step), _rates(step["rates"]["used"])
+    problem = UpdateProblem(run["sizes"], rates, run["lp_bytes"], _footprint(run))
+    timeline = predicted_timeline(problem, plan)
     speculation = Speculation(**step["speculation"]) if step.get("speculation") else None
     # As the planner predicts it: contention charged where the mode overlaps the training thread.
-    iteration = mode_iteration_s(
-        sizes, plan, rates, run["lp_bytes"], forward_s, backward_s, mode, footprint=_footprint(run),
-        speculation=speculation,
-    )  # fmt: skip
+    iteration = mode_iteration_s(problem, plan, TrainingPhases(forward_s, backward_s, mode), speculation=speculation)
     if mode == "off":
         return {**out, "forward": forward_s, "backward": backward_s, "update": timeline.total_s, "iteration": iteration}
     beside = iteration - backward_s

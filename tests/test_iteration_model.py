@@ -25,6 +25,7 @@ from lightning_dos.model.iteration import (
 from lightning_dos.model.iteration_plan import iteration_plan, shortest_iteration_plan
 from lightning_dos.model.perfmodel import device_bytes, predict, rates_for
 from lightning_dos.model.plan import Place, Plan, parse_gpu_fraction
+from lightning_dos.model.update_problem import TrainingPhases, UpdateProblem
 from lightning_dos.model.update_rules import ADAM_FP32
 from lightning_dos.planning.profiles import load_profile
 from lightning_dos.planning.scheduler import PlacementScheduler
@@ -87,7 +88,7 @@ def test_simulate_with_clipping_weighs_committed_and_clipped_steps(capsys: pytes
     from lightning_dos.model.iteration import iteration_floor
 
     sizes, rates = sub_group_sizes(int(20e9), 4, int(1e8)), load_profile("paper-h100x4")[0]
-    exact = iteration_floor(sizes, rates, 2, 0.5, 1.0)["auto"]
+    exact = iteration_floor(UpdateProblem(sizes, rates, 2), 0.5, 1.0)["auto"]
     assert committed["iteration_floor_s"]["auto"] > exact
     assert clipped["iteration_floor_s"]["auto"] == pytest.approx(clipped["iteration_floor_s"]["forward"])
     assert cli_main(["simulate", "--params", "20e9", "--commit-rate", "1.5"]) == 2
@@ -103,7 +104,7 @@ def node() -> tuple:
 def test_the_predicted_timeline_is_predicts_own_arithmetic_per_sub_group(node: tuple) -> None:
     rates, sizes = node
     plan = Plan(tuple(D if i < 12 else H for i in range(len(sizes))), 2)
-    timeline = predicted_timeline(sizes, plan, rates, 2)
+    timeline = predicted_timeline(UpdateProblem(sizes, rates, 2), plan)
     assert timeline.total_s == predict(sizes, plan, rates, 2).time_s
     host = [timeline.land_s[i] for i in plan.host_indices]
     assert host == sorted(host) and host[-1] <= timeline.total_s + 1e-12
@@ -118,12 +119,13 @@ def test_the_predicted_timeline_is_predicts_own_arithmetic_per_sub_group(node: t
 
 def test_auto_plans_by_arrival_and_overlaps_more_than_forward(node: tuple) -> None:
     rates, sizes = node
-    plan = iteration_plan(sizes, rates, 2, 2, forward_s=0.5, backward_s=1.0, mode="auto")
+    plan = iteration_plan(UpdateProblem(sizes, rates, 2), 2, TrainingPhases(0.5, 1.0, "auto"))
     streamed = plan.streamed_indices
     assert streamed[-1] < len(sizes) - 1, "the last sub-group, final first, is the CPU's during backward"
     host_first = Plan(tuple(H if i < len(sizes) - len(streamed) else D for i in range(len(sizes))), 2)
     times = {
-        p: iteration_s(sizes, p, predicted_timeline(sizes, p, rates, 2), 0.5, 1.0)["auto"] for p in (plan, host_first)
+        p: iteration_s(sizes, p, predicted_timeline(UpdateProblem(sizes, rates, 2), p), 0.5, 1.0)["auto"]
+        for p in (plan, host_first)
     }
     assert times[plan] < times[host_first], "placing by arrival is what makes auto shorter"
 
@@ -134,18 +136,18 @@ def test_auto_spreads_the_cpus_work_during_backward_over_the_partition(node: tup
     during backward are spread over the whole partition (not only the last ones, whose gradients come first), and
     that predicts a shorter iteration than the best plan in which the CPU takes every host sub-group as it comes."""
     rates, sizes = node
-    plan = iteration_plan(sizes, rates, 2, 2, forward_s=0.5, backward_s=1.0, mode="auto")
+    plan = iteration_plan(UpdateProblem(sizes, rates, 2), 2, TrainingPhases(0.5, 1.0, "auto"))
     during = [i for i in plan.host_indices if i not in plan.after_backward]
     assert plan.after_backward and plan.after_backward <= set(plan.host_indices)
     assert min(during) < len(sizes) // 4 and max(during) >= 3 * len(sizes) // 4, during
 
     def auto(p: Plan) -> float:
-        return iteration_s(sizes, p, predicted_timeline(sizes, p, rates, 2), 0.5, 1.0)["auto"]
+        return iteration_s(sizes, p, predicted_timeline(UpdateProblem(sizes, rates, 2), p), 0.5, 1.0)["auto"]
 
     as_they_come = min(auto(_streamed_first(sizes, k)) for k in range(len(sizes) + 1))
     assert auto(plan) < 0.95 * as_they_come
     # "forward" never updates during backward, so it leaves nothing for after it.
-    assert not iteration_plan(sizes, rates, 2, 2, 0.5, 1.0, "forward").after_backward
+    assert not iteration_plan(UpdateProblem(sizes, rates, 2), 2, TrainingPhases(0.5, 1.0, "forward")).after_backward
 
 
 def _streamed_first(sizes: list, count: int) -> Plan:
@@ -162,9 +164,9 @@ def test_the_iteration_plan_is_at_least_the_best_count_streamed_first_and_no_sin
     rates, sizes = node
 
     def predicted(plan: Plan) -> float:
-        return iteration_s(sizes, plan, predicted_timeline(sizes, plan, rates, 2), 1.0, 2.0)[mode]
+        return iteration_s(sizes, plan, predicted_timeline(UpdateProblem(sizes, rates, 2), plan), 1.0, 2.0)[mode]
 
-    plan = iteration_plan(sizes, rates, 2, 2, 1.0, 2.0, mode)
+    plan = iteration_plan(UpdateProblem(sizes, rates, 2), 2, TrainingPhases(1.0, 2.0, mode))
     n = len(sizes)
     contiguous = [_streamed_first(sizes, k) for k in range(n + 1)]
     contiguous += [Plan(tuple(D if i >= n - k else H for i in range(n)), 2) for k in range(n + 1)]
@@ -285,14 +287,16 @@ def test_no_placement_predicts_an_iteration_below_the_floor() -> None:
         forward, backward = rng.uniform(0.01, 0.5), rng.uniform(0.01, 1.0)
         # Clipping on in half the draws: speculation at a random commit rate and write-allocate cost.
         clip = Speculation(rng.choice((0.0, rng.random(), 1.0)), rng.uniform(0.0, 1.0)) if rng.random() < 0.5 else None
-        got = iteration_s(sizes, plan, predicted_timeline(sizes, plan, rates, 2), forward, backward, clip)
-        floor = iteration_floor(sizes, rates, 2, forward, backward, speculation=clip)
+        got = iteration_s(
+            sizes, plan, predicted_timeline(UpdateProblem(sizes, rates, 2), plan), forward, backward, clip
+        )
+        floor = iteration_floor(UpdateProblem(sizes, rates, 2), forward, backward, speculation=clip)
         for mode in ("off", "forward", "auto"):
             assert floor[mode] <= got[mode] * (1 + 1e-9), (mode, floor, got, sizes, plan, forward, backward, clip)
     sizes = sub_group_sizes(int(20e9), 4, int(1e8))
-    plan = iteration_plan(sizes, base, 2, 2, 0.5, 1.0, "auto")
-    best = iteration_s(sizes, plan, predicted_timeline(sizes, plan, base, 2), 0.5, 1.0)["auto"]
-    assert best <= 1.05 * iteration_floor(sizes, base, 2, 0.5, 1.0)["auto"]
+    plan = iteration_plan(UpdateProblem(sizes, base, 2), 2, TrainingPhases(0.5, 1.0, "auto"))
+    best = iteration_s(sizes, plan, predicted_timeline(UpdateProblem(sizes, base, 2), plan), 0.5, 1.0)["auto"]
+    assert best <= 1.05 * iteration_floor(UpdateProblem(sizes, base, 2), 0.5, 1.0)["auto"]
 
 
 def test_the_least_update_time_is_the_exact_minimum_over_the_streamed_share() -> None:
@@ -312,8 +316,8 @@ def test_the_least_update_time_is_the_exact_minimum_over_the_streamed_share() ->
         grid = min(t(n, k / 10_000) for k in range(10_001))
         assert least_update_s(n, rates, 2) <= grid <= least_update_s(n, rates, 2) * 1.001
     sizes = sub_group_sizes(int(20e9), 4, int(1e8))
-    plain = iteration_floor(sizes, rates, 2, 0.5, 1.0)
-    roomy = iteration_floor(sizes, rates, 2, 0.5, 1.0, resident_room=int(25.6e9))
+    plain = iteration_floor(UpdateProblem(sizes, rates, 2), 0.5, 1.0)
+    roomy = iteration_floor(UpdateProblem(sizes, rates, 2), 0.5, 1.0, resident_room=int(25.6e9))
     assert all(roomy[mode] <= plain[mode] for mode in plain)
 
 
@@ -367,7 +371,7 @@ def _scaled_scheduler(overlap: str, budget: int | None = None) -> tuple[Placemen
 
 
 def _iteration(sizes: list[int], plan: Plan, rates: object, mode: str, f: float, b: float) -> float:
-    return iteration_s(sizes, plan, predicted_timeline(sizes, plan, rates, 4), f, b)[mode]
+    return iteration_s(sizes, plan, predicted_timeline(UpdateProblem(sizes, rates, 4), plan), f, b)[mode]
 
 
 @pytest.mark.parametrize("overlap", ["auto", "forward"])
@@ -382,7 +386,9 @@ def test_with_forward_and_backward_measured_auto_places_for_the_whole_iteration(
     scheduler.observe_phases(f, b)
     plan, _ = scheduler(2)
     assert scheduler.phases == (f, b)
-    candidate = iteration_plan(sizes, rates, 4, update_best.device_buffers, f, b, overlap)
+    candidate = iteration_plan(
+        UpdateProblem(sizes, rates, 4), update_best.device_buffers, TrainingPhases(f, b, overlap)
+    )
     times = {p: _iteration(sizes, p, rates, overlap, f, b) for p in (update_best, candidate)}
     assert plan == min(times, key=times.get)
     assert plan.device_buffers <= update_best.device_buffers  # no more device memory than the update's plan
@@ -452,7 +458,9 @@ def test_with_a_budget_the_iteration_plan_keeps_the_resident_sub_groups_and_thei
     assert update_best.resident_indices and update_best.streamed_indices
     # "auto" is speculative (issue 61), as simulate plans it: every step committed.
     spec = speculation_of(1.0, fp)
-    plan = shortest_iteration_plan(sizes, rates, 2, update_best, 0.5, 1.0, "auto", footprint=fp, speculation=spec)
+    plan = shortest_iteration_plan(
+        UpdateProblem(sizes, rates, 2, fp), update_best, TrainingPhases(0.5, 1.0, "auto"), speculation=spec
+    )
     assert plan.resident_indices == update_best.resident_indices
     assert device_bytes(sizes, plan, footprint=fp) <= device_bytes(sizes, update_best, footprint=fp) <= 25.6e9
     assert len(plan.streamed_indices) < len(update_best.streamed_indices)
@@ -486,10 +494,15 @@ def test_contention_slows_the_overlapped_modes_and_not_off() -> None:
     rates, _ = load_profile("paper-h100x4")
     sizes = [100_000_000] * 20
     plan = parse_gpu_fraction(0.4).plan(len(sizes), sizes=sizes)
-    alone = {m: mode_iteration_s(sizes, plan, rates, 2, 1.0, 2.0, m) for m in ("off", "forward", "auto")}
+    alone = {
+        m: mode_iteration_s(UpdateProblem(sizes, rates, 2), plan, TrainingPhases(1.0, 2.0, m))
+        for m in ("off", "forward", "auto")
+    }
     for shares in ({"overlap_host_speed": 0.5}, {"overlap_launch_speed": 0.5}):
         slowed = replace(rates, **shares)
-        charged = {m: mode_iteration_s(sizes, plan, slowed, 2, 1.0, 2.0, m) for m in alone}
+        charged = {
+            m: mode_iteration_s(UpdateProblem(sizes, slowed, 2), plan, TrainingPhases(1.0, 2.0, m)) for m in alone
+        }
         assert charged["off"] == pytest.approx(alone["off"]), shares
         for mode in ("forward", "auto"):
             assert alone[mode] < charged[mode] <= 2 * alone[mode], (shares, mode, alone, charged)

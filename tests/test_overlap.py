@@ -26,6 +26,7 @@ from lightning_dos.errors import DOSConfigError
 from lightning_dos.model.iteration_plan import shortest_iteration_plan
 from lightning_dos.model.perfmodel import HardwareRates
 from lightning_dos.model.plan import Place, Plan
+from lightning_dos.model.update_problem import TrainingPhases, UpdateProblem
 from lightning_dos.planning.agree import _RATE_FIELDS
 from lightning_dos.planning.profiles import load_profile
 from lightning_dos.planning.scheduler import PlacementScheduler
@@ -428,7 +429,9 @@ def test_auto_placement_measures_forward_and_backward_and_plans_the_whole_iterat
             assert phases is None and plan == update_plan
         else:
             assert phases == (forward_s, backward_s)
-            assert plan == shortest_iteration_plan(engine.sizes, rates, 4, update_plan, *phases, overlap)
+            assert plan == shortest_iteration_plan(
+                UpdateProblem(engine.sizes, rates, 4), update_plan, TrainingPhases(*phases, overlap)
+            )
     assert engine.report_number(first).plan == scheduler.replans[steps.index(first)][2]
     # Each step's report carries the iteration predicted for its plan (DOSMonitor logs dos/iteration_predicted_s).
     assert [engine.report_number(n).predicted_iteration_s for n in range(1, first)] == [None] * (first - 1)

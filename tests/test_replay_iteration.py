@@ -9,6 +9,7 @@ from lightning_dos.commands.simulate import replay_iteration, sub_group_sizes
 from lightning_dos.model.auto_plan import auto_plan
 from lightning_dos.model.iteration_plan import shortest_iteration_plan
 from lightning_dos.model.plan import Place, Plan
+from lightning_dos.model.update_problem import TrainingPhases, UpdateProblem
 from lightning_dos.planning.profiles import load_profile
 from lightning_dos.sim import simstreams
 from lightning_dos.sim.replay import ReplayResult, replay
@@ -122,7 +123,9 @@ def _twenty_b(mode: str) -> tuple[list[int], object, object]:
     sizes = sub_group_sizes(20_000_000_000, META["gpus_per_node"], 100_000_000)
     plan = auto_plan(sizes, RATES, 2, int(0.9 * META["device_free_bytes"]), footprint=footprint).update_plan
     if mode != "off":
-        plan = shortest_iteration_plan(sizes, RATES, 2, plan, FORWARD_S, BACKWARD_S, mode, footprint=footprint)
+        plan = shortest_iteration_plan(
+            UpdateProblem(sizes, RATES, 2, footprint), plan, TrainingPhases(FORWARD_S, BACKWARD_S, mode)
+        )
     return sizes, plan, footprint
 
 
@@ -139,7 +142,9 @@ def _landed(result: ReplayResult, plan: object) -> dict[int, float]:
 @pytest.mark.parametrize("mode", ["off", "forward", "auto"])
 def test_the_whole_iteration_replays_backward_the_update_and_the_next_forward(mode: str) -> None:
     sizes, plan, footprint = _twenty_b(mode)
-    result, races = replay_iteration(sizes, plan, RATES, 2, FORWARD_S, BACKWARD_S, mode, footprint=footprint)
+    result, races = replay_iteration(
+        UpdateProblem(sizes, RATES, 2, footprint), plan, TrainingPhases(FORWARD_S, BACKWARD_S, mode)
+    )
     assert races == 0
     spans = {lane: [s for s in result.spans if s.lane == lane] for lane in ("backward", "forward", "grad_download")}
     assert sum(s.end_s - s.start_s for s in spans["backward"]) == pytest.approx(BACKWARD_S)
@@ -175,9 +180,13 @@ def test_the_engines_kernels_on_the_forwards_stream_would_hold_the_forward_back(
     """Why the engine's device kernels have a stream of their own: each waits for its sub-group's upload, and on the
     stream the next forward runs on (the caller's) every forward kernel would queue behind those waits."""
     sizes, plan, footprint = _twenty_b("forward")
-    own, _ = replay_iteration(sizes, plan, RATES, 2, FORWARD_S, BACKWARD_S, "forward", footprint=footprint)
+    own, _ = replay_iteration(
+        UpdateProblem(sizes, RATES, 2, footprint), plan, TrainingPhases(FORWARD_S, BACKWARD_S, "forward")
+    )
     monkeypatch.setattr(simstreams.SimStreams, "compute", property(lambda streams: streams.current))
-    shared, races = replay_iteration(sizes, plan, RATES, 2, FORWARD_S, BACKWARD_S, "forward", footprint=footprint)
+    shared, races = replay_iteration(
+        UpdateProblem(sizes, RATES, 2, footprint), plan, TrainingPhases(FORWARD_S, BACKWARD_S, "forward")
+    )
     assert races == 0  # still correct: only slower
     assert shared.time_s > 1.08 * own.time_s, (shared.time_s, own.time_s)
 
@@ -192,7 +201,7 @@ def test_under_auto_the_engine_takes_host_sub_groups_while_backward_lasts_on_the
     the first; the rest of the step updates the others after it."""
     sizes = [100_000_000] * 8
     plan = Plan((Place.HOST,) * 8, 1)
-    result, races = replay_iteration(sizes, plan, RATES, 2, 0.5, backward_s, "auto")
+    result, races = replay_iteration(UpdateProblem(sizes, RATES, 2), plan, TrainingPhases(0.5, backward_s, "auto"))
     backward_end = result.marks_s[BACKWARD_END]
     assert backward_end == pytest.approx(backward_s + 0.004 if early == 8 else 8 * 0.004, rel=0.01)
     updated = sorted((s for s in result.spans if s.lane == "host_adam"), key=lambda s: s.start_s)

@@ -47,6 +47,7 @@ from lightning_dos.model.perfmodel import (
     predict,
 )
 from lightning_dos.model.plan import Place, Plan, parse_gpu_fraction, split_into_sub_groups
+from lightning_dos.model.update_problem import TrainingPhases, UpdateProblem
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 from lightning_dos.sim.logged_step import (
     SIM_ELEMENTS,
@@ -88,22 +89,14 @@ class Simulation:
 
 
 def replay_iteration(
-    sizes: Sequence[int],
-    plan: Plan,
-    rates: HardwareRates,
-    lp_bytes: int,
-    forward_s: float,
-    backward_s: float,
-    mode: str,
-    clipped: bool | None = None,
-    *,
-    footprint: Footprint = ADAM_FP32,
+    problem: UpdateProblem, plan: Plan, phases: TrainingPhases, clipped: bool | None = None
 ) -> tuple[ReplayResult, int]:
-    """One steady-state iteration under overlap ``mode`` (``off``, ``forward`` or ``auto``: the update begun during
-    backward; with ``clipped`` not None, speculatively, the step clipped or not) replayed whole on the node ``rates``
-    describes: backward, the engine's update of ``plan`` as it issues it, and the next forward
-    (:class:`~lightning_dos.sim.timed_iteration.TimedIteration`); return the replay, its time from the start of
-    backward to the end of the next forward and the update, and the races found."""
+    """One steady-state iteration of ``problem``'s update under overlap ``phases.mode`` (``off``, ``forward`` or
+    ``auto``: the update begun during backward; with ``clipped`` not None, speculatively, the step clipped or not)
+    replayed whole on the node ``problem.rates`` describes: backward, the engine's update of ``plan`` as it issues it,
+    and the next forward (:class:`~lightning_dos.sim.timed_iteration.TimedIteration`); return the replay, its time
+    from the start of backward to the end of the next forward and the update, and the races found."""
+    sizes, rates, lp_bytes, footprint = problem.sizes, problem.rates, problem.lp_bytes, problem.footprint
     scale = max(sizes) / SIM_ELEMENTS
     expected = copy_bytes(plan, sizes_at_test_scale(sizes, scale), footprint, lp_bytes, lp_downloads=False)
 
@@ -111,8 +104,8 @@ def replay_iteration(
         return replay(rescale_copies(log, expected)[0], rates, scale, footprint=footprint)
 
     host = {i for i, place in enumerate(plan.places) if place == Place.HOST}
-    checker = TimedIteration(sizes, scale, forward_s, backward_s, lp_bytes, host, replayed)
-    log = steady_step(checker, sizes, plan, lp_bytes, scale, footprint, overlap=mode, clipped=clipped)
+    checker = TimedIteration(sizes, scale, phases.forward_s, phases.backward_s, lp_bytes, host, replayed)
+    log = steady_step(checker, sizes, plan, lp_bytes, scale, footprint, overlap=phases.mode, clipped=clipped)
     return replay(log, rates, scale, footprint=footprint), len(checker.races)
 
 
@@ -155,25 +148,24 @@ def whole_iteration(
     from lightning_dos.commands.plan import stock_update_s
 
     sizes, footprint = result.sizes, result.footprint
+    problem = UpdateProblem(sizes, rates, lp_bytes, footprint)
     replayed, predicted, plans = {}, {}, {}
     for mode in MODES:
         plan = result.plan if plan_for is None else plan_for(mode)
-        args = (sizes, plan, rates, lp_bytes, forward_s, backward_s, mode)
-        run, races = replay_iteration(*args, footprint=footprint)
+        phases = TrainingPhases(forward_s, backward_s, mode)
+        run, races = replay_iteration(problem, plan, phases)
         replayed[mode] = run.time_s
         if mode == AUTO and speculation is not None:
             rate, run = speculation.commit_rate, None
             if rate == 0.0:  # the commit policy stops speculating: "auto"'s plan runs as "forward" runs
-                run, races = replay_iteration(*args[:-1], FORWARD, footprint=footprint)
+                run, races = replay_iteration(problem, plan, phases.in_mode(FORWARD))
                 replayed[mode] = run.time_s
             else:
-                committed, races = replay_iteration(*args, footprint=footprint, clipped=False)
-                redone, more = replay_iteration(*args, footprint=footprint, clipped=True) if rate < 1 else (None, 0)
+                committed, races = replay_iteration(problem, plan, phases, clipped=False)
+                redone, more = replay_iteration(problem, plan, phases, clipped=True) if rate < 1 else (None, 0)
                 replayed[mode] = rate * committed.time_s + (1 - rate) * (redone.time_s if redone else 0.0)
                 races, run = races + more, committed
-        predicted[mode] = mode_iteration_s(
-            sizes, plan, rates, lp_bytes, forward_s, backward_s, mode, footprint=footprint, speculation=speculation
-        )
+        predicted[mode] = mode_iteration_s(problem, plan, phases, speculation=speculation)
         streamed = plan.streamed_indices
         plans[mode] = {
             "streamed": len(streamed),
@@ -202,12 +194,9 @@ def whole_iteration(
         "iteration_s": {**replayed, "stock": stock},
         "iteration_predicted_s": {**predicted, "stock": stock},
         "iteration_floor_s": iteration_floor(
-            sizes,
-            rates,
-            lp_bytes,
+            problem,
             forward_s,
             backward_s,
-            footprint=footprint,
             resident_room=resident_room,
             speculation=speculation,
             order=result.plan.order,

@@ -19,6 +19,7 @@ from lightning_dos.model.overlap import AUTO, FORWARD, OFF, Overlap
 from lightning_dos.model.perfmodel import HardwareRates, Prediction
 from lightning_dos.model.plan import Plan
 from lightning_dos.model.plan_search import choose_plan
+from lightning_dos.model.update_problem import TrainingPhases, UpdateProblem
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 
 
@@ -75,16 +76,13 @@ def auto_plan(
     update_plan = update_plan.in_order(order)
     if phases is None or min(phases) <= 0 or lp_on_host:
         return AutoPlan(update_plan, update, update_plan, None)
-    forward_s, backward_s = phases
+    problem, training = UpdateProblem(sizes, rates, lp_bytes, footprint), TrainingPhases(*phases, overlap)
     # A commit rate of 0 stops speculation (the engine's commit policy): the update then overlaps the next forward.
     searched = FORWARD if overlap == AUTO and speculation is not None and speculation.commit_rate == 0 else overlap
     plan = shortest_iteration_plan(
-        sizes, rates, lp_bytes, update_plan, forward_s, backward_s, searched, footprint=footprint,
-        speculation=speculation, budget=budget,
-    )  # fmt: skip
-    predicted = mode_iteration_s(
-        sizes, plan, rates, lp_bytes, forward_s, backward_s, overlap, footprint=footprint, speculation=speculation
+        problem, update_plan, training.in_mode(searched), speculation=speculation, budget=budget
     )
+    predicted = mode_iteration_s(problem, plan, training, speculation=speculation)
     return AutoPlan(update_plan, update, plan, predicted)
 
 

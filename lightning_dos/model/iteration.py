@@ -28,7 +28,6 @@ from dataclasses import dataclass, replace
 
 from lightning_dos.model.overlap import MODES
 from lightning_dos.model.perfmodel import (
-    HardwareRates,
     least_update_s,
     overlapped,
     predict,
@@ -36,6 +35,7 @@ from lightning_dos.model.perfmodel import (
     update_bytes,
 )
 from lightning_dos.model.plan import Plan
+from lightning_dos.model.update_problem import TrainingPhases, UpdateProblem
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 
 
@@ -159,34 +159,23 @@ def iteration_s(
 
 
 def mode_iteration_s(
-    sizes: Sequence[int],
-    plan: Plan,
-    rates: HardwareRates,
-    lp_bytes: int,
-    forward_s: float,
-    backward_s: float,
-    mode: str,
-    *,
-    footprint: Footprint = ADAM_FP32,
-    speculation: Speculation | None = None,
+    problem: UpdateProblem, plan: Plan, phases: TrainingPhases, *, speculation: Speculation | None = None
 ) -> float:
-    """The model's iteration for ``plan`` under overlap ``mode``: the update's schedule (:func:`predicted_timeline`,
+    """The model's iteration for ``plan`` under ``phases.mode``: the update's schedule (:func:`predicted_timeline`,
     beside the training thread when the mode overlaps it) and the iteration around it (:func:`iteration_s`, the next
-    forward slowed beside the update), with the contention ``rates`` measured (``overlap_*_speed``)."""
-    beside = mode != MODES[0]
-    timeline = predicted_timeline(sizes, plan, rates, lp_bytes, footprint=footprint, beside_training=beside)
-    launch = rates.overlap_launch_speed if beside else 1.0
-    return iteration_s(sizes, plan, timeline, forward_s, backward_s, speculation, launch)[mode]
+    forward slowed beside the update), with the contention ``problem.rates`` measured (``overlap_*_speed``)."""
+    beside = phases.mode != MODES[0]
+    timeline = predicted_timeline(problem, plan, beside_training=beside)
+    launch = problem.rates.overlap_launch_speed if beside else 1.0
+    seconds = iteration_s(problem.sizes, plan, timeline, phases.forward_s, phases.backward_s, speculation, launch)
+    return seconds[phases.mode]
 
 
 def iteration_floor(
-    sizes: Sequence[int],
-    rates: HardwareRates,
-    lp_bytes: int,
+    problem: UpdateProblem,
     forward_s: float,
     backward_s: float,
     *,
-    footprint: Footprint = ADAM_FP32,
     resident_room: int = 0,
     speculation: Speculation | None = None,
     order: Sequence[int] = (),
@@ -206,6 +195,7 @@ def iteration_floor(
     (its write-allocate), and only a committed step keeps it: ``auto``'s bound is the commit rate's mean of the
     committed step's bound and ``forward``'s (a clipped step updates everything after backward), as the model's
     and the replay's ``auto`` are the same mean of their committed and clipped steps."""
+    sizes, rates, lp_bytes, footprint = problem.sizes, problem.rates, problem.lp_bytes, problem.footprint
     total = sum(sizes)
     if total == 0:
         return {mode: forward_s + backward_s for mode in MODES}
@@ -297,20 +287,13 @@ def _auto_update(
     return timeline.landings(ready)
 
 
-def predicted_timeline(
-    sizes: Sequence[int],
-    plan: Plan,
-    rates: HardwareRates,
-    lp_bytes: int,
-    *,
-    footprint: Footprint = ADAM_FP32,
-    beside_training: bool = False,
-) -> UpdateTimeline:
+def predicted_timeline(problem: UpdateProblem, plan: Plan, *, beside_training: bool = False) -> UpdateTimeline:
     """The performance model's :class:`UpdateTimeline` for ``plan``: :func:`~lightning_dos.model.perfmodel.predict`'s
     rates and byte counts, kept per sub-group, the host sub-groups worked through in order from the update's start
     (:meth:`UpdateTimeline.landings`). Where host sub-groups run beside the copies, the copies at their measured
     share (:func:`~lightning_dos.model.perfmodel.overlapped`), as ``predict`` charges them; ``beside_training`` (the
     update overlaps forward or backward), the host update at its share beside the training thread too."""
+    sizes, rates, lp_bytes, footprint = problem.sizes, problem.rates, problem.lp_bytes, problem.footprint
     if plan.host_indices:  # charged once: predict leaves rates it is given charged as they are
         rates = overlapped(rates, beside_training=beside_training)
     total = predict(sizes, plan, rates, lp_bytes, footprint=footprint).time_s

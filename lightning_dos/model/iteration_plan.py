@@ -14,41 +14,34 @@ from collections.abc import Callable, Sequence
 
 from lightning_dos.model.iteration import Speculation, mode_iteration_s
 from lightning_dos.model.overlap import MODES
-from lightning_dos.model.perfmodel import HardwareRates, device_bytes, rates_for
+from lightning_dos.model.perfmodel import device_bytes, rates_for
 from lightning_dos.model.plan import Place, Plan, even_plan
-from lightning_dos.model.update_rules import ADAM_FP32, Footprint
+from lightning_dos.model.update_problem import TrainingPhases, UpdateProblem
 
 
 def iteration_plan(
-    sizes: Sequence[int],
-    rates: HardwareRates,
-    lp_bytes: int,
+    problem: UpdateProblem,
     buffers: int,
-    forward_s: float,
-    backward_s: float,
-    mode: str,
+    phases: TrainingPhases,
     *,
-    footprint: Footprint = ADAM_FP32,
     resident: Sequence[int] = (),
     speculation: Speculation | None = None,
     order: Sequence[int] = (),
 ) -> Plan:
-    """The streamed/host placement that minimises ``mode``'s predicted iteration (not the update alone), through
-    ``buffers`` staging buffers (what fits the device, as the update-only plan found), the sub-groups in
-    ``resident`` staying resident: the best of every count of streamed sub-groups placed first (the next forward
+    """The streamed/host placement of ``problem`` that minimises ``phases.mode``'s predicted iteration (not the update
+    alone), through ``buffers`` staging buffers (what fits the device, as the update-only plan found), the sub-groups
+    in ``resident`` staying resident: the best of every count of streamed sub-groups placed first (the next forward
     needs them first; backward makes their gradients final last, so the host ones are updated during backward under
     ``auto``) or last among the others and, under ``auto``, of the spread placements (:func:`_spread_candidates`),
     then improved a sub-group at a time (:func:`_refined`); "first", "last" and "spread" in ``order`` (the order the
     next forward needs them; empty: index order), which the plan keeps."""
+    sizes, mode = problem.sizes, phases.mode
     n, fixed, order = len(sizes), set(resident), tuple(order)
     free = [i for i in (order or range(n)) if i not in fixed]
     roles = [RESIDENT if i in fixed else HOST for i in range(n)]
 
     def predicted(candidate: Sequence[str]) -> float:
-        plan = _plan_of(candidate, buffers, order)
-        return mode_iteration_s(
-            sizes, plan, rates, lp_bytes, forward_s, backward_s, mode, footprint=footprint, speculation=speculation
-        )
+        return mode_iteration_s(problem, _plan_of(candidate, buffers, order), phases, speculation=speculation)
 
     candidates = []
     # Under "auto", the host sub-groups are also tried all left for after backward (as "forward" runs them): the
@@ -61,10 +54,10 @@ def iteration_plan(
         device = set(free[:streamed] if first else free[len(free) - streamed :])
         candidates.append([DEVICE if i in device else (host if i in free else role) for i, role in enumerate(roles)])
     if mode == "auto":
-        per_element = rates_for(rates, footprint).host_s_per_element
+        per_element = rates_for(problem.rates, problem.footprint).host_s_per_element
         if speculation is not None:  # a speculative update may cost more than one in place (torch's kernels)
             per_element *= 1 + speculation.copy_share
-        candidates += _spread_candidates(sizes, roles, free, backward_s, per_element)
+        candidates += _spread_candidates(sizes, roles, free, phases.backward_s, per_element)
     best = min(((predicted(c), c) for c in candidates), key=lambda pair: pair[0])
     return _plan_of(_refined(best[1], best[0], free, predicted, late=mode == "auto"), buffers, order)
 
@@ -171,38 +164,32 @@ def _refined(
 
 
 def shortest_iteration_plan(
-    sizes: Sequence[int],
-    rates: HardwareRates,
-    lp_bytes: int,
+    problem: UpdateProblem,
     update_best: Plan,
-    forward_s: float,
-    backward_s: float,
-    mode: str,
+    phases: TrainingPhases,
     *,
-    footprint: Footprint = ADAM_FP32,
     speculation: Speculation | None = None,
     budget: int | None = None,
 ) -> Plan:
     """Of ``update_best`` (the plan that minimises the update alone) and :func:`iteration_plan` with the same
     resident sub-groups through as many staging buffers, if it needs no more device memory than ``update_best`` or
-    the ``budget`` (device bytes the update may use; None: no limit), the one whose predicted ``mode`` iteration is
-    shorter (``update_best`` on a tie): what ``gpu_fraction="auto"`` runs once forward and backward are measured;
-    with ``speculation`` (clipping), ``auto``'s iteration at its commit rate. (Sub-groups differ in size by a few
-    elements, so a candidate streaming other ones may need a few bytes more than ``update_best`` and still fit.)"""
-    if mode not in MODES[1:]:
+    the ``budget`` (device bytes the update may use; None: no limit), the one whose predicted ``phases.mode``
+    iteration is shorter (``update_best`` on a tie): what ``gpu_fraction="auto"`` runs once forward and backward are
+    measured; with ``speculation`` (clipping), ``auto``'s iteration at its commit rate. (Sub-groups differ in size by
+    a few elements, so a candidate streaming other ones may need a few bytes more than ``update_best`` and still
+    fit.)"""
+    if phases.mode not in MODES[1:]:
         return update_best
     buffers, resident = update_best.device_buffers, update_best.resident_indices
     candidate = iteration_plan(
-        sizes, rates, lp_bytes, buffers, forward_s, backward_s, mode, footprint=footprint, resident=resident,
-        speculation=speculation, order=update_best.order,
-    )  # fmt: skip
+        problem, buffers, phases, resident=resident, speculation=speculation, order=update_best.order
+    )
+    sizes, footprint = problem.sizes, problem.footprint
     needed = device_bytes(sizes, candidate, footprint=footprint)
     if needed > device_bytes(sizes, update_best, footprint=footprint) and budget is not None and needed > budget:
         return update_best
 
     def iteration(plan: Plan) -> float:
-        return mode_iteration_s(
-            sizes, plan, rates, lp_bytes, forward_s, backward_s, mode, footprint=footprint, speculation=speculation
-        )
+        return mode_iteration_s(problem, plan, phases, speculation=speculation)
 
     return candidate if iteration(candidate) < iteration(update_best) else update_best
