@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from lightning_dos.engine import host_workers, native
-from lightning_dos.engine.kernels import HOST_TILE_ELEMENTS, step_tensor, tiled_update
+from lightning_dos.engine.kernels import HOST_TILE_ELEMENTS, SubGroupTensors, UpdateStep, step_tensor, tiled_update
 from lightning_dos.model.update_rules import ADAM, RULES, Hyper
 
 #: Bytes each path moves per element. Adam reads param, grad, exp_avg, exp_avg_sq (16) and writes param and
@@ -254,7 +254,8 @@ def _rows(
         lp.copy_(p)
 
     def tiles_on_workers(tile: int, out: torch.Tensor) -> Callable[[], None]:
-        return lambda: tiled_update(ADAM, p, g, (m, v), step, HYPER, 1.0 / SCALE, out, tile=tile)
+        tensors, update_step = SubGroupTensors(p, g, (m, v), out), UpdateStep(step, HYPER, 1.0 / SCALE)
+        return lambda: tiled_update(ADAM, tensors, update_step, tile=tile)
 
     def compiled(out: torch.Tensor, kernel: native.HostUpdateKernel | None = None) -> Callable[[], None]:
         # The engine's build through torch's dispatcher, as the engine calls it; or another build, directly.

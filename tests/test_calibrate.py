@@ -82,12 +82,11 @@ def test_with_a_generic_kernel_calibration_times_the_engines_own_rule_and_dtypes
 
     seen: list[tuple] = []
 
-    def apply_update(
-        rule, param, grad, states, step, hyper, inv_grad_scale=1.0, lp_out=None, tile=0, step_number=None
-    ) -> None:  # noqa: ANN001, ARG001, E501
+    def apply_update(rule, tensors, update_step, tile=0) -> None:  # noqa: ANN001, ARG001
+        param, grad, states, lp_out = tensors.param, tensors.grad, tensors.states, tensors.lp_out
         seen.append((rule.name, param.dtype, grad.dtype, tuple(s.dtype for s in states), lp_out is not None))
-        p, g, st = param.float(), grad.float() * inv_grad_scale, [s.float() for s in states]
-        rule.torch_update(p, g, st, step, hyper, step_number)
+        p, g, st = param.float(), grad.float() * update_step.inv_grad_scale, [s.float() for s in states]
+        rule.torch_update(p, g, st, update_step.step, update_step.hyper, update_step.step_number)
         param.copy_(p)
         for dst, src in zip(states, st):
             dst.copy_(src)

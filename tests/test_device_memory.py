@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from lightning_dos import DeepOptimizerStatesStrategy
 from lightning_dos.engine import loop as loop_module
 from lightning_dos.engine.inputs import StepInputs
-from lightning_dos.engine.kernels import torch_update
+from lightning_dos.engine.kernels import SubGroupTensors, UpdateStep, torch_update
 from lightning_dos.engine.pool import STAGING_BYTES_PER_ELEMENT
 from lightning_dos.host import disk
 from lightning_dos.model.perfmodel import device_bytes
@@ -209,9 +209,8 @@ def test_the_plan_counts_the_temporaries_of_the_device_update_formula(rule: str,
         grad = torch.randn(n, generator=gen).to(master)
         states = [torch.rand(n, generator=gen).to(state) for _ in RULES[rule].states]
         step, hyper = torch.tensor(3.0), Hyper(lr=1e-3, weight_decay=0.1)
-        measured = _peak_allocated(
-            lambda: torch_update(RULES[rule], param, grad, states, step, hyper, inv_grad_scale)  # noqa: B023
-        )
+        tensors, update_step = SubGroupTensors(param, grad, states), UpdateStep(step, hyper, inv_grad_scale)
+        measured = _peak_allocated(lambda: torch_update(RULES[rule], tensors, update_step))  # noqa: B023
         # A few scalars (0-d tensors) beside the per-element temporaries.
         assert measured <= counted + 256, (rule, dtypes, inv_grad_scale, measured / n, counted / n)
     assert counted <= max(measured, 256) + 4 * n, "and not counted far above what is measured"

@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from lightning_dos.engine import host_workers
-from lightning_dos.engine.kernels import HOST_TILE_ELEMENTS, Hyper, host_update, step_tensor, tiled_update
+from lightning_dos.engine.kernels import (
+    HOST_TILE_ELEMENTS,
+    Hyper,
+    SubGroupTensors,
+    UpdateStep,
+    host_update,
+    step_tensor,
+    tiled_update,
+)
 from lightning_dos.engine.loop import InterleavedUpdate, StepInputs
 from lightning_dos.model.plan import Place, Plan
 from lightning_dos.model.update_rules import ADAM
@@ -47,10 +55,14 @@ def one_thread():  # noqa: ANN201
 
 #: Both host paths: the engine's (compiled where a C compiler is, else torch's tiles) and torch's tiles.
 def _adam(update):  # noqa: ANN001, ANN202
-    """``update`` (:func:`host_update` or :func:`tiled_update`) of Adam, taking its two moments as arguments."""
-    return lambda param, grad, exp_avg, exp_avg_sq, *args, **kw: update(
-        ADAM, param, grad, (exp_avg, exp_avg_sq), *args, **kw
-    )
+    """``update`` (:func:`host_update` or :func:`tiled_update`) of Adam, taking its two moments and the step's
+    values as arguments (the tests below spell them out)."""
+
+    def run(param, grad, exp_avg, exp_avg_sq, step, hyper, inv_grad_scale=1.0, lp_out=None, tile=HOST_TILE_ELEMENTS):  # noqa: ANN001, ANN202, E501
+        tensors = SubGroupTensors(param, grad, (exp_avg, exp_avg_sq), lp_out)
+        update(ADAM, tensors, UpdateStep(step, hyper, inv_grad_scale), tile=tile)
+
+    return run
 
 
 ENGINE_ADAM, TILED_ADAM = _adam(host_update), _adam(tiled_update)

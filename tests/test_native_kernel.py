@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_dos.engine import native
-from lightning_dos.engine.kernels import Hyper, host_update, step_tensor, tiled_update
+from lightning_dos.engine.kernels import Hyper, SubGroupTensors, UpdateStep, host_update, step_tensor, tiled_update
 from lightning_dos.model.update_rules import ADAM, RULES
 from tests.helpers import built_once
 
@@ -202,8 +202,9 @@ def test_the_engine_host_path_is_the_compiled_kernel_and_agrees_with_torchs_tile
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        host_update(ADAM, ours[0], ours[1], ours[2:], step, ADAMW, 1 / scale, lp_ours)
-        tiled_update(ADAM, theirs[0], theirs[1], theirs[2:], step, ADAMW, 1 / scale, lp_theirs, tile=1024)
+        update_step = UpdateStep(step, ADAMW, 1 / scale)
+        host_update(ADAM, SubGroupTensors(ours[0], ours[1], ours[2:], lp_ours), update_step)
+        tiled_update(ADAM, SubGroupTensors(theirs[0], theirs[1], theirs[2:], lp_theirs), update_step, tile=1024)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(ours[1], grad) and torch.equal(theirs[1], grad)
@@ -264,7 +265,7 @@ def test_without_a_compiler_the_engine_warns_once_and_uses_torchs_kernels(tmp_pa
         """
         import warnings, torch
         from lightning_dos.engine import native
-        from lightning_dos.engine.kernels import Hyper, host_update, step_tensor
+        from lightning_dos.engine.kernels import Hyper, SubGroupTensors, UpdateStep, host_update, step_tensor
         from lightning_dos.model.update_rules import ADAM
         from lightning_dos.engine.loop import InterleavedUpdate
         with warnings.catch_warnings(record=True) as caught:
@@ -283,7 +284,7 @@ def test_without_a_compiler_the_engine_warns_once_and_uses_torchs_kernels(tmp_pa
         ref = [t.clone() for t in ours]
         lp = torch.empty(999, dtype=torch.bfloat16)
         step = step_tensor(1, torch.device("cpu"))
-        host_update(ADAM, ours[0], ours[1], ours[2:], step, h, 0.25, lp)
+        host_update(ADAM, SubGroupTensors(ours[0], ours[1], ours[2:], lp), UpdateStep(step, h, 0.25))
         grad = ref[1].clone()
         ref[1].mul_(0.25)
         ADAM.torch_update(ref[0], ref[1], ref[2:], step, h)
@@ -345,11 +346,12 @@ def test_an_update_out_of_place_writes_what_one_in_place_writes_and_only_reads_i
     hyper = Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, 0.0)
     step = step_tensor(4, torch.device("cpu"))
     in_place = (param.clone(), [s.clone() for s in states], torch.empty(numel, dtype=torch.bfloat16))
-    host_update(update_rule, in_place[0], grad, in_place[1], step, hyper, 0.25, in_place[2])
+    update_step = UpdateStep(step, hyper, 0.25)
+    host_update(update_rule, SubGroupTensors(in_place[0], grad, in_place[1], in_place[2]), update_step)
     source = (param.clone(), [s.clone() for s in states])
     out = (torch.full_like(param, float("nan")), [torch.full_like(s, float("nan")) for s in states])
     lp = torch.empty(numel, dtype=torch.bfloat16)
-    host_update(update_rule, source[0], grad, source[1], step, hyper, 0.25, lp, out=out)
+    host_update(update_rule, SubGroupTensors(source[0], grad, source[1], lp), update_step, out=out)
     assert torch.equal(out[0], in_place[0]) and torch.equal(lp, in_place[2])
     assert all(torch.equal(a, b) for a, b in zip(out[1], in_place[1], strict=True))
     assert torch.equal(source[0], param) and all(torch.equal(a, b) for a, b in zip(source[1], states, strict=True))

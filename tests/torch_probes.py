@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from lightning_dos.engine import native
-from lightning_dos.engine.kernels import Hyper, step_tensor, tiled_update
+from lightning_dos.engine.kernels import Hyper, SubGroupTensors, UpdateStep, step_tensor, tiled_update
 from lightning_dos.model.update_rules import ADAM
 
 #: Every loop of the compiled kernel (unscale or not, decoupled decay or L2, lerp's two forms: beta1 >= 0.5 or not).
@@ -143,10 +143,8 @@ def tiles(non_finite: bool = False) -> str | None:
                 for step in STEPS:
                     grad = _gradient(step, scale, non_finite)
                     ours[1].copy_(grad)
-                    tiled_update(
-                        ADAM, ours[0], ours[1], ours[2:], step_tensor(step, torch.device("cpu")), hyper, 1 / scale,
-                        lp, tile=TILE,
-                    )  # fmt: skip
+                    update_step = UpdateStep(step_tensor(step, torch.device("cpu")), hyper, 1 / scale)
+                    tiled_update(ADAM, SubGroupTensors(ours[0], ours[1], ours[2:], lp), update_step, tile=TILE)
                     _reference(ref, grad, step, hyper, scale)
                 found = _compare(
                     f"{_named(hyper)}, scale {scale}, tiles of {TILE}, after step {STEPS[-1]}",

@@ -19,7 +19,7 @@ from lightning_dos.engine.arrivals import GradientArrivals
 from lightning_dos.engine.atomic import TornStateError
 from lightning_dos.engine.context import StepContext
 from lightning_dos.engine.host_side import HostLane
-from lightning_dos.engine.kernels import host_update, step_tensor
+from lightning_dos.engine.kernels import SubGroupTensors, UpdateStep, host_update, step_tensor
 from lightning_dos.engine.resident import ResidentSet
 from lightning_dos.engine.speculation import SpareSlabs
 from lightning_dos.model.plan import Place
@@ -167,10 +167,9 @@ class SpeculativeUpdates(EarlyUpdates):
         hyper, step = inputs.hypers[sg.param_group], step_tensors[sg.ds_group]
         try:
             with ctx.streams.lane("host_speculate", index, self.setup.footprint.master * sg.numel):
-                host_update(
-                    self.setup.rule, param, grad, states, step, hyper, inputs.inv_grad_scale, lp,
-                    out=(out_param, out_states),
-                )  # fmt: skip
+                tensors = SubGroupTensors(param, grad, states, lp)
+                update_step = UpdateStep(step, hyper, inputs.inv_grad_scale)
+                host_update(self.setup.rule, tensors, update_step, out=(out_param, out_states))
         except BaseException:
             self._discard(index)  # its current state was only read
             raise

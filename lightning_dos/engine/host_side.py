@@ -15,7 +15,7 @@ import torch
 
 from lightning_dos.engine.context import StepContext, UpdateSetup
 from lightning_dos.engine.in_flight import UpdateLanding
-from lightning_dos.engine.kernels import host_update, step_tensor
+from lightning_dos.engine.kernels import SubGroupTensors, UpdateStep, host_update, step_tensor
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,8 @@ class HostLane:
         hyper, step = inputs.hypers[sg.param_group], step_tensors[sg.ds_group]
         try:
             with streams.lane("host_adam", index, self.setup.footprint.master * sg.numel):
-                host_update(self.setup.rule, param, grad, states, step, hyper, inputs.inv_grad_scale, staging)
+                tensors = SubGroupTensors(param, grad, states, staging)
+                host_update(self.setup.rule, tensors, UpdateStep(step, hyper, inputs.inv_grad_scale))
             ctx.report.host_elements += sg.numel
             # One pass unscaled, updated and (on a CPU device) cast it: every point is recorded before any
             # hook runs, so an interruption at any of them finds the sub-group's true progress.

@@ -30,14 +30,18 @@ the multiplication, bound 1e-5).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from lightning_dos.engine import host_workers, native
+from lightning_dos.engine.update_operands import SubGroupTensors, UpdateStep
 from lightning_dos.model.update_rules import Hyper, UpdateRule
 
 __all__ = [
     "Hyper",
+    "SubGroupTensors",
+    "UpdateStep",
     "apply_update",
     "host_update",
     "step_tensor",
@@ -53,19 +57,10 @@ HOST_TILE_ELEMENTS = 1 << 18
 _SHARE_ALIGN = 64
 
 
-def apply_update(
-    rule: UpdateRule,
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    states: Sequence[torch.Tensor],
-    step: torch.Tensor,
-    hyper: Hyper,
-    inv_grad_scale: float = 1.0,
-    lp_out: torch.Tensor | None = None,
-    step_number: float | None = None,
-) -> None:
+def apply_update(rule: UpdateRule, tensors: SubGroupTensors, update_step: UpdateStep) -> None:
     """The device side's update: unscale, one step of ``rule`` and the cast into ``lp_out``, in place on ``param``
-    and ``states``, with the rule's torch formula (:func:`torch_update`) whatever device the tensors are on.
+    and ``states`` (``tensors``), with the rule's torch formula (:func:`torch_update`) whatever device the tensors
+    are on.
 
     The engine calls it for the sub-groups it places on an accelerator (streamed and resident), real or
     simulated, and :func:`host_update` for those it places on the host: the code path follows the placement, not
@@ -73,37 +68,13 @@ def apply_update(
     On CPU tensors torch's fused Adam rounds the last ``numel % 16`` elements (its scalar tail) differently from
     the compiled host kernel, which is why a CPU device without an accelerator runs :func:`host_update` for its
     device placements. The gradient may be left unscaled (it is the engine's own copy or is rewritten by the next
-    backward). Nothing here reads a device value on the host: the step count stays a tensor on ``param``'s device.
-
-    Args:
-        rule: the optimizer's update rule.
-        param: master weights (1-D; fp32, or bf16 under bf16 master weights), updated in place.
-        grad: gradient of the same shape and dtype, scaled by the loss scale and not yet clipped.
-        states: the rule's state tensors in ``rule.states`` order (fp32 or bf16), updated in place.
-        step: 0-d float32 tensor on ``param``'s device holding the step number being applied (1 for the
-            first step); the kernel reads it and does not change it.
-        hyper: the param group's hyperparameters.
-        inv_grad_scale: what the gradient is multiplied by to unscale and clip it (1 / DeepSpeed's combined
-            scale); 1.0 leaves it as it is.
-        lp_out: where the fresh weights go in the model's dtype, as many elements as ``param``; None for no copy.
-        step_number: ``step``'s value as a host number, for rules whose formula takes it as one (Adagrad): the
-            engine passes it so that no formula reads ``step`` back (on a device, a host synchronisation).
+    backward). Nothing here reads a device value on the host: the step count stays a tensor on ``param``'s device
+    (``update_step.step``; the engine passes ``update_step.step_number`` too, so that no formula reads it back).
     """
-    torch_update(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, step_number)
+    torch_update(rule, tensors, update_step)
 
 
-def torch_update(
-    rule: UpdateRule,
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    states: Sequence[torch.Tensor],
-    step: torch.Tensor,
-    hyper: Hyper,
-    inv_grad_scale: float = 1.0,
-    lp_out: torch.Tensor | None = None,
-    step_number: float | None = None,
-    keep_grad: bool = False,
-) -> None:
+def torch_update(rule: UpdateRule, tensors: SubGroupTensors, update_step: UpdateStep, keep_grad: bool = False) -> None:
     """:func:`apply_update` with torch's kernels: the rule's formula in fp32 whatever the storage dtypes.
 
     bf16 master weights, gradients or states are loaded into fp32 copies, updated, and stored back rounded to
@@ -112,17 +83,19 @@ def torch_update(
     values, into a temporary: a speculative update must leave the gradient for its redo). Other arguments as for
     :func:`apply_update`.
     """
+    param, grad, states, lp_out = tensors.param, tensors.grad, tensors.states, tensors.lp_out
+    step, hyper, inv_grad_scale = update_step.step, update_step.hyper, update_step.inv_grad_scale
     stored = (param, *states)
     if all(t.dtype == torch.float32 for t in (*stored, grad)):
         if inv_grad_scale != 1.0:
             grad = grad * inv_grad_scale if keep_grad else grad.mul_(inv_grad_scale)
-        rule.torch_update(param, grad, states, step, hyper, step_number)
+        rule.torch_update(param, grad, states, step, hyper, update_step.step_number)
     else:
         work = [t.float() if t.dtype != torch.float32 else t for t in stored]
         grad32 = grad.float() if grad.dtype != torch.float32 else grad
         if inv_grad_scale != 1.0:
             grad32 = grad32 * inv_grad_scale
-        rule.torch_update(work[0], grad32, work[1:], step, hyper, step_number)
+        rule.torch_update(work[0], grad32, work[1:], step, hyper, update_step.step_number)
         for target, value in zip(stored, work, strict=True):
             if target is not value:
                 target.copy_(value)
@@ -131,40 +104,37 @@ def torch_update(
         lp_out.copy_(param)
 
 
-def _native_fits(
-    rule: UpdateRule,
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    states: Sequence[torch.Tensor],
-    lp_out: torch.Tensor | None,
-) -> bool:
+def _native_fits(rule: UpdateRule, tensors: SubGroupTensors) -> bool:
     """The compiled kernel takes contiguous CPU tensors in the dtypes it was built for (the engine's slabs and
     buffers always are contiguous)."""
+    param, grad, states, lp_out = tensors.param, tensors.grad, tensors.states, tensors.lp_out
     if not native.available() or (lp_out is not None and not lp_out.is_contiguous()):
         return False
-    tensors = (param, grad, *states)
-    if not all(t.is_contiguous() for t in tensors) or grad.dtype != param.dtype:
+    if not all(t.is_contiguous() for t in (param, grad, *states)) or grad.dtype != param.dtype:
         return False
     state_dtype = states[0].dtype if states else param.dtype
     return native.supports(rule.name, param.dtype, state_dtype)
 
 
-def _native(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, step_number=None, out=None) -> None:  # noqa: ANN001
-    number = float(step.item()) if step_number is None else float(step_number)
-    native.host_update(rule.name, param, grad, states, number, hyper, inv_grad_scale, lp_out, out=out)
+def _native(
+    rule: UpdateRule,
+    tensors: SubGroupTensors,
+    update_step: UpdateStep,
+    out: tuple[torch.Tensor, Sequence[torch.Tensor]] | None,
+) -> None:
+    number = update_step.step_number
+    number = float(update_step.step.item()) if number is None else float(number)
+    native.host_update(
+        rule.name, tensors.param, tensors.grad, tensors.states, number, update_step.hyper,
+        update_step.inv_grad_scale, tensors.lp_out, out=out,
+    )  # fmt: skip
 
 
 def host_update(
     rule: UpdateRule,
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    states: Sequence[torch.Tensor],
-    step: torch.Tensor,
-    hyper: Hyper,
-    inv_grad_scale: float = 1.0,
-    lp_out: torch.Tensor | None = None,
+    tensors: SubGroupTensors,
+    update_step: UpdateStep,
     tile: int = HOST_TILE_ELEMENTS,
-    step_number: float | None = None,
     out: tuple[torch.Tensor, Sequence[torch.Tensor]] | None = None,
 ) -> None:
     """Unscale, the update and the copy into the model's partition in one pass over host memory.
@@ -178,16 +148,9 @@ def host_update(
 
     Args:
         rule: the optimizer's update rule.
-        param: master weights (1-D, host), updated in place.
-        grad: gradient of the same shape and dtype, scaled by the loss scale and not yet clipped.
-        states: the rule's state tensors (``rule.states`` order), updated in place.
-        step: 0-d float32 CPU tensor, the step number being applied (see :func:`apply_update`).
-        hyper: the param group's hyperparameters.
-        inv_grad_scale: what the gradient is multiplied by to unscale and clip it; 1.0 leaves it as it is.
-        lp_out: where the updated weights go in the model's dtype (bf16, fp16, or fp32 for an fp32 model),
-            as many elements as ``param``; None to skip the copy.
+        tensors: the sub-group's master weights (1-D, host), gradient, states and 16-bit copy.
+        update_step: the step applied (its step tensor on the CPU); without ``step_number``, ``step`` is read.
         tile: elements per tile of torch's path (positive); the default was measured on this project's CPU.
-        step_number: ``step``'s value as a host number (see :func:`apply_update`); None reads ``step``.
         out: ``(master weights, states)`` of the same dtypes and sizes to write the result into, leaving ``param``
             and ``states`` as they were (a speculative update); None updates in place. The compiled kernel reads
             the old and writes the new in its one pass (1.39x an update in place on AVX2: the CPU reads each line
@@ -195,15 +158,16 @@ def host_update(
     """
     if tile < 1:
         raise ValueError(f"tile must be a positive number of elements, got {tile}")
-    numel = param.numel()
+    numel, lp_out = tensors.param.numel(), tensors.lp_out
     if lp_out is not None and lp_out.numel() != numel:
         raise ValueError(f"lp_out has {lp_out.numel()} elements where param has {numel}")
-    if _native_fits(rule, param, grad, states, lp_out):
-        _native(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, step_number, out)
+    if _native_fits(rule, tensors):
+        _native(rule, tensors, update_step, out)
         return
     if out is not None:
-        param, states = _copied_into(out, param, states)
-    tiled_update(rule, param, grad, states, step, hyper, inv_grad_scale, lp_out, tile, step_number)
+        param, states = _copied_into(out, tensors.param, tensors.states)
+        tensors = replace(tensors, param=param, states=states)
+    tiled_update(rule, tensors, update_step, tile)
 
 
 def _copied_into(
@@ -222,16 +186,7 @@ def _copied_into(
 
 
 def tiled_update(
-    rule: UpdateRule,
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    states: Sequence[torch.Tensor],
-    step: torch.Tensor,
-    hyper: Hyper,
-    inv_grad_scale: float = 1.0,
-    lp_out: torch.Tensor | None = None,
-    tile: int = HOST_TILE_ELEMENTS,
-    step_number: float | None = None,
+    rule: UpdateRule, tensors: SubGroupTensors, update_step: UpdateStep, tile: int = HOST_TILE_ELEMENTS
 ) -> None:
     """:func:`host_update` with torch's kernels, for machines without a C compiler.
 
@@ -242,15 +197,11 @@ def tiled_update(
     own (no barrier between kernels; see ``host_workers``); otherwise the caller runs the tiles with torch's own
     threads. Arguments as for :func:`host_update`.
     """
-    numel = param.numel()
+    numel = tensors.param.numel()
 
     def run_tiles(begin: int, end: int) -> None:
         for start in range(begin, end, tile):
-            span = slice(start, min(end, start + tile))
-            torch_update(
-                rule, param[span], grad[span], [s[span] for s in states], step, hyper, inv_grad_scale,
-                None if lp_out is None else lp_out[span], step_number, keep_grad=True,
-            )  # fmt: skip
+            torch_update(rule, tensors.span(slice(start, min(end, start + tile))), update_step, keep_grad=True)
 
     pool = host_workers.workers()
     if pool is None or numel <= tile * torch.get_num_threads():

@@ -20,7 +20,7 @@ import torch
 
 from lightning_dos.engine.atomic import POST_STEP, PRE_STEP, TornStateError, UpdateInterrupted
 from lightning_dos.engine.context import StepContext, UpdateSetup
-from lightning_dos.engine.kernels import host_update, step_tensor
+from lightning_dos.engine.kernels import SubGroupTensors, UpdateStep, host_update, step_tensor
 from lightning_dos.engine.resident import ResidentSet
 from lightning_dos.model.plan import Place, Plan
 from lightning_dos.model.step_report import StepReport
@@ -134,7 +134,8 @@ def finish_on_host(ctx: StepContext, setup: UpdateSetup, resident: ResidentSet) 
                 step = step_tensor(inputs.steps[sg.ds_group], torch.device("cpu"))
                 # A gradient already unscaled in place is not unscaled twice.
                 inv = 1.0 if index in progress.unscaled else inputs.inv_grad_scale
-                host_update(setup.rule, param, grad, states, step, inputs.hypers[sg.param_group], inv)
+                update_step = UpdateStep(step, inputs.hypers[sg.param_group], inv)
+                host_update(setup.rule, SubGroupTensors(param, grad, states), update_step)
                 progress.reached("unscaled", index)
                 progress.reached("updated", index)
             lp.copy_(param)

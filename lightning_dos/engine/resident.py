@@ -20,7 +20,7 @@ import torch
 from lightning_dos.engine.context import StepContext, UpdateSetup
 from lightning_dos.engine.in_flight import UpdateLanding
 from lightning_dos.engine.kept_gradients import KeptGradients
-from lightning_dos.engine.kernels import step_tensor
+from lightning_dos.engine.kernels import SubGroupTensors, UpdateStep, step_tensor
 from lightning_dos.engine.pool import DeviceBuffer
 
 
@@ -99,10 +99,8 @@ class ResidentSet:
                 if sg.ds_group not in step_tensors:
                     step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], self.setup.device)
                 hyper, step = inputs.hypers[sg.param_group], step_tensors[sg.ds_group]
-                ctx.device_update(
-                    setup.rule, buf.param, buf.grad, buf.states, step, hyper, inputs.inv_grad_scale,
-                    step_number=inputs.steps[sg.ds_group],
-                )  # fmt: skip
+                update_step = UpdateStep(step, hyper, inputs.inv_grad_scale, inputs.steps[sg.ds_group])
+                ctx.device_update(setup.rule, SubGroupTensors(buf.param, buf.grad, buf.states), update_step)
                 ctx.reached("updated", index)
             with streams.lane("cast", index, self.setup.lp_bytes * sg.numel, streams.compute):
                 # Into the buffer's 16-bit slot when the 16-bit partition lives on the host (parameter offload).

@@ -13,7 +13,7 @@ import torch
 
 from lightning_dos.engine.context import StepContext, UpdateSetup
 from lightning_dos.engine.in_flight import UpdateLanding
-from lightning_dos.engine.kernels import step_tensor
+from lightning_dos.engine.kernels import SubGroupTensors, UpdateStep, step_tensor
 from lightning_dos.engine.pool import DeviceBuffer
 from lightning_dos.model.plan import Plan
 
@@ -68,10 +68,8 @@ class StreamedLane:
                     step_tensors[sg.ds_group] = step_tensor(inputs.steps[sg.ds_group], self.setup.device)
                 hyper = inputs.hypers[sg.param_group]
                 step = step_tensors[sg.ds_group]
-                ctx.device_update(
-                    setup.rule, d_param, d_grad, d_states, step, hyper, inputs.inv_grad_scale,
-                    step_number=inputs.steps[sg.ds_group],
-                )  # fmt: skip
+                update_step = UpdateStep(step, hyper, inputs.inv_grad_scale, inputs.steps[sg.ds_group])
+                ctx.device_update(setup.rule, SubGroupTensors(d_param, d_grad, d_states), update_step)
                 ctx.reached("computed", index)
             # Cast on the device, straight into DeepSpeed's 16-bit partition: no 16-bit upload needed
             # (into the buffer's 16-bit slot instead when that partition lives on the host; it comes down below).

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from lightning_dos.engine.kernels import Hyper, apply_update, host_update, step_tensor
+from lightning_dos.engine.kernels import Hyper, SubGroupTensors, UpdateStep, apply_update, host_update, step_tensor
 from lightning_dos.model.perfmodel import HardwareRates, adam_equivalent
 from lightning_dos.model.update_rules import ADAM_FP32, Footprint
 
@@ -99,15 +99,17 @@ def _update(
     its one-pass update, unscale active, with the cast into ``lp`` when given; on a device its device kernel."""
     param, grad, *states = buffers
     step = step_tensor(1, param.device)
+    # Made once, outside the timed calls: the engine makes one of each per sub-group, as large as these buffers.
+    tensors = SubGroupTensors(param, grad, states, lp if host else None)
     factor = [2.0]
 
     def run() -> None:
         # The unscale factor alternates so repeated samples neither shrink the gradient towards denormals nor grow it.
         factor[0] = 1.0 / factor[0]
         if host:
-            host_update(footprint.rule, param, grad, states, step, HYPER, factor[0], lp)
+            host_update(footprint.rule, tensors, UpdateStep(step, HYPER, factor[0]))
         else:
-            apply_update(footprint.rule, param, grad, states, step, HYPER, step_number=1)
+            apply_update(footprint.rule, tensors, UpdateStep(step, HYPER, step_number=1))
 
     return run
 
