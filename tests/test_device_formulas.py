@@ -158,13 +158,22 @@ def test_no_host_sync_in_the_device_lanes_of_any_rule(case: str) -> None:
 # -- mutations: a host read put back into a device formula is reported ----------------------------------------
 
 
-def _mutated(function: object, statement: str) -> object:
-    """``function`` with ``statement`` as its first statement, compiled in its own module's namespace."""
+def _mutated(function: object, statement: str, after: str | None = None) -> object:
+    """``function`` with ``statement`` as its first statement (``after``: right after the first statement that binds
+    that name, for a function that unpacks its arguments' tensors first), compiled in its own module's namespace."""
     source = textwrap.dedent(inspect.getsource(function))
     tree = ast.parse(source)
     definition = tree.body[0]
     assert isinstance(definition, ast.FunctionDef)
-    definition.body.insert(0, ast.parse(statement).body[0])
+    at = 0
+    if after is not None:
+
+        def bound(node: ast.stmt) -> set[str]:
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            return {name.id for target in targets for name in ast.walk(target) if isinstance(name, ast.Name)}
+
+        at = next(i for i, node in enumerate(definition.body) if after in bound(node)) + 1
+    definition.body.insert(at, ast.parse(statement).body[0])
     definition.decorator_list = []
     module = inspect.getmodule(function)
     namespace = dict(vars(module))
@@ -193,7 +202,9 @@ FORMULAS["lion"] = ("lion-fp32", "_lion")
 def test_a_host_read_put_into_a_device_formula_is_reported(formula: str, read: str, monkeypatch) -> None:  # noqa: ANN001
     if formula == "torch_update":
         case = "adam-fp32"
-        monkeypatch.setattr(kernels, "torch_update", _mutated(kernels.torch_update, READS[read]))
+        # torch_update takes the sub-group's tensors and the step as two objects: the read goes once both are unpacked.
+        mutated = _mutated(kernels.torch_update, READS[read], after="step")
+        monkeypatch.setattr(kernels, "torch_update", mutated)
     else:
         case, name = FORMULAS[formula]
         mutated = _mutated(getattr(update_rules, name), READS[read])
