@@ -10,6 +10,7 @@ phase did comes back in an :class:`EarlyOutcome`; the step (``loop.py``) goes on
 
 from __future__ import annotations
 
+import abc
 import time
 from dataclasses import dataclass, field
 
@@ -44,12 +45,13 @@ class EarlyOutcome:
     not_taken: bool = False
 
 
-class EarlyUpdates:
-    """How backward's phase updates a host sub-group whose gradient is final, and what backward's end does to it."""
+class EarlyUpdates(abc.ABC):
+    """How backward's phase updates a host sub-group whose gradient is final, and what backward's end does to it
+    (:class:`ExactUpdates`, :class:`SpeculativeUpdates`)."""
 
+    @abc.abstractmethod
     def update(self, ctx: StepContext, index: int, step_tensors: dict, outcome: EarlyOutcome) -> bool:
         """Update sub-group ``index``; False when nothing more can be taken during backward."""
-        raise NotImplementedError
 
     def settle(self, ctx: StepContext, arrivals: GradientArrivals, outcome: EarlyOutcome) -> None:
         """Backward is over (``arrivals.proceed``): the step takes the real gradient factor, if backward gave one."""
